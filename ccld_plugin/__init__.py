@@ -1,0 +1,1 @@
+"""ccld_plugin."""

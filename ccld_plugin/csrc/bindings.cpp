@@ -1,0 +1,189 @@
+// Python binding of the native probe (ccld_plugin._native). Thin: every call forwards to
+// the C library, which never calls back into Python.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+extern "C" {
+#include "board.h"
+}
+
+namespace nb = nanobind;
+
+namespace {
+
+class Board {
+ public:
+  Board(const std::string& path, int32_t rank, int32_t world, const std::string& job,
+        const std::string& host, uint32_t ring_size, uint32_t max_groups, uint32_t max_channels,
+        uint32_t rank_pool_size) {
+    b_ = ccld_board_create(path.c_str(), rank, world, job.c_str(), host.c_str(), ring_size,
+                           max_groups, max_channels, rank_pool_size);
+    if (!b_) {
+      throw std::runtime_error("cannot create board file " + path + ": " + std::strerror(errno));
+    }
+  }
+  ~Board() { close(false); }
+
+  int32_t register_group(uint64_t group_id, int32_t role, const std::vector<int32_t>& ranks,
+                         int32_t my_index) {
+    return ccld_group_register(live(), group_id, role, ranks.data(),
+                               static_cast<int32_t>(ranks.size()), my_index);
+  }
+  uint64_t enter(uint32_t slot, uint16_t op, uint8_t flags, uint64_t bytes) {
+    return ccld_op_enter(live(), slot, op, flags, bytes, CCLD_NO_RANK, 0);
+  }
+  uint64_t enter_p2p(uint32_t slot, uint16_t op, uint8_t flags, uint64_t bytes, int32_t peer,
+                     uint64_t seq) {
+    return ccld_op_enter(live(), slot, op, flags, bytes, peer, seq);
+  }
+  void exit(uint64_t index, uint8_t state) { ccld_op_exit(live(), index, state); }
+  void add_bytes(uint64_t index, uint64_t bytes) { ccld_op_add_bytes(live(), index, bytes); }
+  void heartbeat() { ccld_heartbeat(live()); }
+  void set_step(int64_t step) { ccld_set_step(live(), step); }
+  void count_error() { ccld_count_error(live()); }
+  void set_clock_offset(int64_t ns) { ccld_set_clock_offset(live(), ns); }
+
+  int32_t channel_claim(uint8_t source) { return ccld_channel_claim(live(), source); }
+  void channel_release(int32_t slot) { ccld_channel_release(live(), slot); }
+
+  bool closed() const { return b_ == nullptr; }
+  void close(bool unlink_file) {
+    if (b_) {
+      ccld_board_close(b_, unlink_file ? 1 : 0);
+      b_ = nullptr;
+    }
+  }
+
+ private:
+  ccld_board* live() {
+    if (!b_) throw std::runtime_error("the board is closed");
+    return b_;
+  }
+  ccld_board* b_ = nullptr;
+};
+
+using Field = std::tuple<std::string, size_t, std::string>;
+using Layout = std::tuple<size_t, std::vector<Field>>;
+
+#define F(T, name, dtype) Field{#name, offsetof(T, name), dtype}
+
+nb::dict layout() {
+  nb::dict d;
+  d["header"] = Layout{sizeof(ccld_header),
+                       {F(ccld_header, magic, "<u8"), F(ccld_header, version, "<u4"),
+                        F(ccld_header, header_size, "<u4"), F(ccld_header, file_size, "<u8"),
+                        F(ccld_header, rank, "<i4"), F(ccld_header, world, "<i4"),
+                        F(ccld_header, pid, "<i4"), F(ccld_header, ring_size, "<u4"),
+                        F(ccld_header, max_groups, "<u4"), F(ccld_header, max_channels, "<u4"),
+                        F(ccld_header, rank_pool_size, "<u4"),
+                        F(ccld_header, groups_off, "<u4"), F(ccld_header, ring_off, "<u4"),
+                        F(ccld_header, channels_off, "<u4"),
+                        F(ccld_header, rank_pool_off, "<u4"),
+                        F(ccld_header, start_wall_ns, "<i8"),
+                        F(ccld_header, start_mono_ns, "<i8"), F(ccld_header, host, "S64"),
+                        F(ccld_header, job, "S64"), F(ccld_header, num_groups, "<u8"),
+                        F(ccld_header, rank_pool_used, "<u8"),
+                        F(ccld_header, ops_written, "<u8"), F(ccld_header, heartbeat_ns, "<i8"),
+                        F(ccld_header, step, "<i8"), F(ccld_header, step_start_ns, "<i8"),
+                        F(ccld_header, errors, "<u8"), F(ccld_header, clock_offset_ns, "<i8"),
+                        F(ccld_header, closed, "<u8")}};
+  d["group"] = Layout{sizeof(ccld_group),
+                      {F(ccld_group, group_id, "<u8"), F(ccld_group, role, "<i4"),
+                       F(ccld_group, size, "<i4"), F(ccld_group, ranks_off, "<u4"),
+                       F(ccld_group, my_index, "<i4"), F(ccld_group, entered_seq, "<u8"),
+                       F(ccld_group, completed_seq, "<u8"), F(ccld_group, last_enter_ns, "<i8"),
+                       F(ccld_group, last_exit_ns, "<i8")}};
+  d["op"] = Layout{sizeof(ccld_op_record),
+                   {F(ccld_op_record, lock, "<u4"), F(ccld_op_record, op, "<u2"),
+                    F(ccld_op_record, state, "u1"), F(ccld_op_record, flags, "u1"),
+                    F(ccld_op_record, group_slot, "<u2"), F(ccld_op_record, index_lo, "<u4"),
+                    F(ccld_op_record, peer, "<i4"), F(ccld_op_record, step, "<i4"),
+                    F(ccld_op_record, group_id, "<u8"), F(ccld_op_record, seq, "<u8"),
+                    F(ccld_op_record, bytes, "<u8"), F(ccld_op_record, enter_ns, "<i8"),
+                    F(ccld_op_record, exit_ns, "<i8")}};
+  d["channel"] = Layout{
+      sizeof(ccld_channel),
+      {F(ccld_channel, lock, "<u4"), F(ccld_channel, source, "u1"),
+       F(ccld_channel, direction, "u1"), F(ccld_channel, wait, "u1"),
+       F(ccld_channel, channel_id, "u1"), F(ccld_channel, peer, "<i4"),
+       F(ccld_channel, pid, "<u4"), F(ccld_channel, group_id, "<u8"), F(ccld_channel, seq, "<u8"),
+       F(ccld_channel, steps_posted, "<u8"), F(ccld_channel, steps_done, "<u8"),
+       F(ccld_channel, bytes_done, "<u8"), F(ccld_channel, bytes_queued, "<u8"),
+       F(ccld_channel, first_ns, "<i8"), F(ccld_channel, last_progress_ns, "<i8"),
+       F(ccld_channel, rtt_us, "<u4"), F(ccld_channel, retrans, "<u4"),
+       F(ccld_channel, rwnd_limited_us, "<u8"), F(ccld_channel, sndbuf_limited_us, "<u8"),
+       F(ccld_channel, busy_us, "<u8"), F(ccld_channel, delivery_rate, "<u8"),
+       F(ccld_channel, local_port, "<u2"), F(ccld_channel, remote_port, "<u2"),
+       F(ccld_channel, remote_addr, "<u4")}};
+  d["magic"] = CCLD_BOARD_MAGIC;
+  d["version"] = CCLD_BOARD_VERSION;
+  return d;
+}
+
+#undef F
+
+using Bytes = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+// Seqlock-consistent copy of records from a (possibly foreign, shared) mapping into a
+// private buffer. Returns the number of records that were consistent.
+uint32_t copy_records(Bytes src, Bytes dst, uint32_t record_size) {
+  if (record_size < sizeof(uint32_t) || src.shape(0) != dst.shape(0) ||
+      src.shape(0) % record_size != 0) {
+    throw std::invalid_argument("copy_records: buffers must be equal whole records");
+  }
+  uint32_t count = static_cast<uint32_t>(src.shape(0) / record_size);
+  uint32_t good;
+  {
+    nb::gil_scoped_release release;
+    good = ccld_copy_records(src.data(), dst.data(), count, record_size);
+  }
+  return good;
+}
+
+nb::object current_trace() {
+  uint64_t gid = 0, seq = 0, index = 0;
+  if (!ccld_current_trace(&gid, &seq, &index)) return nb::none();
+  return nb::make_tuple(gid, seq, index);
+}
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+  m.doc() = "Native probe of ccld_plugin: the per-rank board.";
+  nb::class_<Board>(m, "Board")
+      .def(nb::init<const std::string&, int32_t, int32_t, const std::string&, const std::string&,
+                    uint32_t, uint32_t, uint32_t, uint32_t>(),
+           nb::arg("path"), nb::arg("rank"), nb::arg("world"), nb::arg("job"), nb::arg("host"),
+           nb::arg("ring_size"), nb::arg("max_groups"), nb::arg("max_channels"),
+           nb::arg("rank_pool_size"))
+      .def("register_group", &Board::register_group)
+      .def("enter", &Board::enter)
+      .def("enter_p2p", &Board::enter_p2p)
+      .def("exit", &Board::exit)
+      .def("add_bytes", &Board::add_bytes)
+      .def("heartbeat", &Board::heartbeat)
+      .def("set_step", &Board::set_step)
+      .def("count_error", &Board::count_error)
+      .def("set_clock_offset", &Board::set_clock_offset)
+      .def("channel_claim", &Board::channel_claim)
+      .def("channel_release", &Board::channel_release)
+      .def_prop_ro("closed", &Board::closed)
+      .def("close", &Board::close, nb::arg("unlink") = false);
+  m.def("layout", &layout);
+  m.def("copy_records", &copy_records);
+  m.def("current_trace", &current_trace);
+  m.def("clear_current_trace", &ccld_clear_current_trace);
+  m.def("now_ns", &ccld_now_ns);
+  m.def("board_size", &ccld_board_size);
+}
