@@ -40,6 +40,7 @@ class Board {
     return ccld_group_register(live(), group_id, role, ranks.data(),
                                static_cast<int32_t>(ranks.size()), my_index);
   }
+  void set_group_role(uint32_t slot, int32_t role) { ccld_group_set_role(live(), slot, role); }
   uint64_t enter(uint32_t slot, uint16_t op, uint8_t flags, uint64_t bytes) {
     return ccld_op_enter(live(), slot, op, flags, bytes, CCLD_NO_RANK, 0);
   }
@@ -134,10 +135,11 @@ nb::dict layout() {
 #undef F
 
 using Bytes = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using ConstBytes = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 // Seqlock-consistent copy of records from a (possibly foreign, shared) mapping into a
 // private buffer. Returns the number of records that were consistent.
-uint32_t copy_records(Bytes src, Bytes dst, uint32_t record_size) {
+uint32_t copy_records(ConstBytes src, Bytes dst, uint32_t record_size) {
   if (record_size < sizeof(uint32_t) || src.shape(0) != dst.shape(0) ||
       src.shape(0) % record_size != 0) {
     throw std::invalid_argument("copy_records: buffers must be equal whole records");
@@ -168,6 +170,7 @@ NB_MODULE(_native, m) {
            nb::arg("ring_size"), nb::arg("max_groups"), nb::arg("max_channels"),
            nb::arg("rank_pool_size"))
       .def("register_group", &Board::register_group)
+      .def("set_group_role", &Board::set_group_role)
       .def("enter", &Board::enter)
       .def("enter_p2p", &Board::enter_p2p)
       .def("exit", &Board::exit)

@@ -191,6 +191,10 @@ int32_t ccld_group_register(ccld_board* b, uint64_t group_id, int32_t role, cons
   return (int32_t)n;
 }
 
+void ccld_group_set_role(ccld_board* b, uint32_t slot, int32_t role) {
+  if (slot < LOAD(&b->hdr->num_groups)) STORE(&ccld_board_group(b, slot)->role, role);
+}
+
 /* Seqlock writer side: take the record (even -> odd), so that two writers of one record
  * (an enter on the main thread, a late exit on the poller) never interleave. */
 static uint32_t write_begin(uint32_t* lock) {

@@ -191,6 +191,9 @@ ccld_channel* ccld_board_channels(ccld_board* b);
 int32_t ccld_group_register(ccld_board* b, uint64_t group_id, int32_t role, const int32_t* ranks,
                             int32_t size, int32_t my_index);
 
+/* Change the role of a registered group (a user registration refines an automatic one). */
+void ccld_group_set_role(ccld_board* b, uint32_t slot, int32_t role);
+
 /* Start an op record. seq == 0 assigns the group's next collective seq; P2P ops pass the
  * seq they counted per (peer, direction). Also sets the calling thread's current trace id.
  * Returns the ring index of the record (monotonic; the slot is index & (ring_size-1)). */

@@ -1,0 +1,192 @@
+"""Reports read from board files: each rank's state (``ccld inspect``) and the collectives
+per group (the demo's table). Works on boards of live, hung and killed ranks."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from ccld_plugin.probe import (
+    FLAG_P2P,
+    OP_NAMES,
+    STATE_DONE,
+    STATE_IN_FLIGHT,
+    BoardError,
+    BoardReader,
+    board_files,
+)
+
+__all__ = ["GroupOps", "RankStatus", "collective_table", "inspect_boards", "print_collectives",
+           "print_status"]
+
+
+@dataclass
+class InFlight:
+    op: str
+    group_role: str
+    group_ranks: list[int]
+    seq: int
+    peer: int | None
+    age_s: float
+
+
+@dataclass
+class RankStatus:
+    path: str
+    rank: int
+    world: int
+    pid: int
+    host: str
+    process: str  # alive, dead, exited (closed cleanly), remote (another host)
+    step: int
+    heartbeat_age_s: float
+    ops_recorded: int
+    errors: int
+    groups: list[dict] = field(default_factory=list)
+    in_flight: list[InFlight] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _process_state(pid: int, host: str, closed: bool) -> str:
+    if closed:
+        return "exited"
+    if host and host != os.uname().nodename:
+        return "remote"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return "dead"
+    except PermissionError:
+        return "alive"
+    return "alive"
+
+
+def rank_status(reader: BoardReader, now_ns: int | None = None) -> RankStatus:
+    now = time.monotonic_ns() if now_ns is None else now_ns
+    h = reader.header()
+    groups = reader.groups()
+    table = reader.group_table()
+    by_id = {g.group_id: g for g in groups}
+    status = RankStatus(
+        path=str(reader.path), rank=h.rank, world=h.world, pid=h.pid, host=h.host,
+        process=_process_state(h.pid, h.host, h.closed), step=h.step,
+        heartbeat_age_s=max(0.0, (now - h.heartbeat_ns) / 1e9), ops_recorded=h.ops_written,
+        errors=h.errors)
+    for g, rec in zip(groups, table, strict=True):
+        status.groups.append({"role": g.role, "ranks": list(g.ranks),
+                              "group_id": f"{g.group_id:016x}",
+                              "entered_seq": int(rec["entered_seq"]),
+                              "completed_seq": int(rec["completed_seq"])})
+    ops = reader.ops()
+    for r in ops[ops["state"] == STATE_IN_FLIGHT]:
+        g = by_id.get(int(r["group_id"]))
+        status.in_flight.append(InFlight(
+            op=OP_NAMES.get(int(r["op"]), "unknown"), group_role=g.role if g else "?",
+            group_ranks=list(g.ranks) if g else [], seq=int(r["seq"]),
+            peer=int(r["peer"]) if int(r["flags"]) & FLAG_P2P else None,
+            age_s=max(0.0, (now - int(r["enter_ns"])) / 1e9)))
+    return status
+
+
+def inspect_boards(path: str | os.PathLike[str]) -> list[RankStatus]:
+    """Status of every board at ``path`` (a file or a directory of them)."""
+    files = board_files(path)
+    if not files:
+        raise BoardError(f"{path}: no board files (*.board) here")
+    out = []
+    for f in files:
+        with BoardReader(f) as reader:
+            out.append(rank_status(reader))
+    return sorted(out, key=lambda s: s.rank)
+
+
+def print_status(statuses: Sequence[RankStatus], console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title="ccld boards", show_lines=False)
+    for col in ("rank", "pid", "process", "step", "heartbeat", "groups (role: entered/done)",
+                "in flight"):
+        table.add_column(col)
+    for s in statuses:
+        groups = ", ".join(f"{g['role']}{g['ranks']}: {g['entered_seq']}/{g['completed_seq']}"
+                           for g in s.groups)
+        flight = "; ".join(
+            f"{f.op} on {f.group_role}{f.group_ranks} seq {f.seq}"
+            + (f" peer {f.peer}" if f.peer is not None else "") + f" for {f.age_s:.1f}s"
+            for f in s.in_flight) or "-"
+        table.add_row(str(s.rank), str(s.pid), s.process, str(s.step),
+                      f"{s.heartbeat_age_s:.1f}s ago", groups, flight)
+    console.print(table)
+
+
+@dataclass
+class GroupOps:
+    role: str
+    ranks: list[int]
+    group_id: str
+    op_counts: dict[str, int]
+    bytes: int
+    mean_duration_ms: float
+
+
+def collective_table(path: str | os.PathLike[str]) -> list[GroupOps]:
+    """Collectives per group, over every board at ``path``: op counts and bytes as one
+    member saw them, mean duration over all members' completed records."""
+    counts: dict[int, Counter] = defaultdict(Counter)
+    nbytes: dict[int, Counter] = defaultdict(Counter)
+    durations: dict[int, list[np.ndarray]] = defaultdict(list)
+    infos = {}
+    for f in board_files(path):
+        with BoardReader(f) as reader:
+            rank = reader.header().rank
+            for g in reader.groups():
+                infos[g.group_id] = g
+            ops = reader.ops()
+            done = ops[ops["state"] == STATE_DONE]
+            for gid in np.unique(ops["group_id"]):
+                sel = ops[ops["group_id"] == gid]
+                names = Counter(OP_NAMES.get(int(c), "unknown") for c in sel["op"])
+                if sum(names.values()) > sum(counts[int(gid)].values()):
+                    counts[int(gid)] = names
+                nbytes[int(gid)][rank] = int(sel["bytes"].sum())
+                d = done[done["group_id"] == gid]
+                durations[int(gid)].append((d["exit_ns"] - d["enter_ns"]) / 1e6)
+    rows = []
+    for gid, info in infos.items():
+        if gid not in counts:
+            continue
+        d = np.concatenate(durations[gid]) if durations[gid] else np.array([])
+        rows.append(GroupOps(role=info.role, ranks=list(info.ranks), group_id=f"{gid:016x}",
+                             op_counts=dict(counts[gid]), bytes=max(nbytes[gid].values()),
+                             mean_duration_ms=float(d.mean()) if d.size else 0.0))
+    order = {"world": 0, "tp": 1, "cp": 2, "ep": 3, "dp": 4, "pp": 5}
+    return sorted(rows, key=lambda r: (order.get(r.role, 9), r.ranks))
+
+
+def print_collectives(rows: Sequence[GroupOps], console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title="collectives per group (from the rank boards)")
+    for col in ("role", "ranks", "ops", "bytes / member", "mean duration"):
+        table.add_column(col)
+    for r in rows:
+        ops = ", ".join(f"{k} {v}" for k, v in sorted(r.op_counts.items()))
+        table.add_row(r.role, str(r.ranks), ops, _human_bytes(r.bytes),
+                      f"{r.mean_duration_ms:.2f} ms")
+    console.print(table)
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+

@@ -1,0 +1,94 @@
+"""Compute faults inside a rank: slow compute, a compute hang, a mismatched collective.
+
+The workload calls three hooks: ``before_step`` at each step start, ``after_compute``
+after each compute segment, and ``bind_groups`` once its groups exist. Slowness is a sleep
+proportional to the measured compute time (busy work would slow the other ranks that share
+these few cores). Each fault's actual onset is appended to the fault log (``CCLD_FAULT_LOG``)
+with the time on the diagnoser's clock, so detection latency is measured, not guessed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ccld_plugin.faults.spec import FaultSpec, parse_faults
+
+__all__ = ["Injector", "injector_for"]
+
+
+class Injector:
+    def __init__(self, rank: int, faults: Sequence[FaultSpec], log_path: Path | None = None,
+                 world: int | None = None) -> None:
+        self.rank = rank
+        self.faults = [f for f in faults if f.rank == rank and not f.is_comm]
+        self.log_path = log_path
+        self.world = world
+        self._slow_factor = 1.0
+        self._started: set[FaultSpec] = set()
+        self._groups: dict[str, Any] = {}
+
+    def bind_groups(self, groups: dict[str, Any]) -> None:
+        """The rank's process groups by role, for the mismatch fault."""
+        self._groups = {k: v for k, v in groups.items() if v is not None}
+
+    def before_step(self, step: int) -> None:
+        for f in self.faults:
+            if step < f.step or f in self._started:
+                continue
+            self._started.add(f)
+            self._record(f, step)
+            if f.kind == "compute-slow":
+                self._slow_factor = max(self._slow_factor, f.factor)
+            elif f.kind == "mismatch":
+                self._issue_mismatched_collective()
+            elif f.kind == "compute-hang":
+                while True:  # stuck in host code: the peers block in their next collective
+                    time.sleep(3600)
+
+    def after_compute(self, seconds: float) -> None:
+        if self._slow_factor > 1.0:
+            time.sleep((self._slow_factor - 1.0) * seconds)
+
+    def _issue_mismatched_collective(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        group = next((self._groups[r] for r in ("dp", "tp") if r in self._groups), None)
+        size = dist.get_world_size(group)
+        out = torch.zeros(size * 3)
+        # The peers' next op on this group is an all_reduce of another size.
+        dist.all_gather_into_tensor(out, torch.ones(3), group=group)
+
+    def _record(self, fault: FaultSpec, step: int) -> None:
+        if self.log_path is None:
+            return
+        from ccld_plugin.session import job_seconds
+
+        now = time.monotonic_ns()
+        entry = {"fault": str(fault), "kind": fault.kind, "rank": fault.rank, "step": step,
+                 "onset_s": job_seconds(now), "onset_mono_ns": now, "wall_time": time.time()}
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "a") as fh:  # one short O_APPEND write per line
+            fh.write(json.dumps(entry) + "\n")
+
+
+def injector_for(rank: int, specs: Sequence[str] | None = None,
+                 world: int | None = None) -> Injector | None:
+    """The injector for this rank from ``specs``, else from the plugin config's ``faults``
+    and the ``CCLD_FAULTS`` environment variable (specs separated by ';'). None when no
+    compute fault targets this rank."""
+    if specs is None:
+        from ccld_plugin.session import current
+
+        s = current()
+        specs = list(s.config.faults) if s is not None else []
+        specs += [t for t in os.environ.get("CCLD_FAULTS", "").split(";") if t.strip()]
+    faults = parse_faults(specs, world)
+    log = os.environ.get("CCLD_FAULT_LOG")
+    inj = Injector(rank, faults, Path(log) if log else None, world)
+    return inj if inj.faults else None

@@ -1,0 +1,107 @@
+"""Fault specs: ``KIND@RANK[:key=value[,key=value...]]``.
+
+Kinds and their parameters:
+
+- ``compute-slow@R:factor=F[,step=S]``: rank R's compute takes F times as long;
+- ``compute-hang@R[:step=S]``: rank R blocks in compute before its next collective;
+- ``mismatch@R[:step=S]``: rank R issues a different collective than its peers;
+- ``comm-slow@R:rate=RATE[,step=S]``: rank R's link is shaped to RATE (e.g. ``20mbit``);
+- ``comm-hang@R[:step=S]``: rank R's link is cut.
+
+``step`` is when the fault starts (default 3, after warm-up).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["FAULT_KINDS", "FaultSpec", "FaultSpecError", "parse_fault", "parse_faults"]
+
+DEFAULT_STEP = 3
+FAULT_KINDS: dict[str, tuple[set[str], set[str]]] = {
+    # kind: (required keys, optional keys)
+    "compute-slow": ({"factor"}, {"step"}),
+    "compute-hang": (set(), {"step"}),
+    "mismatch": (set(), {"step"}),
+    "comm-slow": ({"rate"}, {"step"}),
+    "comm-hang": (set(), {"step"}),
+}
+_RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit)$")
+_FORM = "KIND@RANK[:key=value,...], e.g. compute-hang@2:step=5"
+
+
+class FaultSpecError(ValueError):
+    """A malformed fault spec; the message is one line and shows the expected form."""
+
+
+@dataclass(frozen=True, slots=True)
+class FaultSpec:
+    kind: str
+    rank: int
+    step: int = DEFAULT_STEP
+    factor: float = 1.0
+    rate: str = ""
+
+    @property
+    def is_comm(self) -> bool:
+        return self.kind.startswith("comm-")
+
+    def __str__(self) -> str:
+        extra = {"compute-slow": f"factor={self.factor:g},", "comm-slow": f"rate={self.rate},"}
+        return f"{self.kind}@{self.rank}:{extra.get(self.kind, '')}step={self.step}"
+
+
+def parse_fault(text: str) -> FaultSpec:
+    spec = text.strip()
+    head, _, params = spec.partition(":")
+    kind, at, rank_s = head.partition("@")
+    if kind not in FAULT_KINDS:
+        raise FaultSpecError(f"fault {spec!r}: unknown kind {kind!r}; known: "
+                             f"{', '.join(FAULT_KINDS)} (form: {_FORM})")
+    if not at or not rank_s.isdigit():
+        raise FaultSpecError(f"fault {spec!r}: needs a rank after '@' (form: {_FORM})")
+    values: dict[str, str] = {}
+    for item in filter(None, params.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not value:
+            raise FaultSpecError(f"fault {spec!r}: {item!r} must be key=value (form: {_FORM})")
+        values[key.strip()] = value.strip()
+    required, optional = FAULT_KINDS[kind]
+    unknown = set(values) - required - optional
+    if unknown:
+        raise FaultSpecError(f"fault {spec!r}: unknown parameter {sorted(unknown)[0]!r}; "
+                             f"{kind} takes {', '.join(sorted(required | optional))}")
+    missing = required - set(values)
+    if missing:
+        raise FaultSpecError(f"fault {spec!r}: {kind} needs {sorted(missing)[0]}=...")
+    try:
+        step = int(values.get("step", DEFAULT_STEP))
+        factor = float(values.get("factor", 1.0))
+    except ValueError:
+        raise FaultSpecError(f"fault {spec!r}: step must be an integer and factor a number")\
+            from None
+    if step < 0:
+        raise FaultSpecError(f"fault {spec!r}: step must be >= 0")
+    if kind == "compute-slow" and not 1.0 < factor <= 100.0:
+        raise FaultSpecError(f"fault {spec!r}: factor must be in (1, 100]")
+    rate = values.get("rate", "")
+    if kind == "comm-slow" and not _RATE.match(rate):
+        raise FaultSpecError(f"fault {spec!r}: rate {rate!r} must look like 20mbit "
+                             "(bit, kbit, mbit, gbit)")
+    return FaultSpec(kind=kind, rank=int(rank_s), step=step, factor=factor, rate=rate)
+
+
+def parse_faults(texts: Iterable[str], world: int | None = None) -> list[FaultSpec]:
+    """Parse several specs; ``none`` alone means no fault. Ranks are checked against
+    ``world`` when it is given."""
+    items = [t for t in texts if t.strip()]
+    if [t.strip() for t in items] == ["none"]:
+        return []
+    faults = [parse_fault(t) for t in items]
+    for f in faults:
+        if world is not None and f.rank >= world:
+            raise FaultSpecError(f"fault {str(f)!r}: rank {f.rank} is outside the world "
+                                 f"of {world} ranks")
+    return faults

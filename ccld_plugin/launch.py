@@ -1,0 +1,83 @@
+"""Launch a job on this machine: one process per rank, the usual env:// variables, one log
+file per rank, and an end that is always clean (a hung job is terminated, then killed)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["LocalJob", "free_port"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LocalJob:
+    """``world`` processes running ``argv`` (a python -m module and its args)."""
+
+    world: int
+    argv: Sequence[str]
+    log_dir: Path
+    env: dict[str, str] = field(default_factory=dict)
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    # Prepended to a rank's command (e.g. ``ip netns exec ...``) and its own address.
+    rank_prefix: Callable[[int], list[str]] | None = None
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        port = self.master_port or free_port()
+        for rank in range(self.world):
+            env = {**os.environ, **self.env, "RANK": str(rank), "WORLD_SIZE": str(self.world),
+                   "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(self.world),
+                   "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(port),
+                   "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+            prefix = self.rank_prefix(rank) if self.rank_prefix else []
+            log = open(self.log_dir / f"rank{rank}.log", "wb")  # noqa: SIM115 - child owns it
+            self.procs.append(subprocess.Popen(
+                [*prefix, sys.executable, "-m", *self.argv], env=env, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True))
+            log.close()
+
+    def poll(self) -> list[int | None]:
+        return [p.poll() for p in self.procs]
+
+    def running(self) -> bool:
+        return any(code is None for code in self.poll())
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait until every rank exits; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self.running():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    def stop(self, grace_s: float = 3.0) -> list[int | None]:
+        """End every rank still running: SIGTERM, then SIGKILL after ``grace_s``."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            alive = [p for p in self.procs if p.poll() is None]
+            if not alive:
+                break
+            for p in alive:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + grace_s
+            while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return self.poll()

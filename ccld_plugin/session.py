@@ -1,0 +1,213 @@
+"""The plugin's lifecycle in one rank: enable, register groups, mark steps, disable.
+
+``enable`` creates the rank's board, installs the tracer and registers the world group.
+Called before ``init_process_group`` it waits for it (the rank is not known before), so
+a launcher can enable the plugin before the user's script imports anything.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import socket
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from ccld_plugin import _native, errors
+from ccld_plugin.config import CcldConfig, ConfigSource, load_config
+from ccld_plugin.errors import log, report_error
+from ccld_plugin.tracer import Tracer
+
+__all__ = [
+    "Session",
+    "board_path",
+    "current",
+    "disable",
+    "enable",
+    "job_name",
+    "job_seconds",
+    "mark_step",
+    "register_group",
+]
+
+
+@dataclass
+class Session:
+    config: CcldConfig
+    rank: int
+    world: int
+    board_path: Path
+    board: Any
+    tracer: Tracer
+    services: list[Any] = field(default_factory=list)  # agent, diagnoser: stopped in order
+    clock: Any = None  # the clock sync with the diagnoser, once the handshake is done
+
+
+_session: Session | None = None
+_pending_roles: list[tuple[Any, str]] = []
+_lock = threading.RLock()
+_deferred: dict[str, Any] = {}
+
+
+def job_name(cfg: CcldConfig) -> str:
+    """The job's name: configured, else the launcher's run id, else its rendezvous port."""
+    if cfg.job:
+        return cfg.job
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        return run_id
+    return f"job-{os.environ.get('MASTER_PORT', 'local')}"
+
+
+def board_path(cfg: CcldConfig, rank: int) -> Path:
+    return Path(cfg.board.dir) / job_name(cfg) / f"rank{rank}.board"
+
+
+def current() -> Session | None:
+    return _session
+
+
+def job_seconds(mono_ns: int) -> float | None:
+    """A time of this rank's monotonic clock as seconds since job start on the diagnoser's
+    clock (the timebase of verdicts), or None before the clock handshake."""
+    s = _session
+    if s is None or s.clock is None:
+        return None
+    return s.clock.job_seconds(mono_ns)
+
+
+def enable(config: ConfigSource = None, overrides: Iterable[str] = ()) -> Session | None:
+    """Turn the plugin on in this process. Returns the session, or None when the config
+    disables it or the process group is not initialized yet (setup then completes right
+    after ``init_process_group``). Bad config raises :class:`ConfigError`; any other
+    failure is contained and training runs untraced."""
+    cfg = config if isinstance(config, CcldConfig) and not overrides else load_config(
+        config, overrides)
+    if not cfg.enabled:
+        return None
+    with _lock:
+        if _session is not None:
+            return _session
+        if not dist.is_available():
+            return None
+        if not dist.is_initialized():
+            _defer_until_init(cfg)
+            return None
+        try:
+            return _start(cfg)
+        except Exception as exc:  # noqa: BLE001
+            report_error("session.enable", exc)
+            return None
+
+
+def _start(cfg: CcldConfig) -> Session:
+    global _session
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = board_path(cfg, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    board = _native.Board(str(path), rank, world, job_name(cfg), socket.gethostname(),
+                          cfg.board.ring_size, cfg.board.max_groups, cfg.board.max_channels,
+                          max(4 * world, 4096))
+    errors.on_error(board.count_error)
+    tracer = Tracer(board, rank, cfg.tracer.poll_interval_ms / 1000.0)
+    tracer.register_group(None, "world")
+    tracer.install()
+    _session = Session(cfg, rank, world, path, board, tracer)
+    for pg, role in _pending_roles:
+        tracer.register_group(pg, role)
+    _pending_roles.clear()
+    atexit.register(disable)
+    log.info("ccld: tracing rank %d of %d, board %s", rank, world, path)
+    return _session
+
+
+def _defer_until_init(cfg: CcldConfig) -> None:
+    if "init" in _deferred:
+        return
+    orig = c10d.init_process_group
+
+    @functools.wraps(orig)
+    def init_then_enable(*args: Any, **kwargs: Any) -> Any:
+        result = orig(*args, **kwargs)
+        _restore_init()
+        with _lock:
+            if _session is None:
+                try:
+                    _start(cfg)
+                except Exception as exc:  # noqa: BLE001
+                    report_error("session.enable", exc)
+        return result
+
+    _deferred["init"] = (orig, init_then_enable)
+    c10d.init_process_group = init_then_enable
+    dist.init_process_group = init_then_enable
+
+
+def _restore_init() -> None:
+    pair = _deferred.pop("init", None)
+    if pair is not None:
+        c10d.init_process_group = pair[0]
+        dist.init_process_group = pair[0]
+
+
+def register_group(group: Any, role: str) -> None:
+    """Tell the plugin which parallelism role a process group plays (tp, pp, dp, ep, etp,
+    cp, dp_cp, embd, pos_embd, world, mp, other). Safe to call before ``enable``."""
+    from ccld_plugin.topology import role_index
+
+    role_index(role)  # a bad role is the caller's bug: say so at once
+    with _lock:
+        if _session is None:
+            _pending_roles.append((group, role))
+            return
+        try:
+            _session.tracer.register_group(group, role)
+        except Exception as exc:  # noqa: BLE001
+            report_error("session.register_group", exc)
+
+
+def mark_step(step: int) -> None:
+    """Mark the start of training step ``step`` (an iteration, an optimizer step)."""
+    s = _session
+    if s is not None:
+        try:
+            s.board.set_step(int(step))
+        except Exception as exc:  # noqa: BLE001
+            report_error("session.mark_step", exc)
+
+
+def disable(final: bool = True) -> None:
+    """Stop the services, restore every wrapped function and close the board (removing it
+    unless ``board.cleanup`` is off). Safe to call more than once."""
+    global _session
+    with _lock:
+        _restore_init()
+        s, _session = _session, None
+        if s is None:
+            return
+        for svc in reversed(s.services):
+            try:
+                svc.stop(final=final)
+            except Exception as exc:  # noqa: BLE001
+                report_error("session.stop", exc)
+        try:
+            s.tracer.uninstall()
+        finally:
+            errors.clear_callbacks()
+            s.board.close(unlink=s.config.board.cleanup)
+            if s.config.board.cleanup:
+                _remove_empty_dir(s.board_path.parent)
+
+
+def _remove_empty_dir(path: Path) -> None:
+    try:
+        path.rmdir()
+    except OSError:
+        pass  # other ranks' boards are still there

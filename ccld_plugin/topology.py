@@ -1,0 +1,142 @@
+"""Topology: which process groups exist, what parallelism role each plays, who is in them.
+
+Pure data, no torch: the diagnoser builds a :class:`Topology` from what the ranks publish,
+and the tracer keeps one for its own rank. It answers the questions localization asks:
+the groups a rank belongs to, the sibling groups of a role, the cohort of a rank (the
+ranks that run the same model shard and so should have the same compute time), and the
+pipeline stage of a rank.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["GROUP_ROLES", "GroupInfo", "Topology", "group_id_of", "role_index", "role_name"]
+
+# Order is part of the board format (the role index is written to the board).
+GROUP_ROLES: tuple[str, ...] = (
+    "other", "world", "tp", "pp", "dp", "ep", "etp", "cp", "dp_cp", "embd", "pos_embd", "mp",
+)
+_ROLE_INDEX = {name: i for i, name in enumerate(GROUP_ROLES)}
+# A group that is registered twice keeps the more specific role.
+_GENERIC_ROLES = frozenset({"other", "world", "mp"})
+
+_FNV_OFFSET = 0xCBF29CE484222325
+_FNV_PRIME = 0x100000001B3
+
+
+def group_id_of(ranks: Iterable[int]) -> int:
+    """Stable 64-bit id of a group: FNV-1a over its sorted global ranks (int32 LE)."""
+    h = _FNV_OFFSET
+    for byte in struct.pack(f"<{len(r := sorted(ranks))}i", *r):
+        h = ((h ^ byte) * _FNV_PRIME) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def role_index(role: str) -> int:
+    if role not in _ROLE_INDEX:
+        raise ValueError(f"unknown group role {role!r}; allowed: {', '.join(GROUP_ROLES)}")
+    return _ROLE_INDEX[role]
+
+
+def role_name(index: int) -> str:
+    return GROUP_ROLES[index] if 0 <= index < len(GROUP_ROLES) else "other"
+
+
+def more_specific(current: str, new: str) -> str:
+    """The role to keep when the same ranks are registered under two roles."""
+    if current in _GENERIC_ROLES and new not in _GENERIC_ROLES:
+        return new
+    if current == "other" and new != "other":
+        return new
+    return current
+
+
+@dataclass(frozen=True, slots=True)
+class GroupInfo:
+    group_id: int
+    role: str
+    ranks: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def to_dict(self) -> dict:
+        return {"role": self.role, "ranks": list(self.ranks), "group_id": f"{self.group_id:016x}"}
+
+
+@dataclass
+class Topology:
+    """Groups by id, with the per-rank index the diagnoser needs."""
+
+    groups: dict[int, GroupInfo] = field(default_factory=dict)
+    _by_rank: dict[int, list[int]] = field(default_factory=dict, repr=False)
+
+    def add(self, info: GroupInfo) -> GroupInfo:
+        known = self.groups.get(info.group_id)
+        if known is not None:
+            role = more_specific(known.role, info.role)
+            if role == known.role:
+                return known
+            info = GroupInfo(info.group_id, role, known.ranks)
+        else:
+            for r in info.ranks:
+                self._by_rank.setdefault(r, []).append(info.group_id)
+        self.groups[info.group_id] = info
+        return info
+
+    def get(self, group_id: int) -> GroupInfo | None:
+        return self.groups.get(group_id)
+
+    def ranks(self) -> list[int]:
+        return sorted(self._by_rank)
+
+    def groups_of(self, rank: int) -> list[GroupInfo]:
+        return [self.groups[g] for g in self._by_rank.get(rank, ())]
+
+    def group_of(self, rank: int, role: str) -> GroupInfo | None:
+        """The group of ``role`` that ``rank`` is in (the largest, if several)."""
+        found = [g for g in self.groups_of(rank) if g.role == role]
+        return max(found, key=lambda g: g.size) if found else None
+
+    def siblings(self, role: str) -> list[GroupInfo]:
+        """All groups of one role (all TP groups, all DP groups, ...)."""
+        return [g for g in self.groups.values() if g.role == role]
+
+    def cohort(self, rank: int) -> list[int]:
+        """Ranks that run the same model shard as ``rank``: its data-parallel peers.
+
+        Without a registered DP group, ranks that hold the same position in their TP and
+        PP groups are peers; with no parallelism groups at all, every rank is a peer.
+        """
+        for role in ("dp", "dp_cp"):
+            g = self.group_of(rank, role)
+            if g is not None and g.size > 1:
+                return list(g.ranks)
+        key = self._shard_key(rank)
+        if key is None:
+            return self.ranks()
+        return [r for r in self.ranks() if self._shard_key(r) == key]
+
+    def _shard_key(self, rank: int) -> tuple[int, ...] | None:
+        key = []
+        for role in ("tp", "pp", "cp", "ep"):
+            g = self.group_of(rank, role)
+            if g is not None and g.size > 1:
+                key.append(g.ranks.index(rank))
+        return tuple(key) if key else None
+
+    def stage_of(self, rank: int) -> int | None:
+        """Pipeline stage of ``rank`` (its index in its PP group), or None without PP."""
+        g = self.group_of(rank, "pp")
+        return g.ranks.index(rank) if g is not None else None
+
+    @classmethod
+    def from_groups(cls, groups: Sequence[GroupInfo]) -> Topology:
+        topo = cls()
+        for g in groups:
+            topo.add(g)
+        return topo

@@ -1,0 +1,530 @@
+"""Collective tracer: wraps every collective entry point of ``torch.distributed``.
+
+Each call becomes one op record on the board, tagged with a trace id ``(group_id, seq)``:
+``seq`` counts the collectives this rank issued on the group (P2P ops count per peer and
+direction), so the same id names the same collective on every member. The hot path is one
+native call at enter and one at exit.
+
+Installing late is fine: after wrapping, every reference to an original that a loaded
+module (or a known holder object such as DeepSpeed's ``TorchBackend``) captured at import
+is rebound to its wrapper, and ``uninstall`` rebinds everything back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from ccld_plugin.errors import report_error
+from ccld_plugin.probe import (
+    FLAG_ASYNC,
+    FLAG_CUDA,
+    FLAG_P2P,
+    FLAG_SEND,
+    OP_CODES,
+    STATE_DONE,
+    STATE_ERROR,
+)
+from ccld_plugin.topology import GroupInfo, Topology, group_id_of, more_specific, role_index
+
+__all__ = ["GroupEntry", "Tracer"]
+
+NO_RANK = -1
+
+
+def _arg(args: tuple, kwargs: dict, pos: int, name: str, default: Any = None) -> Any:
+    return args[pos] if len(args) > pos else kwargs.get(name, default)
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size()
+
+
+def _nbytes_list(ts: Any) -> int:
+    return sum(_nbytes(t) for t in ts) if ts else 0
+
+
+# name -> (group position, async_op position or None, bytes of the op from (args, kwargs)).
+# Bytes are the size of the op's largest buffer, the figure bandwidth is computed from.
+_COLLECTIVES: dict[str, tuple[int, int | None, Callable[[tuple, dict], int]]] = {
+    "all_reduce": (2, 3, lambda a, k: _nbytes(_arg(a, k, 0, "tensor"))),
+    "all_gather": (2, 3, lambda a, k: _nbytes_list(_arg(a, k, 0, "tensor_list"))),
+    "all_gather_into_tensor": (2, 3, lambda a, k: _nbytes(_arg(a, k, 0, "output_tensor"))),
+    "_all_gather_base": (2, 3, lambda a, k: _nbytes(_arg(a, k, 0, "output_tensor"))),
+    "reduce_scatter": (3, 4, lambda a, k: _nbytes_list(_arg(a, k, 1, "input_list"))),
+    "reduce_scatter_tensor": (3, 4, lambda a, k: _nbytes(_arg(a, k, 1, "input"))),
+    "_reduce_scatter_base": (3, 4, lambda a, k: _nbytes(_arg(a, k, 1, "input"))),
+    "broadcast": (2, 3, lambda a, k: _nbytes(_arg(a, k, 0, "tensor"))),
+    "reduce": (3, 4, lambda a, k: _nbytes(_arg(a, k, 0, "tensor"))),
+    "all_to_all": (2, 3, lambda a, k: _nbytes_list(_arg(a, k, 1, "input_tensor_list"))),
+    "all_to_all_single": (4, 5, lambda a, k: _nbytes(_arg(a, k, 1, "input"))),
+    "barrier": (0, 1, lambda a, k: 0),
+    "monitored_barrier": (0, None, lambda a, k: 0),
+    "gather": (3, 4, lambda a, k: _nbytes(_arg(a, k, 0, "tensor"))),
+    "scatter": (3, 4, lambda a, k: _nbytes(_arg(a, k, 0, "tensor"))),
+    "all_reduce_coalesced": (2, 3, lambda a, k: _nbytes_list(_arg(a, k, 0, "tensors"))),
+    "all_gather_coalesced": (2, 3, lambda a, k: _nbytes_list(_arg(a, k, 1, "input_tensor_list"))),
+}
+# name -> (sends?, always async?, peer kwarg, group-local peer kwarg)
+_P2P: dict[str, tuple[bool, bool, str, str]] = {
+    "send": (True, False, "dst", "group_dst"),
+    "recv": (False, False, "src", "group_src"),
+    "isend": (True, True, "dst", "group_dst"),
+    "irecv": (False, True, "src", "group_src"),
+}
+WRAPPED_NAMES = (*_COLLECTIVES, *_P2P, "batch_isend_irecv", "_coalescing_manager")
+
+
+@dataclass(slots=True)
+class GroupEntry:
+    """What the tracer knows about one process group on this rank."""
+
+    slot: int
+    info: GroupInfo
+    device: str  # "cpu", "cuda" or "mixed": which completion path the group's ops take
+
+
+class _Local(threading.local):
+    busy = False  # inside a traced call: nested calls are part of it, not new ops
+    coalesced_index = -1  # ring index of the open coalescing block, if any
+
+
+class TracedWork:
+    """Delegates to the real work object; stamps the op's exit when it completes."""
+
+    __slots__ = ("_work", "_indices", "_tracer", "_cuda", "_done")
+
+    def __init__(self, work: Any, indices: tuple[int, ...], tracer: Tracer, cuda: bool) -> None:
+        self._work = work
+        self._indices = indices
+        self._tracer = tracer
+        self._cuda = cuda
+        self._done = False
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            result = self._work.wait(*args, **kwargs)
+        except BaseException:
+            self._finish(STATE_ERROR)
+            raise
+        if not self._cuda:  # on GPU, wait() only orders streams: the poller stamps exit
+            self._finish(STATE_DONE)
+        return result
+
+    def is_completed(self) -> bool:
+        done = self._work.is_completed()
+        if done:
+            self._finish(STATE_DONE)
+        return done
+
+    def _finish(self, state: int) -> None:
+        if not self._done:
+            self._done = True
+            self._tracer.exit_many(self._indices, state)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+class _CompletionPoller:
+    """A daemon thread that stamps the exit of async work when ``is_completed()`` turns true
+    (the only faithful completion time of a GPU collective)."""
+
+    def __init__(self, interval_s: float) -> None:
+        self._interval = interval_s
+        self._pending: list[Any] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="ccld-poller", daemon=True)
+        self._thread.start()
+
+    def watch(self, work: Any) -> None:
+        with self._lock:
+            self._pending.append(work)
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=2)
+
+    def _run(self) -> None:
+        while not self._stop:
+            with self._lock:
+                pending = self._pending
+                self._pending = []
+            if not pending:
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            still = []
+            for w in pending:
+                try:
+                    if not w._done and not w.is_completed():
+                        still.append(w)
+                except Exception as exc:  # noqa: BLE001
+                    report_error("tracer.poller", exc)
+            with self._lock:
+                self._pending.extend(still)
+            self._wake.wait(self._interval)
+            self._wake.clear()
+
+
+class Tracer:
+    """Wraps torch.distributed for one board. At most one is installed at a time."""
+
+    def __init__(self, board: Any, rank: int, poll_interval_s: float = 0.005) -> None:
+        self.board = board
+        self.rank = rank
+        self.topology = Topology()
+        self._entries: dict[Any, GroupEntry] = {}
+        self._p2p_seq: dict[tuple[int, int, bool], int] = {}
+        self._local = _Local()
+        self._poller = _CompletionPoller(poll_interval_s)
+        self._originals: dict[str, Any] = {}
+        self._wrappers: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------- groups
+    def register_group(self, group: Any, role: str) -> GroupEntry | None:
+        """Register ``group`` under ``role`` (refining an automatic registration)."""
+        with self._lock:
+            return self._register(group, role)
+
+    def _register(self, group: Any, role: str) -> GroupEntry | None:
+        pg = group if group is not None else c10d._get_default_group()
+        if pg is c10d.GroupMember.NON_GROUP_MEMBER:
+            return None
+        entry = self._entries.get(pg)
+        if entry is not None:
+            new_role = more_specific(entry.info.role, role)
+            if new_role != entry.info.role:
+                entry.info = self.topology.add(GroupInfo(entry.info.group_id, new_role,
+                                                         entry.info.ranks))
+                self.board.set_group_role(entry.slot, role_index(entry.info.role))
+            return entry
+        ranks = tuple(dist.get_process_group_ranks(pg))
+        if self.rank not in ranks:
+            return None
+        gid = group_id_of(ranks)
+        info = self.topology.add(GroupInfo(gid, role, ranks))
+        slot = self.board.register_group(gid, role_index(info.role), list(ranks),
+                                         ranks.index(self.rank))
+        if slot < 0:
+            raise RuntimeError("board group table is full; raise board.max_groups")
+        # The same ranks may already be on the board under another role: keep the best.
+        self.board.set_group_role(slot, role_index(info.role))
+        entry = GroupEntry(slot, info, _device_of(pg))
+        self._entries[pg] = entry
+        if group is None:
+            self._entries[None] = entry
+        return entry
+
+    def entry(self, group: Any) -> GroupEntry | None:
+        e = self._entries.get(group)
+        if e is None:
+            with self._lock:
+                e = self._register(group, "world" if group is None else "other")
+        return e
+
+    def groups(self) -> list[GroupInfo]:
+        return list(self.topology.groups.values())
+
+    # ----------------------------------------------------------------- records
+    def exit_many(self, indices: tuple[int, ...], state: int) -> None:
+        try:
+            for i in indices:
+                self.board.exit(i, state)
+        except Exception as exc:  # noqa: BLE001
+            report_error("tracer.exit", exc)
+
+    def _track(self, work: Any, indices: tuple[int, ...], cuda: bool) -> TracedWork:
+        tw = TracedWork(work, indices, self, cuda)
+        self._poller.watch(tw)
+        return tw
+
+    def _next_p2p_seq(self, slot: int, peer: int, send: bool) -> int:
+        key = (slot, peer, send)
+        seq = self._p2p_seq.get(key, 0) + 1
+        self._p2p_seq[key] = seq
+        return seq
+
+    # ----------------------------------------------------------------- wrappers
+    def _wrap_collective(self, name: str, orig: Callable) -> Callable:
+        code = OP_CODES[name]
+        group_at, async_at, nbytes = _COLLECTIVES[name]
+        local, board, entries = self._local, self.board, self._entries
+
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            if local.busy:
+                if local.coalesced_index >= 0:
+                    _add_coalesced_bytes(board, local, nbytes, args, kwargs)
+                return orig(*args, **kwargs)
+            try:
+                group = args[group_at] if len(args) > group_at else kwargs.get("group")
+                e = entries.get(group) or self.entry(group)
+                if e is None:
+                    return orig(*args, **kwargs)
+                asked_async = async_at is not None and bool(
+                    args[async_at] if len(args) > async_at else kwargs.get("async_op", False))
+                cuda = e.device == "cuda" or (e.device == "mixed" and _first_is_cuda(args))
+                flags = (FLAG_ASYNC if asked_async else 0) | (FLAG_CUDA if cuda else 0)
+                index = board.enter(e.slot, code, flags, nbytes(args, kwargs))
+            except Exception as exc:  # noqa: BLE001
+                report_error(f"tracer.{name}", exc)
+                return orig(*args, **kwargs)
+            if cuda and async_at is not None and not asked_async:
+                args, kwargs = _force_async(args, kwargs, async_at)
+            local.busy = True
+            try:
+                result = orig(*args, **kwargs)
+            except BaseException:
+                self.exit_many((index,), STATE_ERROR)
+                raise
+            finally:
+                local.busy = False
+            if cuda and async_at is not None:
+                tw = self._track(result, (index,), True)
+                if asked_async:
+                    return tw
+                result.wait()
+                return None
+            if asked_async and result is not None:
+                return self._track(result, (index,), False)
+            board.exit(index, STATE_DONE)
+            return result
+
+        return traced
+
+    def _wrap_p2p(self, name: str, orig: Callable) -> Callable:
+        code = OP_CODES[name]
+        sends, always_async, peer_kw, group_peer_kw = _P2P[name]
+        local, board = self._local, self.board
+        flag = FLAG_P2P | (FLAG_SEND if sends else 0) | (FLAG_ASYNC if always_async else 0)
+
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            if local.busy:
+                return orig(*args, **kwargs)
+            try:
+                group = _arg(args, kwargs, 2, "group")
+                e = self._entries.get(group) or self.entry(group)
+                if e is None:
+                    return orig(*args, **kwargs)
+                peer = _peer_rank(group, _arg(args, kwargs, 1, peer_kw),
+                                  _arg(args, kwargs, 4, group_peer_kw))
+                tensor = _arg(args, kwargs, 0, "tensor")
+                cuda = e.device == "cuda" or (e.device == "mixed" and tensor.is_cuda)
+                seq = self._next_p2p_seq(e.slot, peer, sends)
+                index = board.enter_p2p(e.slot, code, flag | (FLAG_CUDA if cuda else 0),
+                                        _nbytes(tensor), peer, seq)
+            except Exception as exc:  # noqa: BLE001
+                report_error(f"tracer.{name}", exc)
+                return orig(*args, **kwargs)
+            local.busy = True
+            try:
+                result = orig(*args, **kwargs)
+            except BaseException:
+                self.exit_many((index,), STATE_ERROR)
+                raise
+            finally:
+                local.busy = False
+            if always_async and result is not None:
+                return self._track(result, (index,), cuda)
+            board.exit(index, STATE_DONE)
+            return result
+
+        return traced
+
+    def _wrap_batch(self, orig: Callable) -> Callable:
+        local, board = self._local, self.board
+        isend = orig_isend = None
+
+        def traced(p2p_op_list: list) -> Any:
+            nonlocal isend, orig_isend
+            if local.busy:
+                return orig(p2p_op_list)
+            try:
+                if isend is None:
+                    isend, orig_isend = self._wrappers["isend"], self._originals["isend"]
+                indices, cuda = [], False
+                for op in p2p_op_list:
+                    e = self._entries.get(op.group) or self.entry(op.group)
+                    if e is None:
+                        continue
+                    sends = op.op is isend or op.op is orig_isend
+                    peer = _peer_rank(op.group, op.peer, getattr(op, "group_peer", None))
+                    op_cuda = e.device == "cuda" or (e.device == "mixed" and op.tensor.is_cuda)
+                    cuda = cuda or op_cuda
+                    flags = FLAG_P2P | FLAG_ASYNC | (FLAG_SEND if sends else 0) | (
+                        FLAG_CUDA if op_cuda else 0)
+                    code = OP_CODES["isend" if sends else "irecv"]
+                    seq = self._next_p2p_seq(e.slot, peer, sends)
+                    indices.append(board.enter_p2p(e.slot, code, flags, _nbytes(op.tensor),
+                                                   peer, seq))
+            except Exception as exc:  # noqa: BLE001
+                report_error("tracer.batch_isend_irecv", exc)
+                return orig(p2p_op_list)
+            local.busy = True
+            try:
+                works = orig(p2p_op_list)
+            except BaseException:
+                self.exit_many(tuple(indices), STATE_ERROR)
+                raise
+            finally:
+                local.busy = False
+            if not works:
+                self.exit_many(tuple(indices), STATE_DONE)
+                return works
+            if len(works) == len(indices):
+                return [self._track(w, (i,), cuda) for w, i in zip(works, indices, strict=True)]
+            # Coalesced into fewer works: every record completes with the last of them.
+            tracked = [self._track(w, (), cuda) for w in works[:-1]]
+            tracked.append(self._track(works[-1], tuple(indices), cuda))
+            return tracked
+
+        return traced
+
+    def _wrap_coalescing_manager(self, orig: Callable) -> Callable:
+        local, board = self._local, self.board
+        code = OP_CODES["coalesced"]
+
+        @contextlib.contextmanager
+        def traced(group: Any = None, device: Any = None, async_ops: bool = False) -> Iterator:
+            if local.busy:
+                with orig(group, device, async_ops) as cm:
+                    yield cm
+                return
+            try:
+                e = self._entries.get(group) or self.entry(group)
+                index = -1 if e is None else board.enter(
+                    e.slot, code, FLAG_ASYNC if async_ops else 0, 0)
+            except Exception as exc:  # noqa: BLE001
+                report_error("tracer._coalescing_manager", exc)
+                index = -1
+            local.busy, local.coalesced_index = True, index
+            try:
+                with orig(group, device, async_ops) as cm:
+                    yield cm
+            except BaseException:
+                if index >= 0:
+                    self.exit_many((index,), STATE_ERROR)
+                raise
+            finally:
+                local.busy, local.coalesced_index = False, -1
+            if index < 0:
+                return
+            works = getattr(cm, "works", None) or []
+            if async_ops and works:
+                for w in works[:-1]:
+                    self._track(w, (), False)
+                self._track(works[-1], (index,), e.device == "cuda")
+            else:
+                board.exit(index, STATE_DONE)
+
+        return traced
+
+    # ----------------------------------------------------------------- install
+    def install(self) -> None:
+        for name in WRAPPED_NAMES:
+            orig = getattr(c10d, name, None)
+            if orig is None:
+                continue  # not in this torch release
+            self._originals[name] = orig
+        for name, orig in self._originals.items():
+            if name in _COLLECTIVES:
+                w = self._wrap_collective(name, orig)
+            elif name in _P2P:
+                w = self._wrap_p2p(name, orig)
+            elif name == "batch_isend_irecv":
+                w = self._wrap_batch(orig)
+            else:
+                w = self._wrap_coalescing_manager(orig)
+            w.__name__ = w.__qualname__ = name
+            w.__doc__ = orig.__doc__
+            w.__wrapped__ = orig
+            self._wrappers[name] = w
+        _rebind({id(o): (o, self._wrappers[n]) for n, o in self._originals.items()})
+
+    def uninstall(self) -> None:
+        _rebind({id(w): (w, self._originals[n]) for n, w in self._wrappers.items()})
+        self._poller.stop()
+        self._wrappers.clear()
+
+
+# ---------------------------------------------------------------------- helpers
+def _device_of(pg: Any) -> str:
+    try:
+        backend = str(dist.get_backend(pg)).lower()
+    except Exception:  # noqa: BLE001
+        return "cpu"
+    if "nccl" not in backend:
+        return "cpu"
+    return "cuda" if ":" not in backend else "mixed"
+
+
+def _first_is_cuda(args: tuple) -> bool:
+    first = args[0] if args else None
+    if isinstance(first, (list, tuple)):
+        first = first[0] if first else None
+    return bool(getattr(first, "is_cuda", False))
+
+
+def _force_async(args: tuple, kwargs: dict, async_at: int) -> tuple[tuple, dict]:
+    if len(args) > async_at:
+        args = (*args[:async_at], True, *args[async_at + 1 :])
+    else:
+        kwargs = {**kwargs, "async_op": True}
+    return args, kwargs
+
+
+def _peer_rank(group: Any, peer: int | None, group_peer: int | None) -> int:
+    if peer is not None:
+        return int(peer)
+    if group_peer is not None:
+        return int(dist.get_global_rank(group or c10d._get_default_group(), group_peer))
+    return NO_RANK
+
+
+def _add_coalesced_bytes(board: Any, local: _Local, nbytes: Callable, args: tuple,
+                         kwargs: dict) -> None:
+    try:
+        board.add_bytes(local.coalesced_index, nbytes(args, kwargs))
+    except Exception as exc:  # noqa: BLE001
+        report_error("tracer.coalesced", exc)
+
+
+def _holders() -> list[Any]:
+    """Objects known to keep collectives as attributes, captured at their init."""
+    found = []
+    ds_comm = sys.modules.get("deepspeed.comm.comm")
+    cdb = getattr(ds_comm, "cdb", None) if ds_comm is not None else None
+    if cdb is not None:
+        found.append(cdb)
+    return found
+
+
+def _rebind(replacements: dict[int, tuple[Any, Any]]) -> int:
+    """Replace every reference to an old function found in loaded modules' globals and in
+    known holder objects. Returns how many references were rebound."""
+    count = 0
+    namespaces = [vars(m) for m in list(sys.modules.values()) if hasattr(m, "__dict__")]
+    namespaces += [vars(h) for h in _holders() if hasattr(h, "__dict__")]
+    for ns in namespaces:
+        try:
+            items = list(ns.items())
+        except Exception:  # noqa: BLE001 - a module with an odd namespace
+            continue
+        for key, value in items:
+            hit = replacements.get(id(value))
+            if hit is not None and hit[0] is value:
+                ns[key] = hit[1]
+                count += 1
+    return count

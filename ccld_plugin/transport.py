@@ -1,0 +1,454 @@
+"""TCP transport probe: per-connection kernel counters, peer mapping and wait classification.
+
+gloo, the NCCL socket transport and the control plane move their bytes over TCP, and the
+kernel already measures what this module needs for every connection: bytes acknowledged,
+bytes still queued, RTT, retransmissions, and how long the sender was stalled by the
+peer's receive window or by its own send buffer. The native probe
+(``csrc/tcp_probe.c``) reads them through sock_diag for this process's sockets; this
+module turns the records into :class:`TcpConn` values, joins connections to peer ranks
+(:func:`map_peers`) and says from two samples what a connection is waiting on
+(:func:`classify_wait`).
+
+The library is loaded with ctypes, not through the nanobind extension: the probe is plain
+C and must stay usable (tests, ``ccld inspect``) without the extension built.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import ipaddress
+import os
+import socket
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "LIBRARY_GLOB",
+    "LOCAL_SNDBUF_SHARE",
+    "PEER_RWND_SHARE",
+    "RTT_EXCESS_MIN_US",
+    "RTT_INFLATION",
+    "STATES_CONNECTED",
+    "STATES_LISTEN",
+    "WAIT_LOCAL",
+    "WAIT_NETWORK",
+    "WAIT_NONE",
+    "WAIT_PEER",
+    "Endpoint",
+    "TcpConn",
+    "TcpProbe",
+    "classify_wait",
+    "find_library",
+    "local_endpoints",
+    "map_peers",
+    "sample_connections",
+]
+
+Endpoint = tuple[str, int]
+"""An (ip, port) pair; IPv4-mapped IPv6 addresses are written as plain IPv4."""
+
+LIBRARY_GLOB = "libnccl-profiler-ccld*.so*"
+
+# Masks of 1 << state (Linux numbering), as in tcp_probe.h.
+_TCP_STATE_NAMES = {
+    1: "ESTABLISHED",
+    2: "SYN_SENT",
+    3: "SYN_RECV",
+    4: "FIN_WAIT1",
+    5: "FIN_WAIT2",
+    6: "TIME_WAIT",
+    7: "CLOSE",
+    8: "CLOSE_WAIT",
+    9: "LAST_ACK",
+    10: "LISTEN",
+    11: "CLOSING",
+}
+STATES_CONNECTED = sum(1 << s for s in (1, 2, 3, 4, 5, 8, 9, 11))
+STATES_LISTEN = 1 << 10
+
+WAIT_NONE = "none"
+WAIT_LOCAL = "local"
+WAIT_PEER = "peer"
+WAIT_NETWORK = "network"
+
+# --- Classification thresholds ---------------------------------------------------------
+#
+# PEER_RWND_SHARE: share of the interval the sender could not send because the peer's
+# receive window was full. A receiver that keeps up closes its window only in short
+# bursts; one that stopped reading (its process is computing, or stuck) closes it for
+# good and the share goes to ~1. Half the interval separates the two with a wide margin
+# on either side, and the kernel's jiffy-resolution timers (1-4 ms) do not matter at it.
+PEER_RWND_SHARE = 0.5
+# LOCAL_SNDBUF_SHARE: share of the interval during which everything in our send buffer
+# was already in flight and the application could write no more. Same reasoning as above.
+LOCAL_SNDBUF_SHARE = 0.5
+# RTT inflation over the connection's own floor (the kernel's windowed min_rtt) means
+# bytes sit in a queue somewhere on the path. Both conditions must hold: the ratio alone
+# fires on microsecond jitter of loopback or same-rack paths, the absolute excess alone
+# ignores that a long path has a high floor. Datacenter switches add well under a
+# millisecond of queueing when healthy; a congested or rate-limited link adds tens.
+RTT_INFLATION = 4.0
+RTT_EXCESS_MIN_US = 5_000
+
+# --- Native library -----------------------------------------------------------------------
+
+# The record layout of ccld_tcp_conn, in order; the Struct below must have the size that
+# the library reports, which load() checks.
+_FIELDS: tuple[tuple[str, str], ...] = (
+    ("cookie", "Q"),
+    ("sample_ns", "q"),
+    ("inode", "I"),
+    ("family", "B"),
+    ("state", "B"),
+    ("info_bytes", "H"),
+    ("local_addr", "16s"),
+    ("remote_addr", "16s"),
+    ("local_port", "H"),
+    ("remote_port", "H"),
+    ("ifindex", "I"),
+    ("bytes_acked", "Q"),
+    ("bytes_received", "Q"),
+    ("bytes_sent", "Q"),
+    ("bytes_retrans", "Q"),
+    ("busy_us", "Q"),
+    ("rwnd_limited_us", "Q"),
+    ("sndbuf_limited_us", "Q"),
+    ("delivery_rate", "Q"),
+    ("notsent_bytes", "I"),
+    ("unacked_bytes", "I"),
+    ("unread_bytes", "I"),
+    ("unacked_segs", "I"),
+    ("rtt_us", "I"),
+    ("rttvar_us", "I"),
+    ("min_rtt_us", "I"),
+    ("total_retrans", "I"),
+    ("retrans_out", "I"),
+    ("lost_segs", "I"),
+    ("rto_count", "I"),
+    ("snd_cwnd", "I"),
+    ("snd_mss", "I"),
+    ("snd_wnd", "I"),
+    ("sndbuf_bytes", "I"),
+    ("rcvbuf_bytes", "I"),
+    ("last_data_sent_ms", "I"),
+    ("last_data_recv_ms", "I"),
+    ("last_ack_recv_ms", "I"),
+    ("_pad1", "I"),
+)
+_RECORD = struct.Struct("=" + "".join(fmt for _, fmt in _FIELDS))
+_INDEX = {name: i for i, (name, _) in enumerate(_FIELDS)}
+
+
+def find_library(path: str | os.PathLike[str] | None = None) -> Path:
+    """The probe library: `path` if given, else the one installed next to this package."""
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"ccld probe library not found: {p}")
+        return p
+    here = Path(__file__).resolve().parent
+    found = sorted(here.glob(LIBRARY_GLOB))
+    if not found:
+        raise FileNotFoundError(
+            f"no {LIBRARY_GLOB} in {here}; build the package (pip install .) or pass the path"
+        )
+    return found[0]
+
+
+@dataclass(frozen=True, slots=True)
+class TcpConn:
+    """One TCP connection of this process at one instant. Counters are cumulative.
+
+    Byte counts are bytes, times are microseconds unless the name says otherwise, and
+    `sample_ns` is CLOCK_MONOTONIC (the board's clock).
+    """
+
+    local: Endpoint
+    remote: Endpoint
+    state: str  # "ESTABLISHED", "CLOSE_WAIT" (peer closed), "LISTEN", ...
+    inode: int
+    cookie: int  # kernel socket id; with inode, tells a reused port from the same socket
+    sample_ns: int
+    bytes_acked: int  # sent and acknowledged by the peer
+    bytes_received: int  # received in order (whether or not the application read it)
+    notsent_bytes: int  # written by the application, not yet sent
+    unacked_bytes: int  # sent, not yet acknowledged
+    unread_bytes: int  # received, not yet read by the application
+    rtt_us: int  # smoothed RTT
+    min_rtt_us: int  # the path's floor RTT
+    retrans: int  # segments retransmitted, cumulative (tcpi_total_retrans)
+    retrans_in_flight: int  # retransmitted segments not yet acknowledged (tcpi_retrans)
+    consecutive_rtos: int  # retransmission timeouts in a row without progress
+    busy_us: int  # time with a non-empty write queue (includes the two below)
+    rwnd_limited_us: int  # time stalled by the peer's full receive window
+    sndbuf_limited_us: int  # time stalled by our full send buffer
+    delivery_rate_bps: int  # kernel's delivery-rate estimate, in BITS per second
+    snd_wnd_bytes: int  # the peer's advertised receive window (0: closed, or old kernel)
+    sndbuf_bytes: int  # our send buffer size
+    last_ack_recv_ms: int  # ms since the last ACK arrived
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes written by us and not yet acknowledged by the peer."""
+        return self.notsent_bytes + self.unacked_bytes
+
+
+def _host(family: int, raw: bytes) -> str:
+    if family == socket.AF_INET:
+        return socket.inet_ntop(socket.AF_INET, raw[:4])
+    text = socket.inet_ntop(socket.AF_INET6, raw)
+    # Dual-stack sockets report IPv4 peers as ::ffff:a.b.c.d; other ranks publish a.b.c.d.
+    if text.startswith("::ffff:") and "." in text:
+        return text[7:]
+    return text
+
+
+def _conn_from_record(r: tuple) -> TcpConn:
+    i = _INDEX
+    family = r[i["family"]]
+    return TcpConn(
+        local=(_host(family, r[i["local_addr"]]), r[i["local_port"]]),
+        remote=(_host(family, r[i["remote_addr"]]), r[i["remote_port"]]),
+        state=_TCP_STATE_NAMES.get(r[i["state"]], str(r[i["state"]])),
+        inode=r[i["inode"]],
+        cookie=r[i["cookie"]],
+        sample_ns=r[i["sample_ns"]],
+        bytes_acked=r[i["bytes_acked"]],
+        bytes_received=r[i["bytes_received"]],
+        notsent_bytes=r[i["notsent_bytes"]],
+        unacked_bytes=r[i["unacked_bytes"]],
+        unread_bytes=r[i["unread_bytes"]],
+        rtt_us=r[i["rtt_us"]],
+        min_rtt_us=r[i["min_rtt_us"]],
+        retrans=r[i["total_retrans"]],
+        retrans_in_flight=r[i["retrans_out"]],
+        consecutive_rtos=r[i["rto_count"]],
+        busy_us=r[i["busy_us"]],
+        rwnd_limited_us=r[i["rwnd_limited_us"]],
+        sndbuf_limited_us=r[i["sndbuf_limited_us"]],
+        delivery_rate_bps=r[i["delivery_rate"]] * 8,
+        snd_wnd_bytes=r[i["snd_wnd"]],
+        sndbuf_bytes=r[i["sndbuf_bytes"]],
+        last_ack_recv_ms=r[i["last_ack_recv_ms"]],
+    )
+
+
+class TcpProbe:
+    """The native probe, loaded once, with a reusable record buffer.
+
+    Not thread-safe (the buffer is shared); use one per thread. The native call itself is.
+    """
+
+    def __init__(self, library: str | os.PathLike[str] | None = None) -> None:
+        self.path = find_library(library)
+        lib = ctypes.CDLL(str(self.path))
+        lib.ccld_tcp_conn_size.restype = ctypes.c_size_t
+        lib.ccld_tcp_conn_size.argtypes = []
+        lib.ccld_tcp_sample.restype = ctypes.c_int
+        lib.ccld_tcp_sample.argtypes = [
+            ctypes.POINTER(ctypes.c_uint32),
+            ctypes.c_int,
+            ctypes.c_uint32,
+            ctypes.c_void_p,
+            ctypes.c_int,
+        ]
+        lib.ccld_tcp_socket_inodes.restype = ctypes.c_int
+        lib.ccld_tcp_socket_inodes.argtypes = [
+            ctypes.c_int,
+            ctypes.POINTER(ctypes.c_uint32),
+            ctypes.c_int,
+        ]
+        native = lib.ccld_tcp_conn_size()
+        if native != _RECORD.size:
+            raise RuntimeError(
+                f"ccld_tcp_conn layout mismatch: library {self.path} says {native} bytes, "
+                f"transport.py expects {_RECORD.size}"
+            )
+        self._lib = lib
+        self._capacity = 0
+        self._buf = ctypes.create_string_buffer(0)
+        self._grow(256)
+
+    def _grow(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._buf = ctypes.create_string_buffer(capacity * _RECORD.size)
+
+    def sample_raw(self, states: int = STATES_CONNECTED, inodes: Iterable[int] | None = None
+                   ) -> list[tuple]:
+        """The records as tuples in `_FIELDS` order (cheaper than :meth:`sample`)."""
+        arr = None
+        n_in = 0
+        if inodes is not None:
+            ino = list(inodes)
+            n_in = len(ino)
+            arr = (ctypes.c_uint32 * max(n_in, 1))(*ino)
+        # The set of sockets can grow between the size report and the retry; a few rounds
+        # always suffice in practice, and a truncated sample is better than none.
+        for _ in range(4):
+            n = self._lib.ccld_tcp_sample(arr, n_in, states, self._buf, self._capacity)
+            if n < 0:
+                raise OSError(-n, f"ccld_tcp_sample: {os.strerror(-n)}")
+            if n <= self._capacity:
+                break
+            self._grow(n + n // 4 + 16)
+        n = min(n, self._capacity)
+        view = memoryview(self._buf)[: n * _RECORD.size]
+        return list(_RECORD.iter_unpack(view))
+
+    def sample(self, states: int = STATES_CONNECTED, inodes: Iterable[int] | None = None
+               ) -> list[TcpConn]:
+        """This process's TCP connections (or those with the given socket inodes)."""
+        return [_conn_from_record(r) for r in self.sample_raw(states, inodes)]
+
+    def socket_inodes(self, pid: int = 0) -> list[int]:
+        """Inodes of the sockets open in `pid` (0: this process)."""
+        cap = 1024
+        while True:
+            out = (ctypes.c_uint32 * cap)()
+            n = self._lib.ccld_tcp_socket_inodes(pid, out, cap)
+            if n < 0:
+                raise OSError(-n, f"ccld_tcp_socket_inodes({pid}): {os.strerror(-n)}")
+            if n <= cap:
+                return list(out[:n])
+            cap = n + n // 4 + 16
+
+    def local_endpoints(self) -> list[Endpoint]:
+        """The (ip, port) pairs other ranks see as the remote end of our connections.
+
+        The local end of every connected socket, plus listening sockets (which may be a
+        wildcard address such as 0.0.0.0; :func:`map_peers` treats those by port).
+        """
+        eps = {c.local for c in self.sample(STATES_CONNECTED | STATES_LISTEN)}
+        return sorted(ep for ep in eps if ep[1] != 0)
+
+
+@functools.lru_cache(maxsize=4)
+def _probe(library: str | None) -> TcpProbe:
+    return TcpProbe(library)
+
+
+def sample_connections(library: str | os.PathLike[str] | None = None) -> list[TcpConn]:
+    """This process's connected TCP sockets, with their kernel counters."""
+    return _probe(None if library is None else str(library)).sample()
+
+
+def local_endpoints(library: str | os.PathLike[str] | None = None) -> list[Endpoint]:
+    """The endpoints this process publishes so that peers can map connections to it."""
+    return _probe(None if library is None else str(library)).local_endpoints()
+
+
+# --- Peer mapping ---------------------------------------------------------------------
+
+_AMBIGUOUS = -(2**31)
+
+
+def _canonical(ep: tuple[str, int]) -> Endpoint:
+    host, port = ep
+    addr = ipaddress.ip_address(host)
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return (str(addr), int(port))
+
+
+def map_peers(
+    conns: Iterable[TcpConn], endpoints_by_rank: Mapping[int, Iterable[tuple[str, int]]]
+) -> dict[TcpConn, int]:
+    """Join connections to the ranks at their other end.
+
+    A connection belongs to rank r when its remote endpoint is one that r published
+    (:func:`local_endpoints`). On a network without NAT the remote end of our socket is
+    exactly the local end of the peer's, so the join is exact. A rank that published a
+    wildcard listener (0.0.0.0:port) matches by port, and only when no other rank claims
+    that port. An endpoint claimed by two ranks (stale data) maps to neither. Connections
+    that match nobody (a store, a data service) are left out.
+    """
+    exact: dict[Endpoint, int] = {}
+    wildcard: dict[int, int] = {}
+    for rank, eps in endpoints_by_rank.items():
+        for ep in eps:
+            host, port = _canonical(ep)
+            if ipaddress.ip_address(host).is_unspecified:
+                seen = wildcard.get(port, rank)
+                wildcard[port] = rank if seen == rank else _AMBIGUOUS
+            else:
+                seen = exact.get((host, port), rank)
+                exact[(host, port)] = rank if seen == rank else _AMBIGUOUS
+    out: dict[TcpConn, int] = {}
+    for c in conns:
+        if c.remote[1] == 0:
+            continue
+        rank = exact.get(_canonical(c.remote))
+        if rank is None:
+            rank = wildcard.get(c.remote[1])
+        if rank is not None and rank != _AMBIGUOUS:
+            out[c] = rank
+    return out
+
+
+# --- Wait classification -----------------------------------------------------------------
+
+
+def classify_wait(prev: TcpConn, cur: TcpConn, dt_s: float | None = None) -> str:
+    """What the connection waited on between two samples: peer, network, local or none.
+
+    `dt_s` defaults to the time between the samples. Decided from counter deltas, in this
+    order (the first that holds wins):
+
+    - **peer**: we had data to send and the peer's receive window stayed full for at least
+      PEER_RWND_SHARE of the interval. The peer's kernel is alive (it acknowledges and
+      advertises a window) but its application does not read: the peer is compute-bound
+      or stuck outside communication.
+    - **network**: we have bytes outstanding and the path shows trouble: retransmissions
+      in the interval, a retransmission timeout still unrecovered, sent bytes that were
+      not acknowledged at all over the interval (a cut link or a dead host: a live kernel
+      acknowledges even when its process is stopped), or an RTT inflated over the path's
+      floor by RTT_INFLATION and RTT_EXCESS_MIN_US (a queue builds on a slow link).
+    - **local**: the cause is on this host. Either the send buffer was the limit for at
+      least LOCAL_SNDBUF_SHARE of the interval (all of it in flight on a healthy path, so
+      SO_SNDBUF / tcp_wmem is too small for the path's bandwidth-delay product; an RTT
+      that grows until the buffer is too small is caught as "network" above), or we are
+      the receiver that does not read: bytes that were waiting at the previous sample
+      are still unread. The latter is the same stall as the peer's "peer", seen from the
+      other end.
+    - **none**: nothing queued, or bytes flowing with no sign of trouble. An application
+      that simply has nothing to send looks like this too; the collective tracer, not
+      this probe, tells a late arrival.
+    """
+    if (prev.cookie, prev.inode) != (cur.cookie, cur.inode):
+        raise ValueError(f"samples of different sockets: {prev.local}->{prev.remote} vs "
+                         f"{cur.local}->{cur.remote}")
+    if dt_s is None:
+        dt_s = (cur.sample_ns - prev.sample_ns) / 1e9
+    if dt_s <= 0:
+        raise ValueError(f"interval must be positive, got {dt_s} s")
+    interval_us = dt_s * 1e6
+
+    def delta(name: str) -> int:
+        return max(0, getattr(cur, name) - getattr(prev, name))
+
+    queued = cur.queued_bytes > 0
+    if queued and delta("rwnd_limited_us") >= PEER_RWND_SHARE * interval_us:
+        return WAIT_PEER
+
+    if cur.unacked_bytes > 0 or cur.notsent_bytes > 0:
+        if delta("retrans") > 0 or cur.consecutive_rtos > 0:
+            return WAIT_NETWORK
+        if prev.unacked_bytes > 0 and cur.unacked_bytes > 0 and delta("bytes_acked") == 0:
+            return WAIT_NETWORK
+        floor = cur.min_rtt_us
+        if floor > 0 and cur.rtt_us >= RTT_INFLATION * floor and (
+            cur.rtt_us - floor >= RTT_EXCESS_MIN_US
+        ):
+            return WAIT_NETWORK
+
+    if queued and delta("sndbuf_limited_us") >= LOCAL_SNDBUF_SHARE * interval_us:
+        return WAIT_LOCAL
+
+    # What the application read = what arrived minus how much the unread queue grew.
+    consumed = delta("bytes_received") - (cur.unread_bytes - prev.unread_bytes)
+    if prev.unread_bytes > 0 and cur.unread_bytes > 0 and consumed < prev.unread_bytes:
+        return WAIT_LOCAL
+    return WAIT_NONE
