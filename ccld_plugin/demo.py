@@ -41,7 +41,7 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
         shutil.rmtree(out / "boards", ignore_errors=True)
     overrides = [f"board.dir={boards.parent}", f"job={boards.name}", "board.cleanup=false",
                  *opts.overrides]
-    argv = ["ccld_plugin.workload", "--tp", str(opts.tp), "--pp", str(opts.pp),
+    argv = ["-m", "ccld_plugin.workload", "--tp", str(opts.tp), "--pp", str(opts.pp),
             "--steps", str(opts.steps), *sum((["--ccld-set", o] for o in overrides), [])]
     job = LocalJob(world=opts.world, argv=argv, log_dir=out / "logs",
                    env={"CCLD_FAULTS": ";".join(opts.faults),

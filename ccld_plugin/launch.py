@@ -24,7 +24,7 @@ def free_port() -> int:
 
 @dataclass
 class LocalJob:
-    """``world`` processes running ``argv`` (a python -m module and its args)."""
+    """``world`` processes running ``python <argv>`` (a script or ``-m module``, and args)."""
 
     world: int
     argv: Sequence[str]
@@ -47,7 +47,7 @@ class LocalJob:
             prefix = self.rank_prefix(rank) if self.rank_prefix else []
             log = open(self.log_dir / f"rank{rank}.log", "wb")  # noqa: SIM115 - child owns it
             self.procs.append(subprocess.Popen(
-                [*prefix, sys.executable, "-m", *self.argv], env=env, stdout=log,
+                [*prefix, sys.executable, *self.argv], env=env, stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True))
             log.close()
 

@@ -64,6 +64,7 @@ OP_NAMES: dict[int, str] = {
     13: "isend", 14: "irecv", 15: "batch_isend_irecv", 16: "coalesced", 17: "gather",
     18: "scatter", 19: "_all_gather_base", 20: "_reduce_scatter_base",
     21: "all_reduce_coalesced", 22: "all_gather_coalesced", 23: "monitored_barrier",
+    24: "all_gather_single", 25: "reduce_scatter_single",
 }
 OP_CODES: dict[str, int] = {v: k for k, v in OP_NAMES.items()}
 STATE_NAMES = {0: "empty", 1: "in_flight", 2: "done", 3: "error"}

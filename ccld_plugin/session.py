@@ -11,6 +11,7 @@ import atexit
 import functools
 import os
 import socket
+import sys
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -123,9 +124,29 @@ def _start(cfg: CcldConfig) -> Session:
     for pg, role in _pending_roles:
         tracer.register_group(pg, role)
     _pending_roles.clear()
-    atexit.register(disable)
+    atexit.register(_at_exit)
+    _watch_uncaught_exceptions()
     log.info("ccld: tracing rank %d of %d, board %s", rank, world, path)
     return _session
+
+
+_abnormal_exit = False
+
+
+def _watch_uncaught_exceptions() -> None:
+    """Remember an uncaught exception, so that a crashing rank keeps its board."""
+    previous = sys.excepthook
+
+    def hook(*exc_info: Any) -> None:
+        global _abnormal_exit
+        _abnormal_exit = True
+        previous(*exc_info)
+
+    sys.excepthook = hook
+
+
+def _at_exit() -> None:
+    disable(keep_board=_abnormal_exit)
 
 
 def _defer_until_init(cfg: CcldConfig) -> None:
@@ -183,9 +204,10 @@ def mark_step(step: int) -> None:
             report_error("session.mark_step", exc)
 
 
-def disable(final: bool = True) -> None:
-    """Stop the services, restore every wrapped function and close the board (removing it
-    unless ``board.cleanup`` is off). Safe to call more than once."""
+def disable(keep_board: bool = False) -> None:
+    """Stop the services, restore every wrapped function and close the board. The board is
+    removed unless ``board.cleanup`` is off or ``keep_board`` is set (the exit path of a
+    crashed rank keeps it for the post-mortem). Safe to call more than once."""
     global _session
     with _lock:
         _restore_init()
@@ -194,15 +216,16 @@ def disable(final: bool = True) -> None:
             return
         for svc in reversed(s.services):
             try:
-                svc.stop(final=final)
+                svc.stop()
             except Exception as exc:  # noqa: BLE001
                 report_error("session.stop", exc)
         try:
             s.tracer.uninstall()
         finally:
             errors.clear_callbacks()
-            s.board.close(unlink=s.config.board.cleanup)
-            if s.config.board.cleanup:
+            cleanup = s.config.board.cleanup and not keep_board
+            s.board.close(unlink=cleanup)
+            if cleanup:
                 _remove_empty_dir(s.board_path.parent)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from ccld_plugin import _native
 from ccld_plugin.errors import report_error
 from ccld_plugin.probe import (
     FLAG_ASYNC,
@@ -44,34 +45,44 @@ def _arg(args: tuple, kwargs: dict, pos: int, name: str, default: Any = None) ->
 
 
 def _nbytes(t: Any) -> int:
-    return t.numel() * t.element_size()
+    return t.nbytes
 
 
-def _nbytes_list(ts: Any) -> int:
-    return sum(_nbytes(t) for t in ts) if ts else 0
-
-
-# name -> (group position, async_op position or None, bytes of the op from (args, kwargs)).
+# name -> (group position, async_op position or None, position and name of the tensor
+# argument whose size is the op's size (None: no tensor), whether that argument is a list).
 # Bytes are the size of the op's largest buffer, the figure bandwidth is computed from.
-_COLLECTIVES: dict[str, tuple[int, int | None, Callable[[tuple, dict], int]]] = {
-    "all_reduce": (2, 3, lambda a, k: _nbytes(_arg(a, k, 0, "tensor"))),
-    "all_gather": (2, 3, lambda a, k: _nbytes_list(_arg(a, k, 0, "tensor_list"))),
-    "all_gather_into_tensor": (2, 3, lambda a, k: _nbytes(_arg(a, k, 0, "output_tensor"))),
-    "_all_gather_base": (2, 3, lambda a, k: _nbytes(_arg(a, k, 0, "output_tensor"))),
-    "reduce_scatter": (3, 4, lambda a, k: _nbytes_list(_arg(a, k, 1, "input_list"))),
-    "reduce_scatter_tensor": (3, 4, lambda a, k: _nbytes(_arg(a, k, 1, "input"))),
-    "_reduce_scatter_base": (3, 4, lambda a, k: _nbytes(_arg(a, k, 1, "input"))),
-    "broadcast": (2, 3, lambda a, k: _nbytes(_arg(a, k, 0, "tensor"))),
-    "reduce": (3, 4, lambda a, k: _nbytes(_arg(a, k, 0, "tensor"))),
-    "all_to_all": (2, 3, lambda a, k: _nbytes_list(_arg(a, k, 1, "input_tensor_list"))),
-    "all_to_all_single": (4, 5, lambda a, k: _nbytes(_arg(a, k, 1, "input"))),
-    "barrier": (0, 1, lambda a, k: 0),
-    "monitored_barrier": (0, None, lambda a, k: 0),
-    "gather": (3, 4, lambda a, k: _nbytes(_arg(a, k, 0, "tensor"))),
-    "scatter": (3, 4, lambda a, k: _nbytes(_arg(a, k, 0, "tensor"))),
-    "all_reduce_coalesced": (2, 3, lambda a, k: _nbytes_list(_arg(a, k, 0, "tensors"))),
-    "all_gather_coalesced": (2, 3, lambda a, k: _nbytes_list(_arg(a, k, 1, "input_tensor_list"))),
+_COLLECTIVES: dict[str, tuple[int, int | None, int | None, str, bool]] = {
+    "all_reduce": (2, 3, 0, "tensor", False),
+    "all_gather": (2, 3, 0, "tensor_list", True),
+    "all_gather_into_tensor": (2, 3, 0, "output_tensor", False),
+    "all_gather_single": (2, 3, 0, "output_tensor", False),
+    "_all_gather_base": (2, 3, 0, "output_tensor", False),
+    "reduce_scatter": (3, 4, 1, "input_list", True),
+    "reduce_scatter_tensor": (3, 4, 1, "input", False),
+    "reduce_scatter_single": (3, 4, 1, "input", False),
+    "_reduce_scatter_base": (3, 4, 1, "input", False),
+    "broadcast": (2, 3, 0, "tensor", False),
+    "reduce": (3, 4, 0, "tensor", False),
+    "all_to_all": (2, 3, 1, "input_tensor_list", True),
+    "all_to_all_single": (4, 5, 1, "input", False),
+    "barrier": (0, 1, None, "", False),
+    "monitored_barrier": (0, None, None, "", False),
+    "gather": (3, 4, 0, "tensor", False),
+    "scatter": (3, 4, 0, "tensor", False),
+    "all_reduce_coalesced": (2, 3, 0, "tensors", True),
+    "all_gather_coalesced": (2, 3, 1, "input_tensor_list", True),
 }
+
+
+def _op_bytes(args: tuple, kwargs: dict, pos: int | None, name: str, is_list: bool) -> int:
+    if pos is None:
+        return 0
+    t = args[pos] if len(args) > pos else kwargs[name]
+    if is_list:
+        return sum(x.nbytes for x in t) if t else 0
+    return t.nbytes
+
+
 # name -> (sends?, always async?, peer kwarg, group-local peer kwarg)
 _P2P: dict[str, tuple[bool, bool, str, str]] = {
     "send": (True, False, "dst", "group_dst"),
@@ -88,7 +99,8 @@ class GroupEntry:
 
     slot: int
     info: GroupInfo
-    device: str  # "cpu", "cuda" or "mixed": which completion path the group's ops take
+    cuda: bool  # NCCL group: exits are stamped at GPU completion by the poller
+    mixed: bool  # a group with several backends: the tensor's device decides
 
 
 class _Local(threading.local):
@@ -222,7 +234,8 @@ class Tracer:
             raise RuntimeError("board group table is full; raise board.max_groups")
         # The same ranks may already be on the board under another role: keep the best.
         self.board.set_group_role(slot, role_index(info.role))
-        entry = GroupEntry(slot, info, _device_of(pg))
+        device = _device_of(pg)
+        entry = GroupEntry(slot, info, device == "cuda", device == "mixed")
         self._entries[pg] = entry
         if group is None:
             self._entries[None] = entry
@@ -247,6 +260,8 @@ class Tracer:
             report_error("tracer.exit", exc)
 
     def _track(self, work: Any, indices: tuple[int, ...], cuda: bool) -> TracedWork:
+        # The call has returned: later NCCL calls on this thread are not part of this op.
+        _native.clear_current_trace()
         tw = TracedWork(work, indices, self, cuda)
         self._poller.watch(tw)
         return tw
@@ -260,13 +275,15 @@ class Tracer:
     # ----------------------------------------------------------------- wrappers
     def _wrap_collective(self, name: str, orig: Callable) -> Callable:
         code = OP_CODES[name]
-        group_at, async_at, nbytes = _COLLECTIVES[name]
+        group_at, async_at, tensor_at, tensor_name, is_list = _COLLECTIVES[name]
         local, board, entries = self._local, self.board, self._entries
+        enter, exit_ = board.enter, board.exit
 
         def traced(*args: Any, **kwargs: Any) -> Any:
-            if local.busy:
+            if local.busy:  # part of a traced op that is already on the board
                 if local.coalesced_index >= 0:
-                    _add_coalesced_bytes(board, local, nbytes, args, kwargs)
+                    _add_coalesced_bytes(board, local, args, kwargs, tensor_at, tensor_name,
+                                         is_list)
                 return orig(*args, **kwargs)
             try:
                 group = args[group_at] if len(args) > group_at else kwargs.get("group")
@@ -275,9 +292,10 @@ class Tracer:
                     return orig(*args, **kwargs)
                 asked_async = async_at is not None and bool(
                     args[async_at] if len(args) > async_at else kwargs.get("async_op", False))
-                cuda = e.device == "cuda" or (e.device == "mixed" and _first_is_cuda(args))
+                cuda = e.cuda or (e.mixed and _first_is_cuda(args))
                 flags = (FLAG_ASYNC if asked_async else 0) | (FLAG_CUDA if cuda else 0)
-                index = board.enter(e.slot, code, flags, nbytes(args, kwargs))
+                index = enter(e.slot, code, flags,
+                              _op_bytes(args, kwargs, tensor_at, tensor_name, is_list))
             except Exception as exc:  # noqa: BLE001
                 report_error(f"tracer.{name}", exc)
                 return orig(*args, **kwargs)
@@ -299,7 +317,7 @@ class Tracer:
                 return None
             if asked_async and result is not None:
                 return self._track(result, (index,), False)
-            board.exit(index, STATE_DONE)
+            exit_(index, STATE_DONE)
             return result
 
         return traced
@@ -321,7 +339,7 @@ class Tracer:
                 peer = _peer_rank(group, _arg(args, kwargs, 1, peer_kw),
                                   _arg(args, kwargs, 4, group_peer_kw))
                 tensor = _arg(args, kwargs, 0, "tensor")
-                cuda = e.device == "cuda" or (e.device == "mixed" and tensor.is_cuda)
+                cuda = e.cuda or (e.mixed and tensor.is_cuda)
                 seq = self._next_p2p_seq(e.slot, peer, sends)
                 index = board.enter_p2p(e.slot, code, flag | (FLAG_CUDA if cuda else 0),
                                         _nbytes(tensor), peer, seq)
@@ -361,7 +379,7 @@ class Tracer:
                         continue
                     sends = op.op is isend or op.op is orig_isend
                     peer = _peer_rank(op.group, op.peer, getattr(op, "group_peer", None))
-                    op_cuda = e.device == "cuda" or (e.device == "mixed" and op.tensor.is_cuda)
+                    op_cuda = e.cuda or (e.mixed and op.tensor.is_cuda)
                     cuda = cuda or op_cuda
                     flags = FLAG_P2P | FLAG_ASYNC | (FLAG_SEND if sends else 0) | (
                         FLAG_CUDA if op_cuda else 0)
@@ -425,7 +443,7 @@ class Tracer:
             if async_ops and works:
                 for w in works[:-1]:
                     self._track(w, (), False)
-                self._track(works[-1], (index,), e.device == "cuda")
+                self._track(works[-1], (index,), e.cuda)
             else:
                 board.exit(index, STATE_DONE)
 
@@ -493,10 +511,11 @@ def _peer_rank(group: Any, peer: int | None, group_peer: int | None) -> int:
     return NO_RANK
 
 
-def _add_coalesced_bytes(board: Any, local: _Local, nbytes: Callable, args: tuple,
-                         kwargs: dict) -> None:
+def _add_coalesced_bytes(board: Any, local: _Local, args: tuple, kwargs: dict,
+                         tensor_at: int | None, tensor_name: str, is_list: bool) -> None:
     try:
-        board.add_bytes(local.coalesced_index, nbytes(args, kwargs))
+        board.add_bytes(local.coalesced_index,
+                        _op_bytes(args, kwargs, tensor_at, tensor_name, is_list))
     except Exception as exc:  # noqa: BLE001
         report_error("tracer.coalesced", exc)
 

@@ -227,7 +227,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="process-group timeout; keep it above the hang threshold")
     p.add_argument("--no-ccld", action="store_true", help="run without the plugin")
     p.add_argument("--ccld-set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--report", type=Path, help="write this rank's report (JSON) here")
+    p.add_argument("--report-dir", type=Path, help="write each rank's report here (JSON)")
     return p.parse_args(argv)
 
 
@@ -241,9 +241,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ccld_plugin.faults import injector_for
 
     report = train(cfg, injector_for(dist.get_rank(), world=dist.get_world_size()), args.timeout_s)
-    if args.report is not None:
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps(report))
+    if args.report_dir is not None:
+        args.report_dir.mkdir(parents=True, exist_ok=True)
+        (args.report_dir / f"rank{report['rank']}.json").write_text(json.dumps(report))
     dist.barrier()
     ccld_plugin.disable()
     dist.destroy_process_group()

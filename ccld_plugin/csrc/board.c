@@ -138,10 +138,16 @@ ccld_board* ccld_board_create(const char* path, int32_t rank, int32_t world, con
 void ccld_board_close(ccld_board* b, int unlink_file) {
   if (!b) return;
   ccld_board* self = b;
-  __atomic_compare_exchange_n(&g_process_board, &self, NULL, 0, __ATOMIC_ACQ_REL,
-                              __ATOMIC_ACQUIRE);
+  int was_process_board = __atomic_compare_exchange_n(&g_process_board, &self, NULL, 0,
+                                                      __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
   STORE(&b->hdr->closed, 1);
   if (unlink_file && b->path) unlink(b->path);
+  if (was_process_board) {
+    /* The NCCL proxy thread may have loaded the board pointer just before we detached
+     * it: keep the mapping (and its handle) until the process exits. */
+    close(b->fd);
+    return;
+  }
   munmap(b->hdr, b->size);
   close(b->fd);
   free(b->path);

@@ -1,0 +1,61 @@
+"""Topology registry: pure, on synthetic groups laid out like Megatron's."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ccld_plugin.topology import GroupInfo, Topology, group_id_of, role_index
+from ccld_plugin.workload import Layout, layout_groups
+
+
+def _topology(world, tp, pp):
+    topo = Topology()
+    topo.add(GroupInfo(group_id_of(range(world)), "world", tuple(range(world))))
+    for role, groups in layout_groups(Layout(world, tp, pp)).items():
+        for ranks in groups:
+            if len(ranks) > 1:
+                topo.add(GroupInfo(group_id_of(ranks), role, tuple(ranks)))
+    return topo
+
+
+def test_group_id_is_stable_across_processes_and_order_free():
+    code = "from ccld_plugin.topology import group_id_of; print(group_id_of([0, 1, 5]))"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, env={**os.environ, "PYTHONHASHSEED": "123"})
+    assert int(other.stdout) == group_id_of([5, 0, 1])
+    assert group_id_of([0, 1]) != group_id_of([0, 2])
+    assert 0 < group_id_of([0, 1]) < 2**64
+
+
+def test_groups_siblings_cohort_stage_tp2_pp2_dp2():
+    topo = _topology(8, 2, 2)
+    assert {g.role for g in topo.groups_of(5)} == {"world", "tp", "dp", "pp"}
+    assert topo.group_of(5, "tp").ranks == (4, 5)
+    assert topo.group_of(5, "dp").ranks == (5, 7)
+    assert topo.group_of(5, "pp").ranks == (1, 5)
+    assert sorted(g.ranks for g in topo.siblings("tp")) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert topo.cohort(5) == [5, 7]
+    assert topo.stage_of(5) == 1 and topo.stage_of(2) == 0
+
+
+def test_cohort_without_dp_group_uses_shard_position():
+    topo = _topology(4, 2, 1)  # TP2 x DP2, no PP
+    assert topo.cohort(1) == [1, 3]
+    topo = _topology(4, 1, 1)  # pure DP: every rank
+    assert topo.cohort(2) == [0, 1, 2, 3]
+
+
+def test_same_ranks_keep_the_more_specific_role():
+    topo = Topology()
+    gid = group_id_of([0, 1])
+    topo.add(GroupInfo(gid, "world", (0, 1)))
+    topo.add(GroupInfo(gid, "dp", (0, 1)))
+    topo.add(GroupInfo(gid, "other", (0, 1)))
+    assert topo.get(gid).role == "dp"
+
+
+def test_unknown_role_is_rejected_with_the_allowed_list():
+    with pytest.raises(ValueError, match="allowed: .*tp"):
+        role_index("tensor")
