@@ -1,0 +1,345 @@
+"""Interface tests of the NCCL profiler plugin (ccld_plugin/csrc/nccl_profiler.c).
+
+These are unit tests of how the plugin handles NCCL's profiler interface (v4, v5, v6). They
+are not tests against a real NCCL: there is no GPU and no NCCL here. A small C harness,
+tests/nccl_harness.c, loads the plugin library the way NCCL does (dlopen by path, newest
+``ncclProfiler_vN`` symbol first), creates the board through the same library, sets the
+calling thread's trace id through ``ccld_op_enter`` as the tracer does, and replays event
+streams shaped like NCCL's: Group/API/Coll/P2p events on the caller's thread, ProxyOp /
+ProxyStep / KernelCh events on a proxy thread. The tests then read the board file back, as
+an outside reader would. Whether real NCCL raises exactly these streams is not tested here.
+
+The library and the harness are compiled with gcc from the checkout into a temporary
+directory, so the tests need nothing but gcc (no pip install, no CMake build).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import struct
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "ccld_plugin" / "csrc"
+HARNESS_SRC = Path(__file__).resolve().parent / "nccl_harness.c"
+VERSIONS = [4, 5, 6]
+
+# board.h values
+BOARD_MAGIC = 0x445241424C444343
+SRC_NCCL = 1
+SEND, RECV = 0, 1
+NONE, LOCAL, PEER, NETWORK = 0, 1, 2, 3
+NO_RANK = -1
+
+# ccld_channel, from board.h; test_board_layout_matches_header checks it against the C.
+CHANNEL_DTYPE = np.dtype({
+    "names": ["lock", "source", "direction", "wait", "channel_id", "peer", "pid", "group_id",
+              "seq", "steps_posted", "steps_done", "bytes_done", "first_ns",
+              "last_progress_ns"],
+    "formats": ["<u4", "u1", "u1", "u1", "u1", "<i4", "<u4", "<u8", "<u8", "<u8", "<u8", "<u8",
+                "<i8", "<i8"],
+    "offsets": [0, 4, 5, 6, 7, 8, 12, 16, 24, 32, 40, 48, 64, 72],
+    "itemsize": 128,
+})
+HEADER_OFFSETS = {"magic": 0, "max_channels": 44, "channels_off": 60, "errors": 264}
+
+
+@dataclass(frozen=True)
+class Build:
+    lib: Path
+    harness: Path
+    compiler_output: str
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory: pytest.TempPathFactory) -> Build:
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("gcc is not installed: the plugin and its harness are compiled with gcc")
+    out = tmp_path_factory.mktemp("nccl_plugin")
+    lib, harness = out / "libnccl-profiler-ccld.so", out / "nccl_harness"
+    warn = ["-Wall", "-Wextra"]
+    commands = [
+        [gcc, "-shared", "-fPIC", "-O2", "-std=c11", *warn, str(CSRC / "board.c"),
+         str(CSRC / "nccl_profiler.c"), "-o", str(lib)],
+        [gcc, "-O2", "-std=c11", *warn, f"-I{CSRC}", str(HARNESS_SRC), "-o", str(harness),
+         "-ldl", "-pthread"],
+    ]
+    output = []
+    for cmd in commands:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.fail(f"COMPILE FAILED: {' '.join(cmd)}\n{r.stderr}", pytrace=False)
+        output.append(r.stderr)
+    return Build(lib, harness, "".join(output))
+
+
+def run(build: Build, scenario: str, board: Path | str = "-", version: int = 0,
+        arg: int | None = None) -> dict:
+    """Run one harness scenario; its JSON result, after the checks every scenario shares."""
+    cmd = [str(build.harness), str(build.lib), str(version), scenario, str(board)]
+    if arg is not None:
+        cmd.append(str(arg))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"harness {scenario} exited with {r.returncode}:\n{r.stderr}"
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["bad_returns"] == 0, "a plugin function other than init returned non-zero"
+    assert out["unwritten_handles"] == 0, "startEvent left *eHandle unwritten"
+    return out
+
+
+def channels(path: Path) -> list[dict[str, int]]:
+    """Channel records in use, read from the board file."""
+    buf = path.read_bytes()
+    assert struct.unpack_from("<Q", buf, HEADER_OFFSETS["magic"])[0] == BOARD_MAGIC
+    (count,) = struct.unpack_from("<I", buf, HEADER_OFFSETS["max_channels"])
+    (offset,) = struct.unpack_from("<I", buf, HEADER_OFFSETS["channels_off"])
+    table = np.frombuffer(buf, CHANNEL_DTYPE, count=count, offset=offset)
+    used = table[table["source"] != 0]
+    assert (used["lock"] % 2 == 0).all(), "a record was left mid-write"
+    return [{name: int(rec[name]) for name in CHANNEL_DTYPE.names} for rec in used]
+
+
+def board_errors(path: Path) -> int:
+    return struct.unpack_from("<Q", path.read_bytes(), HEADER_OFFSETS["errors"])[0]
+
+
+def shape(rec: dict[str, int]) -> tuple[int, ...]:
+    return (rec["channel_id"], rec["direction"], rec["peer"], rec["wait"],
+            rec["steps_posted"], rec["steps_done"], rec["bytes_done"])
+
+
+# ----------------------------------------------------------------------------- build, ABI
+def test_compiles_without_warnings(build: Build) -> None:
+    assert build.compiler_output == "", build.compiler_output
+
+
+def test_exports_every_version_and_newest_is_found_first(build: Build) -> None:
+    lib = ctypes.CDLL(str(build.lib))
+    for v in VERSIONS:
+        assert ctypes.c_char_p.in_dll(lib, f"ncclProfiler_v{v}").value == b"ccld"
+    assert run(build, "layout")["version"] == 6
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_activation_mask(build: Build, version: int) -> None:
+    coll, p2p, proxy_op, proxy_step, kernel_ch, coll_api, p2p_api = 2, 4, 8, 16, 64, 512, 1024
+    want = coll | p2p | proxy_op | proxy_step | kernel_ch
+    if version >= 5:
+        want |= coll_api | p2p_api
+    assert run(build, "layout", version=version)["mask"] == want
+
+
+def test_board_layout_matches_header(build: Build) -> None:
+    out = run(build, "layout")
+    assert out["channel_size"] == CHANNEL_DTYPE.itemsize
+    for name in CHANNEL_DTYPE.names:
+        assert out[f"ccld_channel.{name}"] == CHANNEL_DTYPE.fields[name][1], name
+    for name, off in HEADER_OFFSETS.items():
+        assert out[f"ccld_header.{name}"] == off, name
+
+
+# ----------------------------------------------------------------------------- ring
+RING_CHUNK = 1 << 17
+RING_GROUP = 0x0DD0DD0DD0DD0001
+
+
+def ring_expected(rank: int) -> list[tuple[int, ...]]:
+    """Records left on comm rank `rank`'s board by op 2 (see scenario_ring). Comm rank i
+    is global rank 2i+1; tuples are shape()."""
+    g = [2 * i + 1 for i in range(8)]
+    nxt, prev = g[(rank + 1) % 8], g[(rank + 7) % 8]
+    stalled = {
+        3: [(SEND, nxt, LOCAL, 3, 2), (RECV, prev, LOCAL, 3, 2)],
+        2: [(SEND, nxt, PEER, 4, 3)],
+        6: [(SEND, nxt, NETWORK, 8, 5)],  # steps 6, 7 queued behind the stuck step 5
+        7: [(RECV, prev, NETWORK, 6, 5)],
+    }.get(rank, [])
+    rows = []
+    for ch in (0, 1):
+        if stalled:
+            rows.append((ch, SEND, NO_RANK, NONE, 0, 0, 0))  # its kernel still runs
+        for direction, peer, wait, posted, done in stalled:
+            rows.append((ch, direction, peer, wait, posted, done, done * RING_CHUNK))
+    return sorted(rows)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_ring_all_reduce_stalls(build: Build, tmp_path: Path, version: int) -> None:
+    """8-rank ring all-reduce on 2 channels: op 1 completes, op 2 stalls with one rank's GPU
+    stuck (3), a sender waiting for that rank's credit (2), and a dead link (6 -> 7)."""
+    boards = {}
+    for rank in range(8):
+        board = tmp_path / f"rank{rank}.board"
+        out = run(build, "ring", board, version, rank)
+        assert out["version"] == version
+        assert out["comm_bound"] == 1 and out["comm_group"] == RING_GROUP
+        assert out["stats"]["traced"] == 2 and out["stats"]["dropped"] == 0
+        recs = channels(board)
+        assert sorted(shape(r) for r in recs) == ring_expected(rank), f"rank {rank}"
+        for r in recs:
+            assert r["source"] == SRC_NCCL
+            assert (r["group_id"], r["seq"], r["pid"]) == (RING_GROUP, 2, out["pid"])
+            assert 0 < r["first_ns"] <= r["last_progress_ns"]
+        assert board_errors(board) == 0
+        boards[2 * rank + 1] = recs
+
+    # What the diagnoser reads from these boards: the GPU-bound rank is the one whose own
+    # connections wait locally, and the peer others wait for; the dead link is the pair
+    # whose connections both wait on the network.
+    local = {rank for rank, recs in boards.items() for r in recs if r["wait"] == LOCAL}
+    waited_for = {r["peer"] for recs in boards.values() for r in recs if r["wait"] == PEER}
+    network = {(rank, r["peer"]) for rank, recs in boards.items() for r in recs
+               if r["wait"] == NETWORK}
+    assert local == waited_for == {7}
+    assert network == {(13, 15), (15, 13)}
+
+
+# ----------------------------------------------------------------------------- p2p
+@pytest.mark.parametrize("version", VERSIONS)
+def test_p2p_pair_maps_peers_to_global_ranks(build: Build, tmp_path: Path,
+                                            version: int) -> None:
+    """A send 2 -> 5 over a dedicated 2-rank comm (as torch creates for send/recv): the
+    comm-local peer becomes the global rank named by the tracer's P2P op record."""
+    for side, me, peer, direction in ((0, 2, 5, SEND), (1, 5, 2, RECV)):
+        board = tmp_path / f"p2p{side}.board"
+        out = run(build, "p2p", board, version, side)
+        assert out["comm_group"] == 0x778899
+        recs = channels(board)
+        # Channel 0 stalls on the network at step 2; channel 1 completed and was released.
+        assert sorted(shape(r) for r in recs) == sorted([
+            (0, direction, peer, NETWORK, 3, 2, 2 << 16),
+            (0, SEND, NO_RANK, NONE, 0, 0, 0),
+        ]), f"global rank {me}"
+        assert {(r["group_id"], r["seq"]) for r in recs} == {(0x778899, 4)}
+
+
+# ----------------------------------------------------------------------------- edge cases
+EDGE_GROUP = 0xE00E00
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_edge_cases(build: Build, tmp_path: Path, version: int) -> None:
+    """PXN ops from a foreign pid, handles that are not ours, stale and missing trace ids,
+    a full channel table and an exhausted event pool: tracked honestly or dropped, never
+    a crash, never a non-zero return."""
+    board = tmp_path / "edge.board"
+    out = run(build, "edge", board, version)
+    checks = ["foreign op tracked", "orphan op tracked", "bad context: no task",
+              "bad context: op tracked", "step without a proxy-op parent: NULL",
+              "untracked event types: NULL"]
+    for bit, what in enumerate(checks):
+        assert out["results"] >> bit & 1, what
+    assert out["tracked"] == [1, 1, 1, 1]
+    assert out["v5_launch_tracked"] == (version >= 5)
+
+    by_channel = {r["channel_id"]: r for r in channels(board)}
+    pid = out["pid"]
+
+    def rec(ch: int) -> tuple[int, ...]:
+        r = by_channel[ch]
+        return (r["direction"], r["peer"], r["wait"], r["group_id"], r["seq"], r["pid"])
+
+    # comm rank i is global rank 40 + i
+    assert rec(0) == (SEND, 41, PEER, EDGE_GROUP, 1, pid)  # oldest step (0) waits on peer
+    assert shape(by_channel[0])[4:] == (2, 1, 0)
+    assert rec(3) == (RECV, 42, NETWORK, EDGE_GROUP, 0, pid ^ 0x40000000)  # PXN: seq unknown
+    assert rec(4) == (SEND, 43, NONE, EDGE_GROUP, 0, pid)  # parent not ours
+    assert rec(5) == (SEND, NO_RANK, NONE, 0, 0, pid)  # context not ours: nothing known
+    assert rec(6) == (SEND, 41, NONE, EDGE_GROUP, 0, pid)  # trace of another group ignored
+    assert rec(7) == (SEND, 41, NONE, EDGE_GROUP, 0, pid)  # no trace on the thread
+    if version >= 5:  # launched on a thread without a trace: inherited from the API event
+        assert rec(8) == (RECV, 42, NONE, EDGE_GROUP, 2, pid)
+    assert len(by_channel) == out["records_now"] == out["before_fill"]
+
+    # Channel table of 24 records: the overflow is refused and counted, then all released.
+    assert out["before_fill"] + out["filled"] == out["full_records"] == 24
+    assert out["refused"] == 32 - out["filled"]
+    assert out["after_fill"] == out["before_fill"]
+    assert board_errors(board) == out["refused"]
+    # Event pool: NULL handles once it is empty, every handle back after the stops.
+    assert out["null_steps"] > 0
+    assert out["live_events_after"] == out["live_events_before"] - 1
+    s = out["stats"]
+    assert s["dropped"] == out["refused"] + out["null_steps"]
+    assert (s["foreign_ops"], s["trace_mismatch"], s["untraced"]) == (1, 1, 1)
+    assert s["traced"] == (2 if version >= 5 else 1)
+    assert out["warnings"] == 2  # each exhaustion is logged once
+    # Two proxy ops on one (op, channel, peer, direction) share a record until both stop.
+    assert out["shared"] == [1, 2, 1, 0]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_finalize_takes_in_flight_records_off_the_board(build: Build, tmp_path: Path,
+                                                        version: int) -> None:
+    """An aborted comm never stops its events; its records must not read as stuck."""
+    out = run(build, "abort", tmp_path / "abort.board", version)
+    assert (out["in_flight"], out["after_finalize"], out["after_stops"]) == (2, 0, 0)
+    assert out["stats"]["live_channels"] == 0 and out["stats"]["live_events"] == 0
+
+
+def test_no_board_records_nothing(build: Build) -> None:
+    out = run(build, "noboard")
+    assert out["ctx"] == 1 and out["handles"] == 0
+    assert out["stats"]["no_board"] > 0 and out["stats"]["live_events"] == 0
+
+
+# ----------------------------------------------------------------------------- threads
+@pytest.mark.parametrize("version", VERSIONS)
+def test_concurrent_callers_and_proxies(build: Build, tmp_path: Path, version: int) -> None:
+    """4 caller threads (one comm each) and 2 proxy threads: every op's record shows up
+    under its own (group, seq) while in flight, and everything is released at the end."""
+    out = run(build, "threads", tmp_path / "threads.board", version)
+    assert out["processed"] == out["expected"]
+    assert out["mismatches"] == 0
+    assert out["bound_ok"] == 1
+    assert out["records_now"] == 0
+    s = out["stats"]
+    assert s["traced"] == out["expected"]
+    assert (s["dropped"], s["live_events"], s["live_channels"]) == (0, 0, 0)
+
+
+# ----------------------------------------------------------------------------- benchmark
+def test_cost_per_event_benchmark(build: Build, tmp_path: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Prints the plugin's cost per event; measured, not asserted."""
+    for version in VERSIONS:
+        out = run(build, "bench", tmp_path / f"bench{version}.board", version)
+        with capsys.disabled():
+            print(f"\nnccl profiler v{version}: {out['step_event_ns']:.0f} ns per ProxyStep "
+                  f"event, {out['caller_event_ns']:.0f} ns per caller-thread event, "
+                  f"{out['proxy_op_event_ns']:.0f} ns per ProxyOp event")
+        assert out["stats"]["live_channels"] == 0
+
+
+# ----------------------------------------------------------------------------- python side
+def test_enable_env_keeps_a_value_already_set() -> None:
+    from ccld_plugin.nccl import enable_nccl_profiler_env
+
+    env = {"NCCL_PROFILER_PLUGIN": "/opt/other/libnccl-profiler-x.so"}
+    assert enable_nccl_profiler_env(env) == "/opt/other/libnccl-profiler-x.so"
+    assert env == {"NCCL_PROFILER_PLUGIN": "/opt/other/libnccl-profiler-x.so"}
+
+
+def test_enable_env_points_at_the_installed_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ccld_plugin.nccl import LIBRARY_NAME, enable_nccl_profiler_env, nccl_plugin_path
+
+    try:
+        path = Path(nccl_plugin_path())
+    except FileNotFoundError:
+        pytest.skip("ccld_plugin is not installed with its native part")
+    assert path.is_absolute() and path.is_file() and path.name == LIBRARY_NAME
+    assert any(path.parent.glob("_native*.so")), "not beside the extension"
+    env: dict[str, str] = {}
+    assert enable_nccl_profiler_env(env) == str(path) == env["NCCL_PROFILER_PLUGIN"]
+    monkeypatch.delenv("NCCL_PROFILER_PLUGIN", raising=False)
+    enable_nccl_profiler_env()
+    assert os.environ["NCCL_PROFILER_PLUGIN"] == str(path)
