@@ -28,8 +28,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--world", type=int, default=4)
     demo.add_argument("--tp", type=int, default=2)
     demo.add_argument("--pp", type=int, default=2)
-    demo.add_argument("--steps", type=int, default=20)
-    demo.add_argument("--fault", action="append", default=[], metavar="SPEC")
+    demo.add_argument("--steps", type=int, default=40)
+    demo.add_argument("--fault", action="append", default=[], metavar="SPEC",
+                      help="e.g. compute-hang@2:step=5, compute-slow@1:factor=2, mismatch@3, "
+                           "none (default: compute-hang@2:step=5)")
     demo.add_argument("--out", type=Path, default=Path("demo-out"))
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       dest="overrides")

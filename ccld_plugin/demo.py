@@ -1,9 +1,16 @@
-"""``ccld demo``: launch a real training job on this machine with the plugin on, and show
-what the plugin saw."""
+"""``ccld demo``: launch a real training job on this machine with the plugin on, inject a
+fault, print the verdicts as they come, end a hung job, and summarize.
+
+Writes ``DIR/verdicts.jsonl``, ``DIR/faults.jsonl`` (each injected fault with its onset)
+and ``DIR/summary.json`` (verdicts, faults, latency per verdict matched to its fault,
+steps completed, exit code of each rank).
+"""
 
 from __future__ import annotations
 
+import json
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,10 +18,20 @@ from rich.console import Console
 
 from ccld_plugin.board_report import collective_table, print_collectives
 from ccld_plugin.config import load_config
-from ccld_plugin.faults.spec import parse_faults
+from ccld_plugin.faults.spec import FaultSpec, parse_faults
 from ccld_plugin.launch import LocalJob
+from ccld_plugin.probe import BoardError, BoardReader, board_files
+from ccld_plugin.sinks.console import render_verdict
+from ccld_plugin.sinks.jsonl import read_verdicts
 
-__all__ = ["DemoOptions", "run_demo"]
+__all__ = ["DEFAULT_FAULT", "DemoOptions", "expected_verdict", "match_faults", "run_demo"]
+
+DEFAULT_FAULT = "compute-hang@2:step=5"
+GRACE_S = 3.0  # after a verdict that means the job will not recover, before ending it
+_EXPECTED = {"compute-hang": ("hang", "compute"), "compute-slow": ("slow", "compute"),
+             "mismatch": ("mismatch", "software"), "comm-slow": ("slow", "communication"),
+             "comm-hang": ("hang", "communication")}
+_TERMINAL = {"hang", "deadlock", "mismatch", "unresponsive"}
 
 
 @dataclass
@@ -23,45 +40,131 @@ class DemoOptions:
     world: int = 4
     tp: int = 2
     pp: int = 2
-    steps: int = 20
+    steps: int = 40
     faults: list[str] = field(default_factory=list)
     out: Path = Path("demo-out")
     overrides: list[str] = field(default_factory=list)
     timeout_s: float = 300.0
 
 
+def expected_verdict(fault: FaultSpec | dict) -> tuple[str, str]:
+    kind = fault.kind if isinstance(fault, FaultSpec) else fault["kind"]
+    return _EXPECTED[kind]
+
+
+def match_faults(faults: list[dict], verdicts: list[dict]) -> list[dict]:
+    """For each injected fault, the first verdict that names its rank with the expected
+    kind and cause, and the latency from the fault's onset."""
+    out = []
+    for f in faults:
+        kind, cause = expected_verdict(f)
+        hit = next((v for v in verdicts if v["kind"] == kind and v["cause"] == cause
+                    and f["rank"] in v["ranks"]), None)
+        latency = None
+        if hit is not None and f.get("onset_s") is not None:
+            latency = round(hit["detected_s"] - f["onset_s"], 2)
+        out.append({"fault": f["fault"], "verdict": hit is not None, "latency_s": latency,
+                    "steps_to_verdict": (hit["step"] - f["step"]) if hit and hit.get("step")
+                    is not None and kind == "slow" else None})
+    return out
+
+
 def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
-    console = console or Console()
+    console = console or Console(highlight=False)
     out = opts.out.resolve()
-    boards = out / "boards"
-    # Validate everything before launching anything: a bad key or spec is a one-line error.
+    specs = opts.faults or [DEFAULT_FAULT]
+    faults = parse_faults(specs, opts.world)  # validate before launching anything
     cfg = load_config(None, opts.overrides)
-    parse_faults(opts.faults, opts.world)
-    if out.exists():
-        shutil.rmtree(out / "boards", ignore_errors=True)
-    overrides = [f"board.dir={boards.parent}", f"job={boards.name}", "board.cleanup=false",
+    for name in ("boards", "logs", "verdicts.jsonl", "faults.jsonl", "summary.json"):
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    overrides = [f"board.dir={out}", "job=boards", "board.cleanup=false",
+                 f"sinks.jsonl={out / 'verdicts.jsonl'}", "sinks.console=false",
                  *opts.overrides]
     argv = ["-m", "ccld_plugin.workload", "--tp", str(opts.tp), "--pp", str(opts.pp),
             "--steps", str(opts.steps), *sum((["--ccld-set", o] for o in overrides), [])]
     job = LocalJob(world=opts.world, argv=argv, log_dir=out / "logs",
-                   env={"CCLD_FAULTS": ";".join(opts.faults),
+                   env={"CCLD_FAULTS": ";".join(str(f) for f in faults),
                         "CCLD_FAULT_LOG": str(out / "faults.jsonl")})
+    shown = ", ".join(map(str, faults)) or "none (healthy run)"
     console.print(f"[bold]ccld demo[/]: {opts.world} ranks, tp={opts.tp} pp={opts.pp} "
-                  f"dp={opts.world // (opts.tp * opts.pp)}, {opts.steps} steps, logs in "
-                  f"{out / 'logs'}")
+                  f"dp={opts.world // (opts.tp * opts.pp)}, {opts.steps} steps, fault: {shown}; "
+                  f"logs in {out / 'logs'}")
     job.start()
-    finished = job.wait(opts.timeout_s)
+    printed = _follow(job, out / "verdicts.jsonl", opts.timeout_s, console)
     codes = job.stop()
-    if not finished:
-        console.print(f"[red]the job did not finish within {opts.timeout_s:.0f}s; ended it[/]")
-    print_collectives(collective_table(boards), console)
+    verdicts = read_verdicts(out / "verdicts.jsonl")
+    for v in verdicts[len(printed):]:  # written by the diagnoser's last round
+        console.print(render_verdict(v))
+    injected = _read_jsonl(out / "faults.jsonl")
+    summary = {"verdicts": verdicts, "faults": injected,
+               "latency_s": match_faults(injected, verdicts),
+               "steps_completed": _steps_completed(out / "boards", opts.steps),
+               "exit": codes}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    _print_summary(console, summary, faults, out)
     if cfg.board.cleanup:
-        shutil.rmtree(boards, ignore_errors=True)
+        shutil.rmtree(out / "boards", ignore_errors=True)
+    launched = all(c is not None for c in codes)
+    if faults:
+        diagnosed = len(injected) >= len(faults) and all(m["verdict"]
+                                                         for m in summary["latency_s"])
     else:
-        console.print(f"boards kept in {boards} (read them with: ccld inspect {boards})")
-    failed = [r for r, c in enumerate(codes) if c != 0]
-    if failed:
-        console.print(f"[red]ranks {failed} exited with codes {[codes[r] for r in failed]}; "
-                      f"see {out / 'logs'}[/]")
-        return 1
-    return 0
+        diagnosed = not verdicts
+    return 0 if launched and diagnosed else 1
+
+
+def _follow(job: LocalJob, path: Path, timeout_s: float, console: Console) -> list[dict]:
+    """Print verdicts as they come; end the job a grace period after a verdict that
+    means it will not recover, or at the timeout."""
+    printed: list[dict] = []
+    deadline = time.monotonic() + timeout_s
+    end_at = None
+    while job.running() and time.monotonic() < deadline:
+        for v in read_verdicts(path)[len(printed):]:
+            printed.append(v)
+            console.print(render_verdict(v))
+            if v["kind"] in _TERMINAL and end_at is None:
+                end_at = time.monotonic() + GRACE_S
+        if end_at is not None and time.monotonic() > end_at:
+            console.print("[dim]ending the job (it will not recover)[/]")
+            break
+        time.sleep(0.2)
+    return printed
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _steps_completed(boards: Path, planned: int) -> int:
+    steps = []
+    for f in board_files(boards) if boards.exists() else []:
+        try:
+            with BoardReader(f) as r:
+                h = r.header()
+                steps.append(planned if h.closed and h.step == planned - 1 else h.step)
+        except BoardError:
+            continue
+    return min(steps) if steps else 0
+
+
+def _print_summary(console: Console, summary: dict, faults: list[FaultSpec], out: Path) -> None:
+    try:
+        print_collectives(collective_table(out / "boards"), console)
+    except BoardError:
+        pass
+    console.print(f"[bold]summary[/] ({out / 'summary.json'}): "
+                  f"{len(summary['verdicts'])} verdict(s), steps completed "
+                  f"{summary['steps_completed']}, rank exit codes {summary['exit']}")
+    for m in summary["latency_s"]:
+        status = "[green]diagnosed[/]" if m["verdict"] else "[red]NOT diagnosed[/]"
+        extra = f" in {m['latency_s']} s" if m["latency_s"] is not None else ""
+        steps = f" ({m['steps_to_verdict']} steps)" if m["steps_to_verdict"] is not None else ""
+        console.print(f"  fault {m['fault']}: {status}{extra}{steps}")
+    if not faults:
+        console.print("  healthy run: " + ("[green]no verdict[/]" if not summary["verdicts"]
+                                           else "[red]unexpected verdicts[/]"))

@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,8 +48,10 @@ class Session:
     board_path: Path
     board: Any
     tracer: Tracer
-    services: list[Any] = field(default_factory=list)  # agent, diagnoser: stopped in order
-    clock: Any = None  # the clock sync with the diagnoser, once the handshake is done
+    started_ns: int = 0  # monotonic; on the diagnoser rank this is the job's start
+    services: list[Any] = field(default_factory=list)  # stopped in reverse order
+    steps: Any = None  # the agent's StepClock
+    clock_source: Any = None  # the agent, whose clock sync with the diagnoser it holds
 
 
 _session: Session | None = None
@@ -79,9 +82,8 @@ def job_seconds(mono_ns: int) -> float | None:
     """A time of this rank's monotonic clock as seconds since job start on the diagnoser's
     clock (the timebase of verdicts), or None before the clock handshake."""
     s = _session
-    if s is None or s.clock is None:
-        return None
-    return s.clock.job_seconds(mono_ns)
+    clock = getattr(s.clock_source, "clock", None) if s is not None else None
+    return None if clock is None else clock.job_seconds(mono_ns)
 
 
 def enable(config: ConfigSource = None, overrides: Iterable[str] = ()) -> Session | None:
@@ -120,12 +122,15 @@ def _start(cfg: CcldConfig) -> Session:
     tracer = Tracer(board, rank, cfg.tracer.poll_interval_ms / 1000.0)
     tracer.register_group(None, "world")
     tracer.install()
-    _session = Session(cfg, rank, world, path, board, tracer)
+    _session = Session(cfg, rank, world, path, board, tracer, started_ns=time.monotonic_ns())
     for pg, role in _pending_roles:
         tracer.register_group(pg, role)
     _pending_roles.clear()
     atexit.register(_at_exit)
     _watch_uncaught_exceptions()
+    from ccld_plugin import services  # imported here: it needs the store, the tracer does not
+
+    services.start(_session)
     log.info("ccld: tracing rank %d of %d, board %s", rank, world, path)
     return _session
 
@@ -199,7 +204,11 @@ def mark_step(step: int) -> None:
     s = _session
     if s is not None:
         try:
-            s.board.set_step(int(step))
+            step = int(step)
+            s.board.set_step(step)
+            s.tracer.current_step = step
+            if s.steps is not None:
+                s.steps.mark(step)
         except Exception as exc:  # noqa: BLE001
             report_error("session.mark_step", exc)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -121,11 +122,14 @@ class TracedWork:
         self._done = False
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.monotonic_ns()
         try:
             result = self._work.wait(*args, **kwargs)
         except BaseException:
             self._finish(STATE_ERROR)
             raise
+        finally:
+            self._tracer.add_wait(time.monotonic_ns() - t0)
         if not self._cuda:  # on GPU, wait() only orders streams: the poller stamps exit
             self._finish(STATE_DONE)
         return result
@@ -204,6 +208,8 @@ class Tracer:
         self._originals: dict[str, Any] = {}
         self._wrappers: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self.current_step = -1  # set by mark_step; async wait time is booked to it
+        self._wait_ns: dict[int, int] = {}
 
     # ----------------------------------------------------------------- groups
     def register_group(self, group: Any, role: str) -> GroupEntry | None:
@@ -250,6 +256,19 @@ class Tracer:
 
     def groups(self) -> list[GroupInfo]:
         return list(self.topology.groups.values())
+
+    # ----------------------------------------------------------------- steps
+    def add_wait(self, ns: int) -> None:
+        """Time the training loop spent blocked in ``wait()`` on async work."""
+        step = self.current_step
+        self._wait_ns[step] = self._wait_ns.get(step, 0) + ns
+
+    def take_wait_ns(self, before_step: int) -> dict[int, int]:
+        """Wait time of the steps before ``before_step`` (removed from the tracer)."""
+        done = {s: ns for s, ns in list(self._wait_ns.items()) if s < before_step}
+        for s in done:
+            self._wait_ns.pop(s, None)
+        return done
 
     # ----------------------------------------------------------------- records
     def exit_many(self, indices: tuple[int, ...], state: int) -> None:

@@ -1,0 +1,211 @@
+"""Agent: a daemon thread in every rank that summarizes the board every interval.
+
+It reads the rank's own board (zero-copy), turns it into a :class:`RankSummary` on the
+diagnoser's clock, and publishes it through the control plane. Ticks are aligned on the
+diagnoser's clock, so all ranks summarize the same stretch of time. It never blocks
+training: bounded work per tick, every exception contained, back-off when the store is
+unreachable, and it keeps running while the main thread waits inside a collective.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from ccld_plugin.config import AgentConfig
+from ccld_plugin.control import ClockSync, ControlPlane
+from ccld_plugin.errors import report_error
+from ccld_plugin.probe import (
+    FLAG_ASYNC,
+    FLAG_P2P,
+    STATE_DONE,
+    STATE_ERROR,
+    STATE_IN_FLIGHT,
+    BoardReader,
+)
+from ccld_plugin.summary import (
+    FLAG_ERRORED,
+    FLAG_EXITED,
+    ArrivalSample,
+    GroupProgress,
+    InFlightOp,
+    RankSummary,
+    StepStat,
+    encode_summary,
+)
+
+__all__ = ["Agent", "StepClock"]
+
+MAX_IN_FLIGHT = 8
+MAX_STEPS = 32
+SAMPLES_PER_GROUP = 8
+SAMPLE_EVERY = 4  # sampled seqs are multiples of this, the same ones on every member
+STACK_FRAMES = 16
+MAX_BACKOFF_S = 30.0
+
+
+class StepClock:
+    """Step boundaries as the training loop marks them (kept in Python: one append per
+    step), plus the time spent waiting on async work per step."""
+
+    def __init__(self) -> None:
+        self.starts: deque[tuple[int, int]] = deque(maxlen=1024)
+        self.current = -1
+
+    def mark(self, step: int) -> None:
+        self.current = step
+        self.starts.append((step, time.monotonic_ns()))
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig, control: ControlPlane, board_path: Any, rank: int,
+                 host: str, pid: int, tracer: Any, steps: StepClock,
+                 clock_timeout_s: float) -> None:
+        self.cfg = cfg
+        self.control = control
+        self.rank = rank
+        self.host = host
+        self.pid = pid
+        self.tracer = tracer
+        self.steps = steps
+        self.clock: ClockSync | None = None
+        self._clock_timeout_s = clock_timeout_s
+        self._reader = BoardReader(board_path)
+        self._board = tracer.board
+        self._stop = threading.Event()
+        self._last_tick_ns = 0
+        self._published_step = -1
+        self._groups_version = 0
+        self._published_groups = 0
+        self._main_ident = threading.main_thread().ident
+        self._thread = threading.Thread(target=self._run, name="ccld-agent", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Publish a last summary that says the rank left through our exit path."""
+        self._stop.set()
+        self._thread.join(timeout=self.cfg.interval_s + 5)
+        try:
+            self._publish(final=True)
+        except Exception as exc:  # noqa: BLE001
+            report_error("agent.stop", exc)
+        self._reader.close()
+
+    # ------------------------------------------------------------------ loop
+    def _run(self) -> None:
+        try:
+            self.clock = self.control.sync_clock(self._clock_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - run unsynchronized rather than not at all
+            report_error("agent.clock", exc)
+            self.clock = ClockSync(0, self._reader.header().start_mono_ns)
+        self._board.set_clock_offset(self.clock.offset_ns)
+        backoff = self.cfg.interval_s
+        while not self._stop.is_set():
+            try:
+                self._publish()
+                backoff = self.cfg.interval_s
+            except Exception as exc:  # noqa: BLE001
+                report_error("agent.tick", exc)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+            self._stop.wait(self._until_next_tick(backoff))
+
+    def _until_next_tick(self, period_s: float) -> float:
+        """Seconds to the next multiple of the period on the diagnoser's clock."""
+        period = int(period_s * 1e9)
+        now = self.clock.to_diag(time.monotonic_ns()) if self.clock else time.monotonic_ns()
+        return (period - now % period) / 1e9
+
+    def _publish(self, final: bool = False) -> None:
+        self._board.heartbeat()
+        groups = self.tracer.groups()
+        if len(groups) != self._published_groups:
+            self._groups_version += 1
+            self.control.publish_groups(self.rank, groups, self._groups_version)
+            self._published_groups = len(groups)
+        summary = self.summarize(final)
+        self.control.publish(self.rank, encode_summary(summary))
+
+    # ------------------------------------------------------------------ summary
+    def summarize(self, final: bool = False) -> RankSummary:
+        now = time.monotonic_ns()
+        clock = self.clock or ClockSync(0, 0)
+        diag = clock.to_diag
+        header = self._reader.header()
+        table = self._reader.group_table()
+        ops = self._reader.ops()
+        since = self._last_tick_ns
+        self._last_tick_ns = now
+        done = ops[(ops["state"] == STATE_DONE) & (ops["exit_ns"] > since)]
+        sync = (done["flags"] & FLAG_ASYNC) == 0
+        dur_ns = done["exit_ns"] - done["enter_ns"]
+        progress = []
+        for slot, rec in enumerate(table):
+            mine = done["group_slot"] == slot
+            progress.append(GroupProgress(
+                slot=slot, entered_seq=int(rec["entered_seq"]),
+                completed_seq=int(rec["completed_seq"]), ops=int(mine.sum()),
+                blocked_us=int(dur_ns[mine & sync].sum() // 1000),
+                bytes=int(done["bytes"][mine].sum()),
+                max_dur_us=int(dur_ns[mine].max() // 1000) if mine.any() else 0))
+        flights = ops[ops["state"] == STATE_IN_FLIGHT][:MAX_IN_FLIGHT]
+        errors = ops[ops["state"] == STATE_ERROR][-2:]
+        in_flight = [InFlightOp(int(r["group_slot"]), int(r["op"]), int(r["flags"]),
+                                int(r["peer"]), int(r["seq"]), int(r["bytes"]),
+                                diag(int(r["enter_ns"])), int(r["state"]))
+                     for r in (*flights, *errors)]
+        last_step = self.steps.starts[-1][1] if self.steps.starts else header.start_mono_ns
+        last_exit = int(ops["exit_ns"].max()) if len(ops) else 0
+        last_progress = max(last_step, last_exit)
+        oldest = int(flights["enter_ns"].min()) if len(flights) else now
+        stuck_for = max(now - oldest, now - last_progress) / 1e9
+        flags = (FLAG_EXITED if final else 0) | (FLAG_ERRORED if len(errors) else 0)
+        return RankSummary(
+            rank=self.rank, pid=self.pid, host=self.host, time_ns=diag(now),
+            heartbeat_ns=diag(now), step=header.step, last_progress_ns=diag(last_progress),
+            groups_version=self._groups_version, flags=flags, errors=header.errors,
+            groups=progress, in_flight=in_flight, steps=self._step_stats(ops, diag),
+            samples=self._samples(done, diag),
+            stack=self._main_stack() if stuck_for >= self.cfg.stack_after_s else [])
+
+    def _step_stats(self, ops: np.ndarray, diag: Any) -> list[StepStat]:
+        starts = list(self.steps.starts)
+        stats = []
+        sync_done = ops[(ops["state"] == STATE_DONE) & ((ops["flags"] & FLAG_ASYNC) == 0)]
+        waits = self.tracer.take_wait_ns(before_step=starts[-1][0] if starts else 0)
+        for (step, t0), (_, t1) in zip(starts, starts[1:], strict=False):
+            if step <= self._published_step:
+                continue
+            mine = sync_done[sync_done["step"] == step]
+            blocked = int((np.minimum(mine["exit_ns"], t1)
+                           - np.maximum(mine["enter_ns"], t0)).clip(min=0).sum())
+            blocked += waits.get(step, 0)
+            stats.append(StepStat(step, diag(t0), (t1 - t0) // 1000,
+                                  max(0, t1 - t0 - blocked) // 1000))
+        if stats:
+            self._published_step = stats[-1].step
+        return stats[-MAX_STEPS:]
+
+    def _samples(self, done: np.ndarray, diag: Any) -> list[ArrivalSample]:
+        coll = done[((done["flags"] & FLAG_P2P) == 0) & (done["seq"] % SAMPLE_EVERY == 0)]
+        out = []
+        for slot in np.unique(coll["group_slot"]):
+            recs = coll[coll["group_slot"] == slot][-SAMPLES_PER_GROUP:]
+            out += [ArrivalSample(int(slot), int(r["seq"]), diag(int(r["enter_ns"])),
+                                  int((r["exit_ns"] - r["enter_ns"]) // 1000), int(r["bytes"]))
+                    for r in recs]
+        return out
+
+    def _main_stack(self) -> list[str]:
+        frame = sys._current_frames().get(self._main_ident)
+        if frame is None:
+            return []
+        return [f"{f.filename}:{f.lineno} in {f.name}"
+                for f in traceback.extract_stack(frame)[-STACK_FRAMES:]]

@@ -1,0 +1,156 @@
+"""Control plane: torch's TCPStore, under a ``ccld/<job>/`` prefix.
+
+The job's own store when there is one (torchrun's agent store even survives a hung
+worker), else a dedicated TCPStore hosted by the diagnoser rank. Keys:
+
+- ``s/<rank>``: the rank's latest summary (overwritten every tick);
+- ``g/<rank>``: the rank's group table, rewritten when it changes;
+- ``clk/...``: the clock handshake; ``job_start``: the diagnoser's start time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from ccld_plugin.config import ControlConfig
+from ccld_plugin.topology import GroupInfo
+
+__all__ = ["ClockSync", "ControlPlane"]
+
+CLOCK_ROUNDS = 5
+
+
+class ClockSync:
+    """This rank's monotonic clock against the diagnoser's: ``offset_ns`` is ours minus
+    theirs; ``job_start_ns`` is the diagnoser's start, on its clock."""
+
+    def __init__(self, offset_ns: int, job_start_ns: int) -> None:
+        self.offset_ns = offset_ns
+        self.job_start_ns = job_start_ns
+
+    def to_diag(self, mono_ns: int) -> int:
+        return mono_ns - self.offset_ns
+
+    def job_seconds(self, mono_ns: int) -> float:
+        return (mono_ns - self.offset_ns - self.job_start_ns) / 1e9
+
+
+class ControlPlane:
+    def __init__(self, cfg: ControlConfig, rank: int, world: int, job: str,
+                 diagnoser_rank: int) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.world = world
+        self.diagnoser_rank = diagnoser_rank
+        self.store_prefix = f"{cfg.prefix}{job}/"
+        # A connection of our own: a blocking call of the training loop on the job's
+        # client (gloo's rendezvous) must never hold up a heartbeat, nor ours the job.
+        base = _own_client(cfg) if cfg.store == "auto" else None
+        if base is None:
+            base = self._dedicated_store()
+        self.store = dist.PrefixStore(self.store_prefix, base)
+
+    def connect(self) -> ControlPlane:
+        """Another control plane over a new connection (one per thread that blocks)."""
+        other = object.__new__(ControlPlane)
+        other.__dict__.update(self.__dict__)
+        base = _own_client(self.cfg) if self.cfg.store == "auto" else None
+        if base is None:
+            host, port = self._dedicated_address()
+            base = dist.TCPStore(host, port, self.world, False,
+                                 timedelta(seconds=self.cfg.connect_timeout_s),
+                                 wait_for_workers=False)
+        other.store = dist.PrefixStore(self.store_prefix, base)
+        return other
+
+    def _dedicated_address(self) -> tuple[str, int]:
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        return host, self.cfg.port or int(os.environ.get("MASTER_PORT", "29500")) + 1
+
+    def _dedicated_store(self) -> Any:
+        host, port = self._dedicated_address()
+        return dist.TCPStore(host, port, self.world, self.rank == self.diagnoser_rank,
+                             timedelta(seconds=self.cfg.connect_timeout_s),
+                             wait_for_workers=False)
+
+    # ---------------------------------------------------------------- summaries
+    def publish(self, rank: int, summary: bytes) -> None:
+        self.store.set(f"s/{rank}", summary)
+
+    def read_summaries(self, ranks: Iterable[int]) -> dict[int, bytes]:
+        """Latest summaries of ``ranks``, read in chunks (one multi_get of many keys is
+        slower than several of a few hundred). Ranks that never published are left out."""
+        ranks = list(ranks)
+        present = [r for r, ok in zip(ranks, self._exist([f"s/{r}" for r in ranks]),
+                                      strict=True) if ok]
+        out: dict[int, bytes] = {}
+        step = self.cfg.chunk_keys
+        for i in range(0, len(present), step):
+            chunk = present[i : i + step]
+            for r, value in zip(chunk, self.store.multi_get([f"s/{r}" for r in chunk]),
+                                strict=True):
+                out[r] = bytes(value)
+        return out
+
+    def _exist(self, keys: list[str]) -> list[bool]:
+        # check() answers for all keys at once; ask key by key only when some are missing.
+        if self.store.check(keys):
+            return [True] * len(keys)
+        return [self.store.check([k]) for k in keys]
+
+    # ---------------------------------------------------------------- groups
+    def publish_groups(self, rank: int, groups: list[GroupInfo], version: int) -> None:
+        self.store.set(f"g/{rank}", json.dumps(
+            {"version": version, "groups": [[f"{g.group_id:016x}", g.role, list(g.ranks)]
+                                            for g in groups]}))
+
+    def read_groups(self, rank: int) -> tuple[int, list[GroupInfo]]:
+        data = json.loads(bytes(self.store.get(f"g/{rank}")))
+        return data["version"], [GroupInfo(int(gid, 16), role, tuple(ranks))
+                                 for gid, role, ranks in data["groups"]]
+
+    # ---------------------------------------------------------------- clock
+    def serve_clock(self, job_start_ns: int, timeout_s: float) -> None:
+        """Diagnoser side: wait for the ranks to be ready, then post CLOCK_ROUNDS
+        timestamps; each rank's offset is the smallest gap it sees."""
+        self.store.set("job_start", str(job_start_ns))
+        deadline = time.monotonic() + timeout_s
+        while self.store.add("clk/ready", 0) < self.world and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for k in range(CLOCK_ROUNDS):
+            self.store.set(f"clk/go/{k}", str(time.monotonic_ns()))
+            time.sleep(0.01)
+
+    def sync_clock(self, timeout_s: float) -> ClockSync:
+        """Rank side of the handshake (the diagnoser rank runs it too: offset ~0)."""
+        self.store.add("clk/ready", 1)
+        gaps = []
+        for k in range(CLOCK_ROUNDS):
+            self.store.wait([f"clk/go/{k}"], timedelta(seconds=timeout_s))
+            now = time.monotonic_ns()
+            gaps.append(now - int(bytes(self.store.get(f"clk/go/{k}"))))
+        job_start = int(bytes(self.store.get("job_start")))
+        return ClockSync(min(gaps), job_start)
+
+
+def _own_client(cfg: ControlConfig) -> Any | None:
+    """A new client of the job's own TCPStore, or None when the job has none."""
+    try:
+        store = c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no default store: the caller hosts one
+        return None
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, dist.TCPStore):
+        return None
+    return dist.TCPStore(store.host, store.port, is_master=False,
+                         timeout=timedelta(seconds=cfg.connect_timeout_s),
+                         wait_for_workers=False)

@@ -1,0 +1,71 @@
+"""The diagnoser's rounds: one view of the job in, the new verdicts out.
+
+Keeps what must persist across rounds (op duration history for the adaptive hang
+threshold, the slow detector's windows, what was already reported) and decides which
+finding explains which: a mismatch or an unresponsive rank explains the hang it causes,
+so the hang is not reported on its own.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+
+import numpy as np
+
+from ccld_plugin.config import DiagnoserConfig
+from ccld_plugin.diagnose.hang import (
+    ChannelEvidence,
+    find_hangs,
+    find_mismatches,
+    find_unresponsive,
+)
+from ccld_plugin.diagnose.records import Kind, Verdict
+from ccld_plugin.diagnose.slow import SlowDetector
+from ccld_plugin.diagnose.view import JobView
+
+__all__ = ["Diagnoser"]
+
+HISTORY = 300  # per-group max op durations kept (one per rank per round)
+
+
+class Diagnoser:
+    def __init__(self, cfg: DiagnoserConfig, interval_s: float,
+                 channel_evidence: ChannelEvidence | None = None) -> None:
+        self.cfg = cfg
+        self.min_wait_s = 2 * interval_s
+        self.channel_evidence = channel_evidence
+        self.slow = SlowDetector(cfg)
+        self._durations: dict[int, deque[int]] = defaultdict(lambda: deque(maxlen=HISTORY))
+        self._reported: set[tuple] = set()
+
+    def threshold_s(self, group_id: int) -> float:
+        """max(hang_min_s, hang_k x p99 duration of ops on the group)."""
+        history = self._durations.get(group_id)
+        p99 = float(np.percentile(history, 99)) / 1e6 if history else 0.0
+        return max(self.cfg.hang_min_s, self.cfg.hang_k * p99)
+
+    def round(self, view: JobView) -> list[Verdict]:
+        for rank, s in view.summaries.items():
+            for gp in s.groups:
+                g = view.group(rank, gp.slot)
+                if g is not None and gp.ops:
+                    self._durations[g.group_id].append(gp.max_dur_us)
+        unresponsive = find_unresponsive(view, self.cfg.unresponsive_s)
+        mismatches = find_mismatches(view)
+        explained = {r for v in unresponsive for r in v.ranks}
+        explained_groups = {v.group["group_id"] for v in mismatches if v.group}
+        hangs = [v for v in find_hangs(view, self.threshold_s, self.min_wait_s,
+                                       self.channel_evidence)
+                 if v.group is None or (v.group["group_id"] not in explained_groups
+                                        and not explained & set(v.group["ranks"]))]
+        self.slow.ingest(view)
+        slow = self.slow.evaluate(view) if not hangs else []
+        fresh = []
+        for v in [*unresponsive, *mismatches, *hangs, *slow]:
+            if v.key() not in self._reported:
+                self._reported.add(v.key())
+                fresh.append(v)
+        return fresh
+
+    def reported(self, kind: Kind) -> bool:
+        return any(k[0] == kind for k in self._reported)

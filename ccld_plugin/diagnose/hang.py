@@ -1,0 +1,253 @@
+"""Hangs: find the stuck ops, walk the wait-for graph to its roots, and say why.
+
+1. In a stuck group at seq s, members that have not entered s are *missing*.
+2. A missing member that is itself blocked in another op points onward; one blocked in
+   nothing is a root: a compute-bound hang (stuck in compute, data loading or host code).
+3. If nobody is missing, data does not flow: a communication-bound hang in that group,
+   localized further by channel evidence when there is some.
+4. A cycle of ranks each waiting for the next is a deadlock (e.g. P2P ordering).
+Mismatches (members at the same trace id with different ops or sizes) and unresponsive
+ranks are found here too, since they explain hangs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+from ccld_plugin.diagnose.records import Cause, Kind, Verdict
+from ccld_plugin.diagnose.view import Blocked, JobView
+from ccld_plugin.probe import FLAG_P2P, OP_NAMES
+from ccld_plugin.topology import GroupInfo
+
+__all__ = ["find_hangs", "find_mismatches", "find_unresponsive", "wait_for_graph"]
+
+# Ops whose sizes may legitimately differ across members (uneven splits, root-only lists).
+_SIZE_MAY_DIFFER = {"all_to_all", "all_to_all_single", "gather", "scatter", "all_gather",
+                    "reduce_scatter", "coalesced", "barrier", "monitored_barrier"}
+
+ChannelEvidence = Callable[[JobView, GroupInfo, list[int]], tuple[list[int], list[int] | None,
+                                                                  list[str]] | None]
+
+
+def _fmt_group(g: GroupInfo) -> str:
+    return f"{g.role}{list(g.ranks)}"
+
+
+def waits_for(view: JobView, b: Blocked, blocked: dict[int, Blocked]) -> list[int]:
+    """The ranks that ``b`` waits for: members that have not arrived at its op."""
+    if b.p2p:
+        peer = b.op.peer
+        other = blocked.get(peer)
+        if other is not None and other.p2p and other.op.peer == b.rank and \
+                other.group.group_id == b.group.group_id and other.sends != b.sends and \
+                other.op.seq == b.op.seq:
+            return []  # both ends are in the matching transfer
+        return [peer] if peer >= 0 else []
+    missing = []
+    for m in b.group.ranks:
+        if m == b.rank:
+            continue
+        seq = view.entered_seq(m, b.group.group_id)
+        if seq is None or seq < b.op.seq:
+            missing.append(m)
+    return missing
+
+
+def wait_for_graph(view: JobView, blocked: dict[int, Blocked]) -> dict[int, list[int]]:
+    return {r: waits_for(view, b, blocked) for r, b in blocked.items()}
+
+
+def _walk(graph: dict[int, list[int]], start: int) -> tuple[set[int], list[int] | None]:
+    """Roots reachable from ``start`` (ranks that wait for nobody) and a cycle, if any."""
+    roots: set[int] = set()
+    cycle = None
+    path: list[int] = []
+    on_path: set[int] = set()
+    seen: set[int] = set()
+
+    def visit(r: int) -> None:
+        nonlocal cycle
+        if r in on_path:
+            if cycle is None:
+                cycle = path[path.index(r):]
+            return
+        if r in seen:
+            return
+        seen.add(r)
+        nexts = graph.get(r)
+        if nexts is None:  # not blocked in any op: a root
+            roots.add(r)
+            return
+        path.append(r)
+        on_path.add(r)
+        for n in nexts:
+            visit(n)
+        path.pop()
+        on_path.discard(r)
+
+    visit(start)
+    return roots, cycle
+
+
+def find_hangs(view: JobView, threshold_s: Callable[[int], float], min_wait_s: float,
+               channel_evidence: ChannelEvidence | None = None) -> list[Verdict]:
+    """Hang verdicts for ops in flight longer than their group's threshold."""
+    blocked = {r: b for r, b in view.blocked().items() if b.age_s >= min_wait_s}
+    stuck = [b for b in blocked.values()
+             if b.age_s >= threshold_s(b.group.group_id) and view.idle_s(b.rank) >= min_wait_s]
+    if not stuck:
+        return []
+    graph = wait_for_graph(view, blocked)
+    roots: set[int] = set()
+    cycles: list[list[int]] = []
+    for b in stuck:
+        found, cycle = _walk(graph, b.rank)
+        roots |= found
+        if cycle and sorted(cycle) not in [sorted(c) for c in cycles]:
+            cycles.append(cycle)
+    # A root must itself have stopped making progress; one that is merely slow to arrive
+    # but still progressing is a straggler, not a hang.
+    roots = {r for r in roots if r in view.summaries and r not in view.gone
+             and view.idle_s(r) >= min_wait_s}
+    verdicts = [_compute_hang(view, r, blocked, graph) for r in sorted(roots)]
+    if not verdicts:
+        verdicts += [_deadlock(view, c, blocked) for c in cycles]
+    if not verdicts:
+        verdicts += _comm_hangs(view, stuck, graph, channel_evidence)
+    return verdicts
+
+
+def _compute_hang(view: JobView, root: int, blocked: dict[int, Blocked],
+                  graph: dict[int, list[int]]) -> Verdict:
+    waiting = [blocked[r] for r, targets in graph.items() if root in targets]
+    by_group: dict[int, list[Blocked]] = {}
+    for b in waiting:
+        by_group.setdefault(b.group.group_id, []).append(b)
+    # The group where the hang shows: most members waiting on the root; collectives before
+    # P2P; then the larger group; then the longer wait.
+    gid = max(by_group, key=lambda g: (len(by_group[g]), not by_group[g][0].p2p,
+                                       by_group[g][0].group.size,
+                                       max(b.age_s for b in by_group[g])))
+    first = max(by_group[gid], key=lambda b: b.age_s)
+    g = first.group
+    s = view.summaries[root]
+    idle = view.idle_s(root)
+    evidence = [
+        f"rank {root} has not entered {first.op_name} seq {first.op.seq} on {_fmt_group(g)}; "
+        f"ranks {sorted(b.rank for b in by_group[gid])} wait for it "
+        f"({max(b.age_s for b in by_group[gid]):.1f} s)",
+        f"rank {root} is in no collective; no progress for {idle:.1f} s (step {s.step})",
+    ]
+    others = sorted(r for r in blocked if r not in {b.rank for b in by_group[gid]})
+    if others:
+        chains = [f"{r}->{'/'.join(map(str, graph[r]))} ({blocked[r].group.role})"
+                  for r in others]
+        evidence.append("blocked elsewhere, traced back to the root: " + ", ".join(chains))
+    return Verdict(kind=Kind.HANG, cause=Cause.COMPUTE, ranks=[root], group=g.to_dict(),
+                   op=first.op_name, trace_id=first.trace_id, step=s.step,
+                   onset_s=view.seconds(s.last_progress_ns), detected_s=view.seconds(view.now_ns),
+                   severity=round(idle, 1), evidence=evidence, stack=s.stack or None)
+
+
+def _deadlock(view: JobView, cycle: list[int], blocked: dict[int, Blocked]) -> Verdict:
+    ops = [blocked[r] for r in cycle]
+    first = ops[0]
+    evidence = [f"rank {b.rank} waits in {b.op_name} seq {b.op.seq} on {_fmt_group(b.group)}"
+                + (f" for peer {b.op.peer}" if b.p2p else "") + f" ({b.age_s:.1f} s)"
+                for b in ops]
+    evidence.append("the waits form a cycle: " + " -> ".join(map(str, [*cycle, cycle[0]])))
+    onset = min(b.op.enter_ns for b in ops)
+    return Verdict(kind=Kind.DEADLOCK, cause=Cause.SOFTWARE, ranks=sorted(cycle),
+                   group=first.group.to_dict(), op=first.op_name, trace_id=first.trace_id,
+                   step=view.summaries[first.rank].step, onset_s=view.seconds(onset),
+                   detected_s=view.seconds(view.now_ns),
+                   severity=round(max(b.age_s for b in ops), 1), evidence=evidence)
+
+
+def _comm_hangs(view: JobView, stuck: list[Blocked], graph: dict[int, list[int]],
+                channel_evidence: ChannelEvidence | None) -> list[Verdict]:
+    """Everyone arrived, yet the op does not finish: data does not flow."""
+    verdicts, seen = [], set()
+    for b in sorted(stuck, key=lambda b: -b.age_s):
+        if b.group.group_id in seen:
+            continue
+        seen.add(b.group.group_id)
+        members = [b.op.peer, b.rank] if b.p2p else list(b.group.ranks)
+        ranks, link = sorted(members), None
+        evidence = [f"all of {_fmt_group(b.group)} entered {b.op_name} seq {b.op.seq}; it has "
+                    f"not completed for {b.age_s:.1f} s"]
+        found = channel_evidence(view, b.group, members) if channel_evidence else None
+        if found is not None:
+            ranks, link, lines = found
+            evidence += lines
+        else:
+            evidence.append("no channel data to name the link: every member is a suspect")
+        verdicts.append(Verdict(
+            kind=Kind.HANG, cause=Cause.COMMUNICATION, ranks=ranks, group=b.group.to_dict(),
+            link=link, op=b.op_name, trace_id=b.trace_id, step=view.summaries[b.rank].step,
+            onset_s=view.seconds(b.op.enter_ns), detected_s=view.seconds(view.now_ns),
+            severity=round(b.age_s, 1), evidence=evidence))
+    return verdicts
+
+
+def find_mismatches(view: JobView) -> list[Verdict]:
+    """Members that entered the same trace id with different ops (or sizes)."""
+    seen: dict[tuple[int, int], dict[int, tuple[str, int, int]]] = {}
+    groups: dict[int, GroupInfo] = {}
+    for rank in view.summaries:
+        for op, g in view.ops_of(rank):
+            if op.flags & FLAG_P2P:
+                continue
+            seen.setdefault((g.group_id, op.seq), {})[rank] = (OP_NAMES.get(op.op, "?"),
+                                                               op.bytes, op.enter_ns)
+            groups[g.group_id] = g
+    verdicts = []
+    for (gid, seq), entries in seen.items():
+        if len(entries) < 2:
+            continue
+        names = {name for name, _, _ in entries.values()}
+        sizes_matter = not (names & _SIZE_MAY_DIFFER)
+        sig = {r: (n, b if sizes_matter else 0) for r, (n, b, _) in entries.items()}
+        counts = Counter(sig.values())
+        if len(counts) < 2:
+            continue
+        top, top_n = counts.most_common(1)[0]
+        tie = list(counts.values()).count(top_n) > 1
+        culprits = sorted(r for r, v in sig.items() if tie or v != top)
+        g = groups[gid]
+        evidence = [f"rank {r} entered {n} ({b} B) as seq {seq} of {_fmt_group(g)}"
+                    for r, (n, b, _) in sorted(entries.items())]
+        if tie:
+            evidence.append("no majority among the members: all are named")
+        verdicts.append(Verdict(
+            kind=Kind.MISMATCH, cause=Cause.SOFTWARE, ranks=culprits, group=g.to_dict(),
+            op=entries[culprits[0]][0], trace_id=f"{gid:016x}:{seq}",
+            step=view.summaries[culprits[0]].step,
+            onset_s=view.seconds(min(e for _, _, e in entries.values())),
+            detected_s=view.seconds(view.now_ns), evidence=evidence))
+    return verdicts
+
+
+def find_unresponsive(view: JobView, unresponsive_s: float) -> list[Verdict]:
+    """Ranks whose process is gone without leaving through our exit path, or whose agent
+    heartbeat stopped (process wedged, e.g. holding the GIL)."""
+    verdicts = []
+    for rank, s in sorted(view.summaries.items()):
+        if s.exited:
+            continue
+        age = (view.now_ns - s.heartbeat_ns) / 1e9
+        gone = rank in view.gone
+        if not gone and age < unresponsive_s:
+            continue
+        last = [f"{OP_NAMES.get(op.op, '?')} seq {op.seq} on {_fmt_group(g)}"
+                for op, g in view.ops_of(rank)]
+        evidence = [f"process {s.pid} on {s.host} no longer exists" if gone else
+                    f"agent heartbeat stopped {age:.1f} s ago (process wedged?)",
+                    f"last step {s.step}; last op entered: {last[0] if last else 'none'}"]
+        group = view.ops_of(rank)[0][1].to_dict() if last else None
+        verdicts.append(Verdict(
+            kind=Kind.UNRESPONSIVE, cause=Cause.UNKNOWN, ranks=[rank], group=group,
+            step=s.step, onset_s=view.seconds(s.heartbeat_ns),
+            detected_s=view.seconds(view.now_ns), severity=round(age, 1), evidence=evidence))
+    return verdicts

@@ -1,0 +1,250 @@
+"""Slowness: per window of steps, split every sampled collective into *wait* (how long the
+early members waited for the last arriver) and *transfer* (from the last arrival to the
+first exit), then name
+
+- a compute-bound straggler: a rank whose compute time per step is above its cohort by a
+  robust margin and that its peers wait for (it arrives last), in ``confirm_windows``
+  consecutive windows;
+- communication-bound slowness: a group whose transfer bandwidth is an outlier against its
+  sibling groups of the same role or against its own history; slow groups of different
+  roles are intersected to find the common rank.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict, deque
+from dataclasses import dataclass
+
+from ccld_plugin.config import DiagnoserConfig
+from ccld_plugin.diagnose.records import Cause, Kind, Verdict
+from ccld_plugin.diagnose.view import JobView
+from ccld_plugin.summary import ArrivalSample, StepStat
+from ccld_plugin.topology import GroupInfo, Topology
+
+__all__ = ["Joined", "SlowDetector"]
+
+FIRST_STEP = 1  # step 0 is warm-up (allocations, connection setup)
+MAX_JOINED = 20000
+PENDING_TTL_NS = 60_000_000_000
+MIN_ARRIVAL_SAMPLES = 4
+COMM_HISTORY_RATIO = 2.0  # against its own past a group must be this much slower
+
+
+@dataclass(frozen=True)
+class Joined:
+    """One sampled collective seen by all its members."""
+
+    group: GroupInfo
+    seq: int
+    time_ns: int
+    last: int  # the last arriver
+    waits_ns: dict[int, int]  # per member: how long it waited for the last arriver
+    transfer_ns: int
+    bytes: int
+
+
+class SlowDetector:
+    def __init__(self, cfg: DiagnoserConfig) -> None:
+        self.cfg = cfg
+        self.steps: dict[int, dict[int, StepStat]] = defaultdict(dict)
+        self.pending: dict[tuple[int, int], dict[int, ArrivalSample]] = {}
+        self.pending_group: dict[tuple[int, int], GroupInfo] = {}
+        self.joined: deque[Joined] = deque(maxlen=MAX_JOINED)
+        self.next_window = 0
+        self.streak: dict[tuple, int] = defaultdict(int)
+        self.first_seen: dict[tuple, int] = {}
+        self.bw_history: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=20))
+
+    # ------------------------------------------------------------------ ingest
+    def ingest(self, view: JobView) -> None:
+        for rank, s in view.summaries.items():
+            mine = self.steps[rank]
+            for st in s.steps:
+                mine[st.step] = st
+            horizon = self.next_window_start() - 4 * self.cfg.window_steps
+            for old in [k for k in mine if k < horizon]:
+                del mine[old]
+            for a in s.samples:
+                g = view.group(rank, a.slot)
+                if g is None:
+                    continue
+                key = (g.group_id, a.seq)
+                self.pending.setdefault(key, {})[rank] = a
+                self.pending_group[key] = g
+        for key in list(self.pending):
+            got, g = self.pending[key], self.pending_group[key]
+            if len(got) == g.size:
+                self._join(g, key[1], got)
+            elif got and view.now_ns - max(a.enter_ns for a in got.values()) < PENDING_TTL_NS:
+                continue
+            del self.pending[key]
+            del self.pending_group[key]
+
+    def _join(self, g: GroupInfo, seq: int, got: dict[int, ArrivalSample]) -> None:
+        last = max(got, key=lambda r: got[r].enter_ns)
+        t_last = got[last].enter_ns
+        first_exit = min(a.enter_ns + a.dur_us * 1000 for a in got.values())
+        self.joined.append(Joined(
+            group=g, seq=seq, time_ns=t_last, last=last,
+            waits_ns={r: t_last - a.enter_ns for r, a in got.items()},
+            transfer_ns=max(0, first_exit - t_last), bytes=max(a.bytes for a in got.values())))
+
+    def next_window_start(self) -> int:
+        return FIRST_STEP + self.next_window * self.cfg.window_steps
+
+    # ------------------------------------------------------------------ windows
+    def evaluate(self, view: JobView) -> list[Verdict]:
+        verdicts = []
+        while True:
+            lo = self.next_window_start()
+            hi = lo + self.cfg.window_steps
+            ranks = [r for r, steps in self.steps.items() if steps]
+            if not ranks or any(max(self.steps[r]) < hi - 1 for r in ranks):
+                return verdicts
+            self.next_window += 1
+            verdicts += self._window(view, lo, hi, ranks)
+
+    def _window(self, view: JobView, lo: int, hi: int, ranks: list[int]) -> list[Verdict]:
+        compute: dict[int, float] = {}
+        t0, t1 = None, None
+        for r in ranks:
+            stats = [self.steps[r][s] for s in range(lo, hi) if s in self.steps[r]]
+            if len(stats) * 2 < hi - lo:
+                continue
+            compute[r] = statistics.fmean(st.compute_us for st in stats)
+            start = min(st.start_ns for st in stats)
+            end = max(st.start_ns + st.step_us * 1000 for st in stats)
+            t0 = start if t0 is None else min(t0, start)
+            t1 = end if t1 is None else max(t1, end)
+        if t0 is None:
+            return []
+        joined = [j for j in self.joined if t0 <= j.time_ns <= t1]
+        verdicts = self._stragglers(view, compute, joined, lo, hi)
+        verdicts += self._slow_links(view, joined, lo, hi)
+        return verdicts
+
+    def _stragglers(self, view: JobView, compute: dict[int, float], joined: list[Joined],
+                    lo: int, hi: int) -> list[Verdict]:
+        out = []
+        candidates = set()
+        for r, x in compute.items():
+            cohort = [c for c in _stats_cohort(view.topology, r) if c in compute]
+            others = [compute[c] for c in cohort if c != r]
+            if not others:
+                continue
+            med = statistics.median(others)
+            if med <= 0 or x < self.cfg.slow_ratio * med:
+                continue
+            if len(cohort) >= 3:
+                values = [compute[c] for c in cohort]
+                m_all = statistics.median(values)
+                mad = statistics.median(abs(v - m_all) for v in values)
+                if x - m_all < max(self.cfg.mad_k * mad, 0.05 * m_all):
+                    continue
+            mine = [j for j in joined if r in j.group.ranks and j.group.size > 1]
+            last_frac = sum(j.last == r for j in mine) / len(mine) if mine else None
+            if mine and len(mine) >= MIN_ARRIVAL_SAMPLES and last_frac < 0.5:
+                continue  # its peers do not wait for it: not what slows the job
+            key = (Kind.SLOW, Cause.COMPUTE, r)
+            candidates.add(key)
+            self.streak[key] += 1
+            self.first_seen.setdefault(key, lo)
+            if self.streak[key] == self.cfg.confirm_windows:
+                out.append(self._straggler_verdict(view, r, x, med, cohort, mine, last_frac,
+                                                   lo, hi, key))
+        for key in list(self.streak):
+            if key[:2] == (Kind.SLOW, Cause.COMPUTE) and key not in candidates:
+                self.streak.pop(key)
+                self.first_seen.pop(key, None)
+        return out
+
+    def _straggler_verdict(self, view: JobView, r: int, x: float, med: float,
+                           cohort: list[int], mine: list[Joined], last_frac: float | None,
+                           lo: int, hi: int, key: tuple) -> Verdict:
+        imposed: dict[int, float] = defaultdict(float)
+        groups: dict[int, GroupInfo] = {}
+        for j in mine:
+            if j.last == r:
+                imposed[j.group.group_id] += sum(w for m, w in j.waits_ns.items() if m != r)
+                groups[j.group.group_id] = j.group
+        if imposed:
+            group = groups[max(imposed, key=imposed.get)]
+        else:
+            group = (view.topology.group_of(r, "dp") or view.topology.group_of(r, "tp")
+                     or view.topology.group_of(r, "world"))
+        first = self.first_seen.get(key, lo)
+        onset_step = self.steps[r].get(first)
+        evidence = [f"compute {x / 1000:.1f} ms/step vs {med / 1000:.1f} ms median of its "
+                    f"cohort {cohort} ({x / med:.2f}x) over steps {lo}-{hi - 1}"]
+        if last_frac is not None and mine:
+            waited = statistics.fmean(
+                statistics.fmean(w for m, w in j.waits_ns.items() if m != r) for j in mine
+                if j.last == r) / 1e6 if imposed else 0.0
+            roles = sorted({j.group.role for j in mine})
+            evidence.append(f"last to arrive in {last_frac:.0%} of {len(mine)} sampled "
+                            f"collectives of its {'/'.join(roles)} groups; peers waited "
+                            f"{waited:.1f} ms per op")
+        return Verdict(kind=Kind.SLOW, cause=Cause.COMPUTE, ranks=[r],
+                       group=group.to_dict() if group else None, step=hi - 1,
+                       onset_s=view.seconds(onset_step.start_ns) if onset_step else None,
+                       detected_s=view.seconds(view.now_ns), severity=round(x / med, 2),
+                       evidence=evidence)
+
+    def _slow_links(self, view: JobView, joined: list[Joined], lo: int, hi: int
+                    ) -> list[Verdict]:
+        per_group: dict[int, list[Joined]] = defaultdict(list)
+        for j in joined:
+            if j.bytes > 0 and j.group.size > 1:
+                per_group[j.group.group_id].append(j)
+        bw = {gid: sum(j.bytes for j in js) / max(1, sum(j.transfer_ns for j in js)) * 1e9
+              for gid, js in per_group.items() if len(js) >= MIN_ARRIVAL_SAMPLES}
+        groups = {gid: js[0].group for gid, js in per_group.items()}
+        slow: list[tuple[GroupInfo, float, float]] = []
+        for gid, b in bw.items():
+            g = groups[gid]
+            siblings = [bw[o] for o in bw if o != gid and groups[o].role == g.role]
+            history = list(self.bw_history[gid])
+            ref = None
+            if siblings and b * self.cfg.slow_ratio < statistics.median(siblings):
+                ref = statistics.median(siblings)
+            elif len(history) >= 2 and b * COMM_HISTORY_RATIO < statistics.median(history):
+                ref = statistics.median(history)
+            if ref is None:
+                self.bw_history[gid].append(b)
+            else:
+                slow.append((g, b, ref))
+        if not slow:
+            for key in [k for k in self.streak if k[:2] == (Kind.SLOW, Cause.COMMUNICATION)]:
+                self.streak.pop(key)
+            return []
+        common = set(slow[0][0].ranks)
+        for g, _, _ in slow[1:]:
+            common &= set(g.ranks)
+        ranks = sorted(common) if common else sorted(set().union(*(g.ranks for g, _, _ in slow)))
+        worst = min(slow, key=lambda s: s[1] / s[2])
+        key = (Kind.SLOW, Cause.COMMUNICATION, tuple(ranks))
+        self.streak[key] += 1
+        self.first_seen.setdefault(key, lo)
+        if self.streak[key] != self.cfg.confirm_windows:
+            return []
+        g, b, ref = worst
+        evidence = [f"{s[0].role}{list(s[0].ranks)} moves {s[1] / 1e6:.1f} MB/s vs "
+                    f"{s[2] / 1e6:.1f} MB/s for its siblings / history" for s in slow]
+        if len(slow) > 1:
+            evidence.append(f"slow groups intersect in ranks {ranks}")
+        return [Verdict(kind=Kind.SLOW, cause=Cause.COMMUNICATION, ranks=ranks,
+                        group=g.to_dict(), step=hi - 1, onset_s=None,
+                        detected_s=view.seconds(view.now_ns), severity=round(ref / b, 2),
+                        evidence=evidence)]
+
+
+def _stats_cohort(topo: Topology, rank: int) -> list[int]:
+    """Ranks whose compute time should match ``rank``'s: its DP peers when there are enough
+    for statistics, else every rank of its pipeline stage (TP peers do equal work)."""
+    cohort = topo.cohort(rank)
+    if len(cohort) >= 3:
+        return cohort
+    stage = topo.stage_of(rank)
+    same_stage = [r for r in topo.ranks() if topo.stage_of(r) == stage]
+    return same_stage if len(same_stage) > len(cohort) else cohort

@@ -1,0 +1,99 @@
+"""One round's picture of the job: every rank's latest summary joined with its groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ccld_plugin.probe import FLAG_P2P, FLAG_SEND, OP_NAMES
+from ccld_plugin.summary import InFlightOp, RankSummary
+from ccld_plugin.topology import GroupInfo, Topology
+
+__all__ = ["Blocked", "JobView"]
+
+
+@dataclass(frozen=True)
+class Blocked:
+    """A rank's oldest in-flight op, resolved to its group."""
+
+    rank: int
+    op: InFlightOp
+    group: GroupInfo
+    age_s: float
+
+    @property
+    def p2p(self) -> bool:
+        return bool(self.op.flags & FLAG_P2P)
+
+    @property
+    def sends(self) -> bool:
+        return bool(self.op.flags & FLAG_SEND)
+
+    @property
+    def op_name(self) -> str:
+        return OP_NAMES.get(self.op.op, "unknown")
+
+    @property
+    def trace_id(self) -> str:
+        return f"{self.group.group_id:016x}:{self.op.seq}"
+
+
+@dataclass
+class JobView:
+    summaries: dict[int, RankSummary]
+    tables: dict[int, list[GroupInfo]]  # per rank: its group table, by slot
+    now_ns: int
+    job_start_ns: int
+    world: int
+    gone: set[int] = field(default_factory=set)  # ranks whose process no longer exists
+    topology: Topology = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.topology = Topology()
+        for table in self.tables.values():
+            for g in table:
+                self.topology.add(g)
+
+    def seconds(self, ns: int) -> float:
+        """A diagnoser-clock time as seconds since job start."""
+        return round((ns - self.job_start_ns) / 1e9, 3)
+
+    def group(self, rank: int, slot: int) -> GroupInfo | None:
+        table = self.tables.get(rank, [])
+        if not 0 <= slot < len(table):
+            return None
+        g = table[slot]
+        return self.topology.get(g.group_id) or g
+
+    def entered_seq(self, rank: int, group_id: int) -> int | None:
+        s = self.summaries.get(rank)
+        if s is None:
+            return None
+        for gp in s.groups:
+            g = self.group(rank, gp.slot)
+            if g is not None and g.group_id == group_id:
+                return gp.entered_seq
+        return None
+
+    def ops_of(self, rank: int, state: int | None = None) -> list[tuple[InFlightOp, GroupInfo]]:
+        s = self.summaries.get(rank)
+        out = []
+        for op in s.in_flight if s else []:
+            g = self.group(rank, op.slot)
+            if g is not None and (state is None or op.state == state):
+                out.append((op, g))
+        return out
+
+    def blocked(self) -> dict[int, Blocked]:
+        """Each rank's oldest op still in flight (ranks in no op are absent)."""
+        out = {}
+        for rank in self.summaries:
+            flights = self.ops_of(rank, state=1)
+            if flights:
+                op, g = min(flights, key=lambda x: x[0].enter_ns)
+                out[rank] = Blocked(rank, op, g, max(0.0, (self.now_ns - op.enter_ns) / 1e9))
+        return out
+
+    def idle_s(self, rank: int) -> float:
+        """Seconds since the rank last made progress (an op completed or a step began)."""
+        s = self.summaries[rank]
+        return max(0.0, (self.now_ns - s.last_progress_ns) / 1e9)

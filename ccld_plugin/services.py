@@ -1,0 +1,133 @@
+"""The live-diagnosis services of a session: the agent in every rank, and the diagnoser
+thread on the diagnoser rank, which reads every summary each round and feeds the sinks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from ccld_plugin.agent import Agent, StepClock
+from ccld_plugin.control import ControlPlane
+from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
+from ccld_plugin.errors import log, report_error
+from ccld_plugin.sinks import Sink, build_sinks
+from ccld_plugin.summary import RankSummary, decode_summary
+from ccld_plugin.topology import GroupInfo
+
+__all__ = ["DiagnoserService", "start"]
+
+
+def start(session: Any) -> None:
+    """Start the agent (and on the diagnoser rank, the diagnoser) of a session."""
+    cfg = session.config
+    control = ControlPlane(cfg.control, session.rank, session.world, _job(session),
+                           cfg.diagnoser.rank)
+    steps = StepClock()
+    session.steps = steps
+    timeout = cfg.control.connect_timeout_s
+    if session.rank == cfg.diagnoser.rank:
+        diag = DiagnoserService(cfg, control.connect(), session.world,
+                                session.started_ns, build_sinks(cfg.sinks))
+        diag.start()
+        session.services.append(diag)
+    agent = Agent(cfg.agent, control, session.board_path, session.rank, socket.gethostname(),
+                  os.getpid(), session.tracer, steps, timeout + 5)
+    agent.start()
+    session.services.append(agent)
+    session.clock_source = agent
+
+
+def _job(session: Any) -> str:
+    from ccld_plugin.session import job_name
+
+    return job_name(session.config)
+
+
+class DiagnoserService:
+    def __init__(self, cfg: Any, control: ControlPlane, world: int, job_start_ns: int,
+                 sinks: list[Sink]) -> None:
+        self.cfg = cfg
+        self.control = control
+        self.world = world
+        self.job_start_ns = job_start_ns
+        self.sinks = sinks
+        self.diagnoser = Diagnoser(cfg.diagnoser, cfg.agent.interval_s)
+        self.verdicts: list[Verdict] = []
+        self._tables: dict[int, tuple[int, list[GroupInfo]]] = {}
+        self._host = socket.gethostname()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ccld-diagnoser", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """One last round (the exit and exception paths), so the verdict that explains a
+        failing job is written before this process ends."""
+        self._stop.set()
+        self._thread.join(timeout=self.cfg.agent.interval_s + 5)
+        self._round()
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as exc:  # noqa: BLE001
+                report_error("diagnoser.sink", exc)
+
+    def _run(self) -> None:
+        try:
+            self.control.serve_clock(self.job_start_ns, self.cfg.control.connect_timeout_s)
+        except Exception as exc:  # noqa: BLE001
+            report_error("diagnoser.clock", exc)
+        interval = self.cfg.agent.interval_s
+        while not self._stop.wait(interval / 2):
+            self._round()
+
+    def _round(self) -> None:
+        with self._lock:
+            try:
+                view = self._view()
+                verdicts = self.diagnoser.round(view) if view.summaries else []
+            except Exception as exc:  # noqa: BLE001
+                report_error("diagnoser.round", exc)
+                return
+            for v in verdicts:
+                self.verdicts.append(v)
+                log.info("ccld verdict: %s", v.to_dict())
+                for sink in self.sinks:
+                    try:
+                        sink.emit(v)
+                    except Exception as exc:  # noqa: BLE001
+                        report_error(f"diagnoser.{type(sink).__name__}", exc)
+
+    def _view(self) -> JobView:
+        raw = self.control.read_summaries(range(self.world))
+        summaries: dict[int, RankSummary] = {}
+        for rank, data in raw.items():
+            try:
+                summaries[rank] = decode_summary(data)
+            except ValueError as exc:
+                report_error("diagnoser.decode", exc)
+        for rank, s in summaries.items():
+            known = self._tables.get(rank)
+            if known is None or known[0] != s.groups_version:
+                self._tables[rank] = self.control.read_groups(rank)
+        gone = {r for r, s in summaries.items() if s.host == self._host and not s.exited
+                and not _alive(s.pid)}
+        return JobView(summaries=summaries,
+                       tables={r: t for r, (_, t) in self._tables.items() if r in summaries},
+                       now_ns=time.monotonic_ns(), job_start_ns=self.job_start_ns,
+                       world=self.world, gone=gone)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process exists and is not a zombie (a killed child not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
