@@ -15,12 +15,16 @@ C and must stay usable (tests, ``ccld inspect``) without the extension built.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import ipaddress
 import os
 import socket
 import struct
+import sys
+import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,9 +41,13 @@ __all__ = [
     "WAIT_NETWORK",
     "WAIT_NONE",
     "WAIT_PEER",
+    "WAIT_CODES",
+    "DIRECTION_RECV",
+    "DIRECTION_SEND",
     "Endpoint",
     "TcpConn",
     "TcpProbe",
+    "channel_fields",
     "classify_wait",
     "find_library",
     "local_endpoints",
@@ -88,10 +96,14 @@ LOCAL_SNDBUF_SHARE = 0.5
 # RTT inflation over the connection's own floor (the kernel's windowed min_rtt) means
 # bytes sit in a queue somewhere on the path. Both conditions must hold: the ratio alone
 # fires on microsecond jitter of loopback or same-rack paths, the absolute excess alone
-# ignores that a long path has a high floor. Datacenter switches add well under a
-# millisecond of queueing when healthy; a congested or rate-limited link adds tens.
+# ignores that a long path has a high floor. Healthy datacenter fabrics add well under a
+# millisecond of queueing; a link shaped to 20 Mbit/s measured 6-17 ms over a 30-40 us
+# floor here, and a congested switch port adds as much or more. 2 ms sits between.
+# A link that is slow without a queue (a NIC that renegotiated a lower speed: TCP small
+# queues keep the local backlog short) shows no inflation; the diagnoser's bandwidth
+# comparison across sibling groups catches that, not this rule.
 RTT_INFLATION = 4.0
-RTT_EXCESS_MIN_US = 5_000
+RTT_EXCESS_MIN_US = 2_000
 
 # --- Native library -----------------------------------------------------------------------
 
@@ -172,7 +184,7 @@ class TcpConn:
     inode: int
     cookie: int  # kernel socket id; with inode, tells a reused port from the same socket
     sample_ns: int
-    bytes_acked: int  # sent and acknowledged by the peer
+    bytes_acked: int  # sent and acknowledged by the peer (Linux counts the SYN as 1)
     bytes_received: int  # received in order (whether or not the application read it)
     notsent_bytes: int  # written by the application, not yet sent
     unacked_bytes: int  # sent, not yet acknowledged
@@ -207,60 +219,72 @@ def _host(family: int, raw: bytes) -> str:
 
 
 def _conn_from_record(r: tuple) -> TcpConn:
-    i = _INDEX
-    family = r[i["family"]]
+    # One positional unpack in _FIELDS order: this runs for every socket every tick.
+    (cookie, sample_ns, inode, family, state, _info_bytes, laddr, raddr, lport, rport,
+     _ifindex, acked, received, _sent, _bytes_retrans, busy, rwnd, sndbuf_limited, rate,
+     notsent, unacked, unread, _unacked_segs, rtt, _rttvar, min_rtt, total_retrans,
+     retrans_out, _lost, rtos, _cwnd, _mss, snd_wnd, sndbuf, _rcvbuf, _last_sent,
+     _last_recv, last_ack, _pad1) = r  # fmt: skip
     return TcpConn(
-        local=(_host(family, r[i["local_addr"]]), r[i["local_port"]]),
-        remote=(_host(family, r[i["remote_addr"]]), r[i["remote_port"]]),
-        state=_TCP_STATE_NAMES.get(r[i["state"]], str(r[i["state"]])),
-        inode=r[i["inode"]],
-        cookie=r[i["cookie"]],
-        sample_ns=r[i["sample_ns"]],
-        bytes_acked=r[i["bytes_acked"]],
-        bytes_received=r[i["bytes_received"]],
-        notsent_bytes=r[i["notsent_bytes"]],
-        unacked_bytes=r[i["unacked_bytes"]],
-        unread_bytes=r[i["unread_bytes"]],
-        rtt_us=r[i["rtt_us"]],
-        min_rtt_us=r[i["min_rtt_us"]],
-        retrans=r[i["total_retrans"]],
-        retrans_in_flight=r[i["retrans_out"]],
-        consecutive_rtos=r[i["rto_count"]],
-        busy_us=r[i["busy_us"]],
-        rwnd_limited_us=r[i["rwnd_limited_us"]],
-        sndbuf_limited_us=r[i["sndbuf_limited_us"]],
-        delivery_rate_bps=r[i["delivery_rate"]] * 8,
-        snd_wnd_bytes=r[i["snd_wnd"]],
-        sndbuf_bytes=r[i["sndbuf_bytes"]],
-        last_ack_recv_ms=r[i["last_ack_recv_ms"]],
+        (_host(family, laddr), lport),
+        (_host(family, raddr), rport),
+        _TCP_STATE_NAMES.get(state) or str(state),
+        inode,
+        cookie,
+        sample_ns,
+        acked,
+        received,
+        notsent,
+        unacked,
+        unread,
+        rtt,
+        min_rtt,
+        total_retrans,
+        retrans_out,
+        rtos,
+        busy,
+        rwnd,
+        sndbuf_limited,
+        rate * 8,
+        snd_wnd,
+        sndbuf,
+        last_ack,
     )
 
 
 class TcpProbe:
     """The native probe, loaded once, with a reusable record buffer.
 
-    Not thread-safe (the buffer is shared); use one per thread. The native call itself is.
+    :meth:`sample` is the call to make every tick. A kernel dump walks the whole TCP hash
+    table of the network namespace (milliseconds on a large host, however few sockets are
+    ours), so after one dump the probe re-reads the connections it knows by exact lookup
+    (microseconds each) and dumps again only when this process opened a socket it has not
+    seen, or REDISCOVER_S after the last dump (a socket that was open but not yet
+    connected at that dump is found then).
+
+    Thread-safe: calls are serialized on a lock (the buffer and the cache are shared).
     """
+
+    REDISCOVER_S = 10.0
 
     def __init__(self, library: str | os.PathLike[str] | None = None) -> None:
         self.path = find_library(library)
         lib = ctypes.CDLL(str(self.path))
+        u32p = ctypes.POINTER(ctypes.c_uint32)
         lib.ccld_tcp_conn_size.restype = ctypes.c_size_t
         lib.ccld_tcp_conn_size.argtypes = []
         lib.ccld_tcp_sample.restype = ctypes.c_int
         lib.ccld_tcp_sample.argtypes = [
-            ctypes.POINTER(ctypes.c_uint32),
+            u32p,
             ctypes.c_int,
             ctypes.c_uint32,
             ctypes.c_void_p,
             ctypes.c_int,
         ]
+        lib.ccld_tcp_refresh.restype = ctypes.c_int
+        lib.ccld_tcp_refresh.argtypes = [ctypes.c_void_p, ctypes.c_int]
         lib.ccld_tcp_socket_inodes.restype = ctypes.c_int
-        lib.ccld_tcp_socket_inodes.argtypes = [
-            ctypes.c_int,
-            ctypes.POINTER(ctypes.c_uint32),
-            ctypes.c_int,
-        ]
+        lib.ccld_tcp_socket_inodes.argtypes = [ctypes.c_int, u32p, ctypes.c_int]
         native = lib.ccld_tcp_conn_size()
         if native != _RECORD.size:
             raise RuntimeError(
@@ -271,49 +295,105 @@ class TcpProbe:
         self._capacity = 0
         self._buf = ctypes.create_string_buffer(0)
         self._grow(256)
+        self._inode_buf = (ctypes.c_uint32 * 1024)()
+        # The cache behind sample(): records [0, _count) of _buf, and the TCP socket
+        # inodes the process had at the last dump.
+        self._lock = threading.Lock()
+        self._count = 0
+        self._seen: frozenset[int] = frozenset()
+        self._dumped_at: float | None = None
+        self.dumps = 0
+        self.refreshes = 0
 
     def _grow(self, capacity: int) -> None:
         self._capacity = capacity
         self._buf = ctypes.create_string_buffer(capacity * _RECORD.size)
 
-    def sample_raw(self, states: int = STATES_CONNECTED, inodes: Iterable[int] | None = None
-                   ) -> list[tuple]:
-        """The records as tuples in `_FIELDS` order (cheaper than :meth:`sample`)."""
+    def _records(self, buf: ctypes.Array, n: int) -> list[tuple]:
+        return list(_RECORD.iter_unpack(memoryview(buf)[: n * _RECORD.size]))
+
+    def _dump_into_buf(self, states: int, inodes: list[int] | None) -> int:
+        """Dump into the cache buffer, growing it as needed; returns the record count."""
         arr = None
-        n_in = 0
         if inodes is not None:
-            ino = list(inodes)
-            n_in = len(ino)
-            arr = (ctypes.c_uint32 * max(n_in, 1))(*ino)
-        # The set of sockets can grow between the size report and the retry; a few rounds
+            arr = (ctypes.c_uint32 * max(len(inodes), 1))(*inodes)
+        n_in = len(inodes) if inodes is not None else 0
+        # The socket set can grow between the size report and the retry; a few rounds
         # always suffice in practice, and a truncated sample is better than none.
         for _ in range(4):
             n = self._lib.ccld_tcp_sample(arr, n_in, states, self._buf, self._capacity)
             if n < 0:
                 raise OSError(-n, f"ccld_tcp_sample: {os.strerror(-n)}")
             if n <= self._capacity:
-                break
+                return n
             self._grow(n + n // 4 + 16)
-        n = min(n, self._capacity)
-        view = memoryview(self._buf)[: n * _RECORD.size]
-        return list(_RECORD.iter_unpack(view))
-
-    def sample(self, states: int = STATES_CONNECTED, inodes: Iterable[int] | None = None
-               ) -> list[TcpConn]:
-        """This process's TCP connections (or those with the given socket inodes)."""
-        return [_conn_from_record(r) for r in self.sample_raw(states, inodes)]
+        return self._capacity
 
     def socket_inodes(self, pid: int = 0) -> list[int]:
-        """Inodes of the sockets open in `pid` (0: this process)."""
-        cap = 1024
+        """Inodes of this process's TCP sockets (pid 0), or of all sockets of `pid`."""
+        with self._lock:
+            return self._socket_inodes(pid)
+
+    def _socket_inodes(self, pid: int) -> list[int]:
         while True:
-            out = (ctypes.c_uint32 * cap)()
-            n = self._lib.ccld_tcp_socket_inodes(pid, out, cap)
+            cap = len(self._inode_buf)
+            n = self._lib.ccld_tcp_socket_inodes(pid, self._inode_buf, cap)
             if n < 0:
                 raise OSError(-n, f"ccld_tcp_socket_inodes({pid}): {os.strerror(-n)}")
             if n <= cap:
-                return list(out[:n])
+                return self._inode_buf[:n]
+            self._inode_buf = (ctypes.c_uint32 * (n + n // 4 + 16))()
+
+    def dump(
+        self, states: int = STATES_CONNECTED, inodes: Iterable[int] | None = None
+    ) -> list[TcpConn]:
+        """One kernel dump: the sockets with these inodes (default: this process's) in
+        these states. Leaves the cache behind :meth:`sample` alone."""
+        ino = None if inodes is None else list(inodes)
+        arr = None if ino is None else (ctypes.c_uint32 * max(len(ino), 1))(*ino)
+        cap = self._capacity
+        for _ in range(4):
+            buf = ctypes.create_string_buffer(cap * _RECORD.size)
+            n = self._lib.ccld_tcp_sample(arr, len(ino or ()), states, buf, cap)
+            if n < 0:
+                raise OSError(-n, f"ccld_tcp_sample: {os.strerror(-n)}")
+            if n <= cap:
+                break
             cap = n + n // 4 + 16
+        return [_conn_from_record(r) for r in self._records(buf, min(n, cap))]
+
+    def sample_raw(self) -> list[tuple]:
+        """Like :meth:`sample`, as tuples in ``_FIELDS`` order (no objects built)."""
+        with self._lock:
+            return self._sample_raw()
+
+    def _sample_raw(self) -> list[tuple]:
+        inodes = self._socket_inodes(0)
+        current = frozenset(inodes)
+        now = time.monotonic()
+        if (
+            self._dumped_at is None
+            or not current <= self._seen
+            or now - self._dumped_at > self.REDISCOVER_S
+        ):
+            n = self._dump_into_buf(STATES_CONNECTED, inodes)
+            self._seen, self._dumped_at = current, now
+            self.dumps += 1
+        else:
+            n = self._lib.ccld_tcp_refresh(self._buf, self._count)
+            if n < 0:
+                self._dumped_at = None  # start over with a dump next time
+                raise OSError(-n, f"ccld_tcp_refresh: {os.strerror(-n)}")
+            self.refreshes += 1
+        self._count = n
+        ino = _INDEX["inode"]
+        # A socket we closed can live on in a forked child that inherited it: its key and
+        # inode still match, but it is not ours any more.
+        return [r for r in self._records(self._buf, n) if r[ino] in current]
+
+    def sample(self) -> list[TcpConn]:
+        """This process's connected TCP sockets, with their kernel counters."""
+        return [_conn_from_record(r) for r in self.sample_raw()]
 
     def local_endpoints(self) -> list[Endpoint]:
         """The (ip, port) pairs other ranks see as the remote end of our connections.
@@ -321,7 +401,7 @@ class TcpProbe:
         The local end of every connected socket, plus listening sockets (which may be a
         wildcard address such as 0.0.0.0; :func:`map_peers` treats those by port).
         """
-        eps = {c.local for c in self.sample(STATES_CONNECTED | STATES_LISTEN)}
+        eps = {c.local for c in self.dump(STATES_CONNECTED | STATES_LISTEN)}
         return sorted(ep for ep in eps if ep[1] != 0)
 
 
@@ -338,6 +418,44 @@ def sample_connections(library: str | os.PathLike[str] | None = None) -> list[Tc
 def local_endpoints(library: str | os.PathLike[str] | None = None) -> list[Endpoint]:
     """The endpoints this process publishes so that peers can map connections to it."""
     return _probe(None if library is None else str(library)).local_endpoints()
+
+
+# --- Board channel records -----------------------------------------------------------------
+
+# enum ccld_wait and enum ccld_direction of board.h.
+WAIT_CODES = {WAIT_NONE: 0, WAIT_LOCAL: 1, WAIT_PEER: 2, WAIT_NETWORK: 3}
+DIRECTION_SEND = 0
+DIRECTION_RECV = 1
+
+
+def channel_fields(conn: TcpConn, wait: str, peer: int = -1) -> dict[str, int]:
+    """The TCP-derived fields of a board channel record (struct ccld_channel) for `conn`.
+
+    The caller adds what the probe cannot know: group_id, seq, first_ns and
+    last_progress_ns. The direction is the one that carries more bytes. Units follow the
+    board, which differs from TcpConn in one place: delivery_rate is bytes per second.
+    """
+    send = conn.bytes_acked >= conn.bytes_received
+    remote_addr = 0
+    with contextlib.suppress(OSError):  # IPv6 peers have no IPv4 form: 0, as board.h says
+        remote_addr = int.from_bytes(socket.inet_aton(conn.remote[0]), sys.byteorder)
+    return {
+        "source": 2,  # CCLD_SRC_TCP
+        "direction": DIRECTION_SEND if send else DIRECTION_RECV,
+        "wait": WAIT_CODES[wait],
+        "peer": peer,
+        "bytes_done": conn.bytes_acked if send else conn.bytes_received,
+        "bytes_queued": conn.queued_bytes if send else conn.unread_bytes,
+        "rtt_us": conn.rtt_us,
+        "retrans": conn.retrans,
+        "rwnd_limited_us": conn.rwnd_limited_us,
+        "sndbuf_limited_us": conn.sndbuf_limited_us,
+        "busy_us": conn.busy_us,
+        "delivery_rate": conn.delivery_rate_bps // 8,
+        "local_port": conn.local[1],
+        "remote_port": conn.remote[1],
+        "remote_addr": remote_addr,
+    }
 
 
 # --- Peer mapping ---------------------------------------------------------------------
@@ -418,8 +536,10 @@ def classify_wait(prev: TcpConn, cur: TcpConn, dt_s: float | None = None) -> str
       this probe, tells a late arrival.
     """
     if (prev.cookie, prev.inode) != (cur.cookie, cur.inode):
-        raise ValueError(f"samples of different sockets: {prev.local}->{prev.remote} vs "
-                         f"{cur.local}->{cur.remote}")
+        raise ValueError(
+            f"samples of different sockets: {prev.local}->{prev.remote} vs "
+            f"{cur.local}->{cur.remote}"
+        )
     if dt_s is None:
         dt_s = (cur.sample_ns - prev.sample_ns) / 1e9
     if dt_s <= 0:
@@ -439,8 +559,10 @@ def classify_wait(prev: TcpConn, cur: TcpConn, dt_s: float | None = None) -> str
         if prev.unacked_bytes > 0 and cur.unacked_bytes > 0 and delta("bytes_acked") == 0:
             return WAIT_NETWORK
         floor = cur.min_rtt_us
-        if floor > 0 and cur.rtt_us >= RTT_INFLATION * floor and (
-            cur.rtt_us - floor >= RTT_EXCESS_MIN_US
+        if (
+            floor > 0
+            and cur.rtt_us >= RTT_INFLATION * floor
+            and (cur.rtt_us - floor >= RTT_EXCESS_MIN_US)
         ):
             return WAIT_NETWORK
 
