@@ -262,6 +262,10 @@ class Tracer:
         """Time the training loop spent blocked in ``wait()`` on async work."""
         step = self.current_step
         self._wait_ns[step] = self._wait_ns.get(step, 0) + ns
+        try:
+            self.board.add_blocked(ns)
+        except Exception as exc:  # noqa: BLE001
+            report_error("tracer.wait", exc)
 
     def take_wait_ns(self, before_step: int) -> dict[int, int]:
         """Wait time of the steps before ``before_step`` (removed from the tracer)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -75,12 +76,22 @@ class WorkloadConfig:
     tp: int = 1
     pp: int = 1
     steps: int = 20
-    hidden: int = 128
+    hidden: int = 256
     blocks_per_stage: int = 2
-    micro_batches: int = 2
-    micro_batch_size: int = 32
+    micro_batches: int = 4
+    micro_batch_size: int = 64
     lr: float = 1e-3
     seed: int = 1234
+
+
+_injector: Any = None  # the fault injector of this rank, if any (see _comm_point)
+
+
+def _comm_point() -> None:
+    """Every communication of the loop passes here first, so that a compute-slow fault
+    stretches each stretch of compute before it, as a slower device would."""
+    if _injector is not None:
+        _injector.stretch()
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -89,6 +100,7 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         x = x.clone()
+        _comm_point()
         dist.all_reduce(x, group=group)
         return x
 
@@ -108,6 +120,7 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous().clone()
+        _comm_point()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
@@ -146,6 +159,8 @@ def train(cfg: WorkloadConfig, injector: Any = None, timeout_s: float = 600.0) -
     layout = Layout(world, cfg.tp, cfg.pp)
     t_idx, _, stage = layout.coords(rank)
     groups = _new_groups(layout, rank, timedelta(seconds=timeout_s))
+    global _injector
+    _injector = injector
     if injector is not None:
         injector.bind_groups(groups)
     torch.manual_seed(cfg.seed + stage * 1000 + t_idx)
@@ -173,28 +188,33 @@ def train(cfg: WorkloadConfig, injector: Any = None, timeout_s: float = 600.0) -
                 x = torch.randn(shape, generator=gen)
             else:
                 x = torch.empty(shape)
+                _comm_point()
                 dist.recv(x, prev_rank, group=pp_group)
                 x.requires_grad_(True)
-            y = _timed_compute(injector, lambda x=x: blocks(x))
+            y = blocks(x)
             if next_rank is None:
                 loss = y.pow(2).mean()
                 step_loss += float(loss)
                 y = loss
             else:
+                _comm_point()
                 dist.send(y.detach(), next_rank, group=pp_group)
             inputs.append(x)
             outputs.append(y)
         for x, y in zip(reversed(inputs), reversed(outputs), strict=True):
             if next_rank is None:
-                _timed_compute(injector, lambda y=y: y.backward())
+                y.backward()
             else:
                 g = torch.empty(shape)
+                _comm_point()
                 dist.recv(g, next_rank, group=pp_group)
-                _timed_compute(injector, lambda y=y, g=g: y.backward(g))
+                y.backward(g)
             if prev_rank is not None:
+                _comm_point()
                 dist.send(x.grad, prev_rank, group=pp_group)
         if groups.get("dp") is not None:
             flat = torch.cat([p.grad.reshape(-1) for p in params])
+            _comm_point()
             dist.all_reduce(flat, group=groups["dp"])
             flat /= layout.dp
             offset = 0
@@ -202,18 +222,11 @@ def train(cfg: WorkloadConfig, injector: Any = None, timeout_s: float = 600.0) -
                 p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
         optim.step()
+        _comm_point()  # the optimizer step is compute too
         if next_rank is None:
             losses.append(step_loss / cfg.micro_batches)
         step_times.append(time.perf_counter() - t0)
     return {"rank": rank, "steps": cfg.steps, "losses": losses, "step_times": step_times}
-
-
-def _timed_compute(injector: Any, fn: Any) -> Any:
-    t0 = time.perf_counter()
-    out = fn()
-    if injector is not None:
-        injector.after_compute(time.perf_counter() - t0)
-    return out
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -221,8 +234,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--micro-batches", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--timeout-s", type=float, default=600.0,
                    help="process-group timeout; keep it above the hang threshold")
     p.add_argument("--no-ccld", action="store_true", help="run without the plugin")
@@ -233,6 +246,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
+    logging.basicConfig(level=os.environ.get("CCLD_LOG_LEVEL", "WARNING").upper(),
+                        format="%(message)s")
     if not args.no_ccld:
         ccld_plugin.enable(overrides=args.ccld_set)  # completes once the group exists
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))

@@ -53,6 +53,10 @@ class Board {
   void heartbeat() { ccld_heartbeat(live()); }
   void set_step(int64_t step) { ccld_set_step(live(), step); }
   void count_error() { ccld_count_error(live()); }
+  void add_blocked(uint64_t ns) { ccld_add_blocked(live(), ns); }
+  uint64_t blocked_ns() {
+    return __atomic_load_n(&ccld_board_header(live())->blocked_ns, __ATOMIC_RELAXED);
+  }
   void set_clock_offset(int64_t ns) { ccld_set_clock_offset(live(), ns); }
 
   int32_t channel_claim(uint8_t source) { return ccld_channel_claim(live(), source); }
@@ -98,7 +102,7 @@ nb::dict layout() {
                         F(ccld_header, ops_written, "<u8"), F(ccld_header, heartbeat_ns, "<i8"),
                         F(ccld_header, step, "<i8"), F(ccld_header, step_start_ns, "<i8"),
                         F(ccld_header, errors, "<u8"), F(ccld_header, clock_offset_ns, "<i8"),
-                        F(ccld_header, closed, "<u8")}};
+                        F(ccld_header, closed, "<u8"), F(ccld_header, blocked_ns, "<u8")}};
   d["group"] = Layout{sizeof(ccld_group),
                       {F(ccld_group, group_id, "<u8"), F(ccld_group, role, "<i4"),
                        F(ccld_group, size, "<i4"), F(ccld_group, ranks_off, "<u4"),
@@ -178,6 +182,8 @@ NB_MODULE(_native, m) {
       .def("heartbeat", &Board::heartbeat)
       .def("set_step", &Board::set_step)
       .def("count_error", &Board::count_error)
+      .def("add_blocked", &Board::add_blocked)
+      .def_prop_ro("blocked_ns", &Board::blocked_ns)
       .def("set_clock_offset", &Board::set_clock_offset)
       .def("channel_claim", &Board::channel_claim)
       .def("channel_release", &Board::channel_release)

@@ -266,11 +266,15 @@ void ccld_op_exit(ccld_board* b, uint64_t index, uint8_t state) {
   uint16_t slot = r->group_slot;
   uint64_t seq = r->seq;
   int p2p = (r->flags & CCLD_FLAG_P2P) != 0;
+  int blocking = (r->flags & CCLD_FLAG_ASYNC) == 0;
+  int64_t entered = r->enter_ns;
   if (mine) {
     r->state = state;
     r->exit_ns = now;
   }
   write_end(&r->lock, l);
+  if (mine && blocking && now > entered)
+    __atomic_add_fetch(&b->hdr->blocked_ns, (uint64_t)(now - entered), __ATOMIC_RELAXED);
   if (mine && !p2p) {
     ccld_group* g = ccld_board_group(b, slot);
     atomic_max_u64(&g->completed_seq, seq);
@@ -294,6 +298,10 @@ void ccld_set_step(ccld_board* b, int64_t step) {
 }
 
 void ccld_count_error(ccld_board* b) { __atomic_add_fetch(&b->hdr->errors, 1, __ATOMIC_RELAXED); }
+
+void ccld_add_blocked(ccld_board* b, uint64_t ns) {
+  __atomic_add_fetch(&b->hdr->blocked_ns, ns, __ATOMIC_RELAXED);
+}
 
 void ccld_set_clock_offset(ccld_board* b, int64_t offset_ns) {
   STORE(&b->hdr->clock_offset_ns, offset_ns);

@@ -110,7 +110,8 @@ typedef struct ccld_header {
   uint64_t errors;          /* errors contained inside the plugin */
   int64_t clock_offset_ns;  /* this rank's monotonic clock minus the diagnoser's */
   uint64_t closed;          /* 1 after a clean close */
-  uint8_t _reserved[120];
+  uint64_t blocked_ns;      /* time spent inside synchronous ops and waits on async ones */
+  uint8_t _reserved[112];
 } ccld_header;
 
 typedef struct ccld_group {
@@ -209,6 +210,8 @@ void ccld_op_add_bytes(ccld_board* b, uint64_t index, uint64_t bytes);
 void ccld_heartbeat(ccld_board* b);
 void ccld_set_step(ccld_board* b, int64_t step);
 void ccld_count_error(ccld_board* b);
+/* Add time the training loop spent blocked on async work (a wait() call). */
+void ccld_add_blocked(ccld_board* b, uint64_t ns);
 void ccld_set_clock_offset(ccld_board* b, int64_t offset_ns);
 
 /* Channel records: claim a free slot for a source, write it, release it. */

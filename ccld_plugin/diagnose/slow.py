@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose.records import Cause, Kind, Verdict
 from ccld_plugin.diagnose.view import JobView
+from ccld_plugin.errors import log
 from ccld_plugin.summary import ArrivalSample, StepStat
 from ccld_plugin.topology import GroupInfo, Topology
 
@@ -28,7 +29,15 @@ FIRST_STEP = 1  # step 0 is warm-up (allocations, connection setup)
 MAX_JOINED = 20000
 PENDING_TTL_NS = 60_000_000_000
 MIN_ARRIVAL_SAMPLES = 4
-COMM_HISTORY_RATIO = 2.0  # against its own past a group must be this much slower
+LAST_SHARE = 0.5  # a straggler arrives last in at least this share of its collectives
+LAST_SHARE_SMALL_COHORT = 0.75
+MIN_STEP_SHARE = 0.1  # excess compute below 10% of the step time is noise, not a verdict
+# A group's transfer bandwidth must fall this far below its siblings' (and below its own
+# history, once it has one) to count: small transfers on a busy host vary by 2x.
+COMM_RATIO = 2.5
+# Bandwidth is only meaningful for transfers large enough not to be all latency.
+MIN_BANDWIDTH_BYTES = 256 * 1024
+MIN_TRANSFER_NS = 10_000
 
 
 @dataclass(frozen=True)
@@ -106,13 +115,15 @@ class SlowDetector:
             verdicts += self._window(view, lo, hi, ranks)
 
     def _window(self, view: JobView, lo: int, hi: int, ranks: list[int]) -> list[Verdict]:
-        compute: dict[int, float] = {}
+        compute: dict[int, float] = {}  # median compute time per step over the window
+        step_us: dict[int, float] = {}
         t0, t1 = None, None
         for r in ranks:
             stats = [self.steps[r][s] for s in range(lo, hi) if s in self.steps[r]]
             if len(stats) * 2 < hi - lo:
                 continue
-            compute[r] = statistics.fmean(st.compute_us for st in stats)
+            compute[r] = statistics.median(st.compute_us for st in stats)
+            step_us[r] = statistics.median(st.step_us for st in stats)
             start = min(st.start_ns for st in stats)
             end = max(st.start_ns + st.step_us * 1000 for st in stats)
             t0 = start if t0 is None else min(t0, start)
@@ -120,12 +131,14 @@ class SlowDetector:
         if t0 is None:
             return []
         joined = [j for j in self.joined if t0 <= j.time_ns <= t1]
-        verdicts = self._stragglers(view, compute, joined, lo, hi)
+        log.debug("ccld window %d-%d: compute us %s, %d joined samples", lo, hi - 1,
+                  {r: round(x) for r, x in sorted(compute.items())}, len(joined))
+        verdicts = self._stragglers(view, compute, step_us, joined, lo, hi)
         verdicts += self._slow_links(view, joined, lo, hi)
         return verdicts
 
-    def _stragglers(self, view: JobView, compute: dict[int, float], joined: list[Joined],
-                    lo: int, hi: int) -> list[Verdict]:
+    def _stragglers(self, view: JobView, compute: dict[int, float], step_us: dict[int, float],
+                    joined: list[Joined], lo: int, hi: int) -> list[Verdict]:
         out = []
         candidates = set()
         for r, x in compute.items():
@@ -136,6 +149,9 @@ class SlowDetector:
             med = statistics.median(others)
             if med <= 0 or x < self.cfg.slow_ratio * med:
                 continue
+            # A straggler worth a verdict costs the job a real share of its step time.
+            if x - med < MIN_STEP_SHARE * statistics.median(step_us[c] for c in cohort):
+                continue
             if len(cohort) >= 3:
                 values = [compute[c] for c in cohort]
                 m_all = statistics.median(values)
@@ -144,8 +160,13 @@ class SlowDetector:
                     continue
             mine = [j for j in joined if r in j.group.ranks and j.group.size > 1]
             last_frac = sum(j.last == r for j in mine) / len(mine) if mine else None
-            if mine and len(mine) >= MIN_ARRIVAL_SAMPLES and last_frac < 0.5:
-                continue  # its peers do not wait for it: not what slows the job
+            # Its peers must be waiting for it. With a cohort too small for statistics the
+            # arrival order has to decide, so it must be clear-cut.
+            need = LAST_SHARE if len(cohort) >= 3 else LAST_SHARE_SMALL_COHORT
+            if len(cohort) < 3 and len(mine) < 2 * MIN_ARRIVAL_SAMPLES:
+                continue
+            if mine and len(mine) >= MIN_ARRIVAL_SAMPLES and last_frac < need:
+                continue
             key = (Kind.SLOW, Cause.COMPUTE, r)
             candidates.add(key)
             self.streak[key] += 1
@@ -195,21 +216,23 @@ class SlowDetector:
                     ) -> list[Verdict]:
         per_group: dict[int, list[Joined]] = defaultdict(list)
         for j in joined:
-            if j.bytes > 0 and j.group.size > 1:
+            if j.bytes >= MIN_BANDWIDTH_BYTES and j.group.size > 1:
                 per_group[j.group.group_id].append(j)
-        bw = {gid: sum(j.bytes for j in js) / max(1, sum(j.transfer_ns for j in js)) * 1e9
-              for gid, js in per_group.items() if len(js) >= MIN_ARRIVAL_SAMPLES}
+        bw = {gid: sum(j.bytes for j in js) / sum(j.transfer_ns for j in js) * 1e9
+              for gid, js in per_group.items() if len(js) >= MIN_ARRIVAL_SAMPLES
+              and sum(j.transfer_ns for j in js) >= MIN_TRANSFER_NS * len(js)}
         groups = {gid: js[0].group for gid, js in per_group.items()}
         slow: list[tuple[GroupInfo, float, float]] = []
         for gid, b in bw.items():
             g = groups[gid]
+            # Bandwidth alone is compared against siblings only: a lone group's drop has
+            # many causes (a busy host); naming a link then needs channel evidence.
             siblings = [bw[o] for o in bw if o != gid and groups[o].role == g.role]
             history = list(self.bw_history[gid])
             ref = None
-            if siblings and b * self.cfg.slow_ratio < statistics.median(siblings):
+            if siblings and b * COMM_RATIO < statistics.median(siblings) and (
+                    len(history) < 2 or b * COMM_RATIO < statistics.median(history)):
                 ref = statistics.median(siblings)
-            elif len(history) >= 2 and b * COMM_HISTORY_RATIO < statistics.median(history):
-                ref = statistics.median(history)
             if ref is None:
                 self.bw_history[gid].append(b)
             else:

@@ -1,7 +1,8 @@
 """Compute faults inside a rank: slow compute, a compute hang, a mismatched collective.
 
-The workload calls three hooks: ``before_step`` at each step start, ``after_compute``
-after each compute segment, and ``bind_groups`` once its groups exist. Slowness is a sleep
+The workload calls three hooks: ``before_step`` at each step start, ``stretch()`` right
+before each communication (or ``after_compute`` with a segment's pure compute time, for
+loops that measure it themselves), and ``bind_groups`` once its groups exist. Slowness is a sleep
 proportional to the measured compute time (busy work would slow the other ranks that share
 these few cores). Each fault's actual onset is appended to the fault log (``CCLD_FAULT_LOG``)
 with the time on the diagnoser's clock, so detection latency is measured, not guessed.
@@ -31,6 +32,7 @@ class Injector:
         self._slow_factor = 1.0
         self._started: set[FaultSpec] = set()
         self._groups: dict[str, Any] = {}
+        self._mark: tuple[int, int] | None = None  # (time, blocked ns) at the last stretch
 
     def bind_groups(self, groups: dict[str, Any]) -> None:
         """The rank's process groups by role, for the mismatch fault."""
@@ -50,9 +52,33 @@ class Injector:
                 while True:  # stuck in host code: the peers block in their next collective
                     time.sleep(3600)
 
+    def stretch(self) -> None:
+        """Call right before each communication: under compute-slow, the compute since the
+        previous call (wall time minus time blocked in collectives) is stretched to
+        ``factor`` times its length, as a slower device would. Stretching every interval
+        between collectives, not one lump per step, makes the rank arrive late at each."""
+        if self._slow_factor <= 1.0:
+            return
+        board = self._board()
+        blocked = board.blocked_ns if board is not None else 0
+        now = time.monotonic_ns()
+        if self._mark is not None:
+            t_prev, blocked_prev = self._mark
+            compute = max(0, (now - t_prev) - (blocked - blocked_prev))
+            self.after_compute(compute / 1e9)
+        self._mark = (time.monotonic_ns(), blocked)
+
     def after_compute(self, seconds: float) -> None:
+        """Stretch a compute segment that took ``seconds`` of pure compute."""
         if self._slow_factor > 1.0:
             time.sleep((self._slow_factor - 1.0) * seconds)
+
+    @staticmethod
+    def _board() -> Any:
+        from ccld_plugin.session import current
+
+        s = current()
+        return s.board if s is not None else None
 
     def _issue_mismatched_collective(self) -> None:
         import torch
