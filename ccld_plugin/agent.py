@@ -139,8 +139,8 @@ class Agent:
         clock = self.clock or ClockSync(0, 0)
         diag = clock.to_diag
         header = self._reader.header()
-        table = self._reader.group_table()
         ops = self._reader.ops()
+        table = self._reader.group_table()  # after the ops: its completed seqs cover them
         since = self._last_tick_ns
         self._last_tick_ns = now
         done = ops[(ops["state"] == STATE_DONE) & (ops["exit_ns"] > since)]

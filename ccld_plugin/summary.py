@@ -88,12 +88,19 @@ class RankSummary:
 _HEAD = struct.Struct("<BBiiqqqiHIHHHHHHI")
 _GROUP = struct.Struct("<HQQIIQI")
 _FLIGHT = struct.Struct("<HBBiQQqB")
-_STEP = struct.Struct("<iqII")
-_SAMPLE = struct.Struct("<HQqII")
+# Step starts and sample times go relative to the summary's time, in microseconds, and a
+# sample's seq as its distance below the group's completed seq: that keeps a steady-state
+# summary under 1 KB.
+_STEP = struct.Struct("<iiII")
+_SAMPLE = struct.Struct("<HIiII")
 
 
 def _clip32(v: int) -> int:
     return max(0, min(int(v), 0xFFFFFFFF))
+
+
+def _rel_us(t_ns: int, base_ns: int) -> int:
+    return max(-(2**31), min(2**31 - 1, (t_ns - base_ns) // 1000))
 
 
 def encode_summary(s: RankSummary) -> bytes:
@@ -108,9 +115,11 @@ def encode_summary(s: RankSummary) -> bytes:
               for g in s.groups]
     parts += [_FLIGHT.pack(o.slot, o.op, o.flags, o.peer, o.seq, o.bytes, o.enter_ns, o.state)
               for o in s.in_flight]
-    parts += [_STEP.pack(t.step, t.start_ns, _clip32(t.step_us), _clip32(t.compute_us))
-              for t in s.steps]
-    parts += [_SAMPLE.pack(a.slot, a.seq, a.enter_ns, _clip32(a.dur_us), _clip32(a.bytes))
+    parts += [_STEP.pack(t.step, _rel_us(t.start_ns, s.time_ns), _clip32(t.step_us),
+                         _clip32(t.compute_us)) for t in s.steps]
+    completed = {g.slot: g.completed_seq for g in s.groups}
+    parts += [_SAMPLE.pack(a.slot, _clip32(completed.get(a.slot, a.seq) - a.seq),
+                           _rel_us(a.enter_ns, s.time_ns), _clip32(a.dur_us), _clip32(a.bytes))
               for a in s.samples]
     for f in stack:
         parts += [struct.pack("<H", len(f)), f]
@@ -136,8 +145,11 @@ def decode_summary(data: bytes) -> RankSummary:
 
     groups = [GroupProgress(*r) for r in table(_GROUP, ng)]
     flights = [InFlightOp(*r) for r in table(_FLIGHT, nf)]
-    steps = [StepStat(*r) for r in table(_STEP, nst)]
-    samples = [ArrivalSample(*r) for r in table(_SAMPLE, nsa)]
+    steps = [StepStat(step, time_ns + rel * 1000, st_us, c_us)
+             for step, rel, st_us, c_us in table(_STEP, nst)]
+    completed = {g.slot: g.completed_seq for g in groups}
+    samples = [ArrivalSample(slot, completed.get(slot, 0) - back, time_ns + rel * 1000, d, b)
+               for slot, back, rel, d, b in table(_SAMPLE, nsa)]
     stack = []
     for _ in range(nstack):
         (n,) = struct.unpack_from("<H", data, off)
