@@ -95,6 +95,13 @@ def enable(config: ConfigSource = None, overrides: Iterable[str] = ()) -> Sessio
         config, overrides)
     if not cfg.enabled:
         return None
+    if cfg.nccl_profiler:  # NCCL reads it once, at its first communicator: set it early
+        try:
+            from ccld_plugin.nccl import enable_nccl_profiler_env
+
+            enable_nccl_profiler_env()
+        except Exception as exc:  # noqa: BLE001
+            report_error("session.nccl_profiler", exc)
     with _lock:
         if _session is not None:
             return _session

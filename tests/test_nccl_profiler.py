@@ -21,6 +21,7 @@ import os
 import shutil
 import struct
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -343,3 +344,18 @@ def test_enable_env_points_at_the_installed_library(monkeypatch: pytest.MonkeyPa
     monkeypatch.delenv("NCCL_PROFILER_PLUGIN", raising=False)
     enable_nccl_profiler_env()
     assert os.environ["NCCL_PROFILER_PLUGIN"] == str(path)
+
+
+def test_config_key_sets_the_plugin_env_before_nccl_starts(tmp_path):
+    """``nccl_profiler: true`` points NCCL_PROFILER_PLUGIN at the library the extension
+    loaded, as soon as the plugin is enabled (before init_process_group here)."""
+    code = (
+        "import os, ccld_plugin\n"
+        "from ccld_plugin.nccl import nccl_plugin_path\n"
+        "os.environ.pop('NCCL_PROFILER_PLUGIN', None)\n"
+        "ccld_plugin.enable(overrides=['nccl_profiler=true'])\n"
+        "assert os.environ['NCCL_PROFILER_PLUGIN'] == nccl_plugin_path(), os.environ\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
