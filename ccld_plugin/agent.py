@@ -45,7 +45,6 @@ __all__ = ["Agent", "StepClock"]
 MAX_IN_FLIGHT = 8
 MAX_STEPS = 32
 SAMPLES_PER_GROUP = 8
-SAMPLE_EVERY = 4  # sampled seqs are multiples of this, the same ones on every member
 STACK_FRAMES = 16
 MAX_BACKOFF_S = 30.0
 
@@ -194,10 +193,16 @@ class Agent:
         return stats[-MAX_STEPS:]
 
     def _samples(self, done: np.ndarray, diag: Any) -> list[ArrivalSample]:
-        coll = done[((done["flags"] & FLAG_P2P) == 0) & (done["seq"] % SAMPLE_EVERY == 0)]
+        """Arrival samples: per group, the collectives completed this tick whose seq is a
+        multiple of a power of two chosen so that about SAMPLES_PER_GROUP remain. Members
+        pick the same seqs (the multiples of a larger power are a subset of a smaller's),
+        so the diagnoser can join them across ranks."""
+        coll = done[(done["flags"] & FLAG_P2P) == 0]
         out = []
         for slot in np.unique(coll["group_slot"]):
-            recs = coll[coll["group_slot"] == slot][-SAMPLES_PER_GROUP:]
+            mine = coll[coll["group_slot"] == slot]
+            every = 1 << max(0, int(np.ceil(np.log2(max(1, len(mine)) / SAMPLES_PER_GROUP))))
+            recs = mine[mine["seq"] % every == 0][-SAMPLES_PER_GROUP:]
             out += [ArrivalSample(int(slot), int(r["seq"]), diag(int(r["enter_ns"])),
                                   int((r["exit_ns"] - r["enter_ns"]) // 1000), int(r["bytes"]))
                     for r in recs]

@@ -152,11 +152,9 @@ class SlowDetector:
             # A straggler worth a verdict costs the job a real share of its step time.
             if x - med < MIN_STEP_SHARE * statistics.median(step_us[c] for c in cohort):
                 continue
-            if len(cohort) >= 3:
-                values = [compute[c] for c in cohort]
-                m_all = statistics.median(values)
-                mad = statistics.median(abs(v - m_all) for v in values)
-                if x - m_all < max(self.cfg.mad_k * mad, 0.05 * m_all):
+            if len(cohort) >= 3:  # robust margin against the spread of the others
+                mad = statistics.median(abs(v - med) for v in others)
+                if x - med < self.cfg.mad_k * max(mad, 0.01 * med):
                     continue
             mine = [j for j in joined if r in j.group.ranks and j.group.size > 1]
             last_frac = sum(j.last == r for j in mine) / len(mine) if mine else None
