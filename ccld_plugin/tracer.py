@@ -209,6 +209,9 @@ class Tracer:
         self._wrappers: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.current_step = -1  # set by mark_step; async wait time is booked to it
+        # Called before every traced op when set: fault injection (compute-slow) uses it
+        # to stretch the compute that precedes each communication.
+        self.before_op: Callable[[], None] | None = None
         self._wait_ns: dict[int, int] = {}
 
     # ----------------------------------------------------------------- groups
@@ -309,6 +312,8 @@ class Tracer:
                                          is_list)
                 return orig(*args, **kwargs)
             try:
+                if self.before_op is not None:
+                    self.before_op()
                 group = args[group_at] if len(args) > group_at else kwargs.get("group")
                 e = entries.get(group) or self.entry(group)
                 if e is None:
@@ -355,6 +360,8 @@ class Tracer:
             if local.busy:
                 return orig(*args, **kwargs)
             try:
+                if self.before_op is not None:
+                    self.before_op()
                 group = _arg(args, kwargs, 2, "group")
                 e = self._entries.get(group) or self.entry(group)
                 if e is None:
@@ -393,6 +400,8 @@ class Tracer:
             if local.busy:
                 return orig(p2p_op_list)
             try:
+                if self.before_op is not None:
+                    self.before_op()
                 if isend is None:
                     isend, orig_isend = self._wrappers["isend"], self._originals["isend"]
                 indices, cuda = [], False

@@ -84,23 +84,12 @@ class WorkloadConfig:
     seed: int = 1234
 
 
-_injector: Any = None  # the fault injector of this rank, if any (see _comm_point)
-
-
-def _comm_point() -> None:
-    """Every communication of the loop passes here first, so that a compute-slow fault
-    stretches each stretch of compute before it, as a slower device would."""
-    if _injector is not None:
-        _injector.stretch()
-
-
 class _ReduceFromTP(torch.autograd.Function):
     """All-reduce in the forward, identity in the backward (row-parallel output)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         x = x.clone()
-        _comm_point()
         dist.all_reduce(x, group=group)
         return x
 
@@ -120,7 +109,6 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous().clone()
-        _comm_point()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
@@ -159,8 +147,6 @@ def train(cfg: WorkloadConfig, injector: Any = None, timeout_s: float = 600.0) -
     layout = Layout(world, cfg.tp, cfg.pp)
     t_idx, _, stage = layout.coords(rank)
     groups = _new_groups(layout, rank, timedelta(seconds=timeout_s))
-    global _injector
-    _injector = injector
     if injector is not None:
         injector.bind_groups(groups)
     torch.manual_seed(cfg.seed + stage * 1000 + t_idx)
@@ -188,7 +174,6 @@ def train(cfg: WorkloadConfig, injector: Any = None, timeout_s: float = 600.0) -
                 x = torch.randn(shape, generator=gen)
             else:
                 x = torch.empty(shape)
-                _comm_point()
                 dist.recv(x, prev_rank, group=pp_group)
                 x.requires_grad_(True)
             y = blocks(x)
@@ -197,7 +182,6 @@ def train(cfg: WorkloadConfig, injector: Any = None, timeout_s: float = 600.0) -
                 step_loss += float(loss)
                 y = loss
             else:
-                _comm_point()
                 dist.send(y.detach(), next_rank, group=pp_group)
             inputs.append(x)
             outputs.append(y)
@@ -206,15 +190,12 @@ def train(cfg: WorkloadConfig, injector: Any = None, timeout_s: float = 600.0) -
                 y.backward()
             else:
                 g = torch.empty(shape)
-                _comm_point()
                 dist.recv(g, next_rank, group=pp_group)
                 y.backward(g)
             if prev_rank is not None:
-                _comm_point()
                 dist.send(x.grad, prev_rank, group=pp_group)
         if groups.get("dp") is not None:
             flat = torch.cat([p.grad.reshape(-1) for p in params])
-            _comm_point()
             dist.all_reduce(flat, group=groups["dp"])
             flat /= layout.dp
             offset = 0
@@ -222,7 +203,6 @@ def train(cfg: WorkloadConfig, injector: Any = None, timeout_s: float = 600.0) -
                 p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
         optim.step()
-        _comm_point()  # the optimizer step is compute too
         if next_rank is None:
             losses.append(step_loss / cfg.micro_batches)
         step_times.append(time.perf_counter() - t0)

@@ -134,9 +134,9 @@ def test_tp2_pp2_groups(tp2_pp2: str) -> None:
             assert roles["pos_embd"] == [[rank]]
         else:
             assert "pos_embd" not in roles
-        assert [0, 1, 2, 3] in roles["other"]  # the model-parallel (TP x PP) group
+        assert roles["mp"] == [[0, 1, 2, 3]]  # the model-parallel (TP x PP) group
         assert set(roles) <= {"tp", "pp", "dp", "dp_cp", "cp", "ep", "etp", "embd", "pos_embd",
-                              "other"}  # fmt: skip
+                              "mp", "other"}  # fmt: skip
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ def test_every_op_recorded_on_every_member_with_matching_trace_ids(tmp_path):
         assert set(seen) == set(group), f"trace id {group}:{seq} missing on some members"
         assert len({op for op, _ in seen.values()}) == 1, (group, seq, seen)
     # Seqs on a group are 1..n without gaps on every member.
-    for r, recs in ops.items():
+    for recs in ops.values():
         by_group = defaultdict(list)
         for o in recs:
             if o["op"] not in P2P_OPS:

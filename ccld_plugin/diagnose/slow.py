@@ -64,6 +64,8 @@ class SlowDetector:
         self.streak: dict[tuple, int] = defaultdict(int)
         self.first_seen: dict[tuple, int] = {}
         self.bw_history: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=20))
+        self._cohort_key = -1
+        self._cohort_cache: dict[int, list[int]] = {}
 
     # ------------------------------------------------------------------ ingest
     def ingest(self, view: JobView) -> None:
@@ -130,7 +132,9 @@ class SlowDetector:
             t1 = end if t1 is None else max(t1, end)
         if t0 is None:
             return []
-        joined = [j for j in self.joined if t0 <= j.time_ns <= t1]
+        while self.joined and self.joined[0].time_ns < t0:  # windows go forward only
+            self.joined.popleft()
+        joined = [j for j in self.joined if j.time_ns <= t1]
         log.debug("ccld window %d-%d: compute us %s, %d joined samples", lo, hi - 1,
                   {r: round(x) for r, x in sorted(compute.items())}, len(joined))
         verdicts = self._stragglers(view, compute, step_us, joined, lo, hi)
@@ -141,8 +145,14 @@ class SlowDetector:
                     joined: list[Joined], lo: int, hi: int) -> list[Verdict]:
         out = []
         candidates = set()
+        cohorts = self._cohorts(view.topology)
+        by_rank: dict[int, list[Joined]] = defaultdict(list)
+        for j in joined:
+            if j.group.size > 1:
+                for m in j.group.ranks:
+                    by_rank[m].append(j)
         for r, x in compute.items():
-            cohort = [c for c in _stats_cohort(view.topology, r) if c in compute]
+            cohort = [c for c in cohorts.get(r, [r]) if c in compute]
             others = [compute[c] for c in cohort if c != r]
             if not others:
                 continue
@@ -156,7 +166,7 @@ class SlowDetector:
                 mad = statistics.median(abs(v - med) for v in others)
                 if x - med < self.cfg.mad_k * max(mad, 0.01 * med):
                     continue
-            mine = [j for j in joined if r in j.group.ranks and j.group.size > 1]
+            mine = by_rank.get(r, [])
             last_frac = sum(j.last == r for j in mine) / len(mine) if mine else None
             # Its peers must be waiting for it. With a cohort too small for statistics the
             # arrival order has to decide, so it must be clear-cut.
@@ -177,6 +187,17 @@ class SlowDetector:
                 self.streak.pop(key)
                 self.first_seen.pop(key, None)
         return out
+
+    def _cohorts(self, topo: Topology) -> dict[int, list[int]]:
+        """Statistics cohort of every rank, recomputed only when the topology changes."""
+        key = len(topo.groups)
+        if self._cohort_key != key:
+            stages: dict[int | None, list[int]] = defaultdict(list)
+            for r in topo.ranks():
+                stages[topo.stage_of(r)].append(r)
+            self._cohort_cache = {r: _stats_cohort(topo, r, stages) for r in topo.ranks()}
+            self._cohort_key = key
+        return self._cohort_cache
 
     def _straggler_verdict(self, view: JobView, r: int, x: float, med: float,
                            cohort: list[int], mine: list[Joined], last_frac: float | None,
@@ -260,12 +281,12 @@ class SlowDetector:
                         evidence=evidence)]
 
 
-def _stats_cohort(topo: Topology, rank: int) -> list[int]:
+def _stats_cohort(topo: Topology, rank: int, stages: dict[int | None, list[int]]
+                  ) -> list[int]:
     """Ranks whose compute time should match ``rank``'s: its DP peers when there are enough
     for statistics, else every rank of its pipeline stage (TP peers do equal work)."""
     cohort = topo.cohort(rank)
     if len(cohort) >= 3:
         return cohort
-    stage = topo.stage_of(rank)
-    same_stage = [r for r in topo.ranks() if topo.stage_of(r) == stage]
+    same_stage = stages[topo.stage_of(rank)]
     return same_stage if len(same_stage) > len(cohort) else cohort

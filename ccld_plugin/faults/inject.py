@@ -1,8 +1,8 @@
 """Compute faults inside a rank: slow compute, a compute hang, a mismatched collective.
 
-The workload calls three hooks: ``before_step`` at each step start, ``stretch()`` right
-before each communication (or ``after_compute`` with a segment's pure compute time, for
-loops that measure it themselves), and ``bind_groups`` once its groups exist. Slowness is a sleep
+A training loop calls ``before_step`` at each step start and ``bind_groups`` once its
+groups exist. A compute-slow fault then hooks into the tracer, which calls ``stretch()``
+right before every communication, in any framework. Slowness is a sleep
 proportional to the measured compute time (busy work would slow the other ranks that share
 these few cores). Each fault's actual onset is appended to the fault log (``CCLD_FAULT_LOG``)
 with the time on the diagnoser's clock, so detection latency is measured, not guessed.
@@ -46,11 +46,21 @@ class Injector:
             self._record(f, step)
             if f.kind == "compute-slow":
                 self._slow_factor = max(self._slow_factor, f.factor)
+                self._hook_into_tracer()
             elif f.kind == "mismatch":
                 self._issue_mismatched_collective()
             elif f.kind == "compute-hang":
                 while True:  # stuck in host code: the peers block in their next collective
                     time.sleep(3600)
+
+    def _hook_into_tracer(self) -> None:
+        """Stretch compute right before every traced communication, in any framework."""
+        from ccld_plugin.session import current
+
+        s = current()
+        if s is not None:
+            self._mark = None
+            s.tracer.before_op = self.stretch
 
     def stretch(self) -> None:
         """Call right before each communication: under compute-slow, the compute since the

@@ -16,8 +16,8 @@ ep         get_expert_model_parallel_group(check_initialized=False)
 etp        get_expert_tensor_parallel_group(check_initialized=False)
 embd       get_embedding_group(check_initialized=False)
 pos_embd   get_position_embedding_group(check_initialized=False)
-other      get_model_parallel_group (TP x PP),
-           get_tensor_and_data_parallel_group (TP x DP, and with CP),
+mp         get_model_parallel_group (TP x PP: the ranks that hold one model replica)
+other      get_tensor_and_data_parallel_group (TP x DP, and with CP),
            get_tensor_and_context_parallel_group (TP x CP),
            get_expert_data_parallel_group (expert DP; also its partial form),
            get_expert_tensor_and_model_parallel_group (ETP x EP),
@@ -48,7 +48,8 @@ import torch.distributed as dist
 
 __all__ = ["ROLES", "parallel_state_groups"]
 
-ROLES = ("tp", "pp", "dp", "ep", "etp", "cp", "dp_cp", "embd", "pos_embd", "world", "other")
+ROLES = ("tp", "pp", "dp", "ep", "etp", "cp", "dp_cp", "embd", "pos_embd", "mp", "world",
+         "other")
 
 
 def _getters(ps: Any) -> list[tuple[str, Callable[[], Any]]]:
@@ -63,7 +64,7 @@ def _getters(ps: Any) -> list[tuple[str, Callable[[], Any]]]:
         ("etp", lambda: ps.get_expert_tensor_parallel_group(check_initialized=False)),
         ("embd", lambda: ps.get_embedding_group(check_initialized=False)),
         ("pos_embd", lambda: ps.get_position_embedding_group(check_initialized=False)),
-        ("other", lambda: ps.get_model_parallel_group(check_initialized=False)),
+        ("mp", lambda: ps.get_model_parallel_group(check_initialized=False)),
         ("other", lambda: ps.get_tensor_and_data_parallel_group(check_initialized=False)),
         (
             "other",

@@ -6,6 +6,11 @@ layer (``ccld_plugin.compat.megatron_cpu``); with CUDA it uses nccl and the laye
     torchrun --nproc-per-node 4 examples/megatron/pretrain_gpt.py \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --train-iters 5
 
+Add ``--ccld`` to turn on slow / hang diagnosis (``ccld_plugin.megatron``), configured
+with ``--ccld-config PATH`` and repeatable ``--ccld-set KEY=VALUE``. Compute faults for
+tests and demos come from ``CCLD_FAULTS`` (e.g. ``compute-slow@1:factor=3``), with or
+without ``--ccld``.
+
 The last pipeline stage prints one line per iteration:
 ``iteration 3/5 | loss 4.512345 | grad norm 1.234 | 812.3 ms``.
 Pass ``--print-groups`` to also print, per rank, one JSON line of the parallel groups
@@ -50,25 +55,30 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 
+from ccld_plugin import ConfigError
+from ccld_plugin import megatron as ccld
+from ccld_plugin.integrations.megatron_faults import attach_faults
+
 __all__ = ["main", "parse_args"]
 
 
 # --------------------------------------------------------------------------------------
-# Plugin hook points. They are no-ops here; an integration replaces their bodies, e.g.
-# add_extra_args -> ccld_plugin.megatron.add_ccld_args, after_model_parallel_init ->
-# ccld_plugin.megatron.install(args), on_iteration -> ccld_plugin.mark_step(iteration).
+# Plugin hook points: the three calls that turn on slow / hang diagnosis (ccld_plugin).
+# Without --ccld they do nothing and nothing is traced.
 # --------------------------------------------------------------------------------------
 def add_extra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Extra-args provider: add plugin arguments to the parser."""
-    return parser
+    """Extra-args provider: --ccld, --ccld-config PATH, --ccld-set KEY=VALUE."""
+    return ccld.add_ccld_args(parser)
 
 
 def after_model_parallel_init(args: argparse.Namespace) -> None:
     """Called once on every rank, right after initialize_model_parallel."""
+    ccld.install(args)  # registers every parallel_state group with its role
 
 
 def on_iteration(iteration: int) -> None:
     """Called on every rank at the start of each iteration (0-based index)."""
+    ccld.mark_iteration(iteration)
 
 
 # --------------------------------------------------------------------------------------
@@ -323,6 +333,8 @@ def train(args: argparse.Namespace) -> list[float]:
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
 
+    # Test faults (CCLD_FAULTS or the plugin config's "faults"); None on unaffected ranks.
+    faults = attach_faults()
     forward_backward = get_forward_backward_func()
     data = synthetic_batches(args)
     is_last = parallel_state.is_pipeline_last_stage()
@@ -334,6 +346,8 @@ def train(args: argparse.Namespace) -> list[float]:
     losses: list[float] = []
     for iteration in range(args.train_iters):
         on_iteration(iteration)  # HOOK: iteration boundary (step marker)
+        if faults is not None:
+            faults.before_step(iteration)  # a compute-hang blocks here
         start = time.perf_counter()
         model.zero_grad_buffer()
         optimizer.zero_grad()
@@ -388,6 +402,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.print_groups:
             print_groups()
         train(args)
+    except ConfigError as exc:  # a bad --ccld-config / --ccld-set: one line, no traceback
+        sys.exit(f"pretrain_gpt.py: error: {exc}")
     finally:
         if parallel_state.is_initialized():
             parallel_state.destroy_model_parallel()
