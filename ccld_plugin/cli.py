@@ -24,7 +24,9 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run a real training job on this machine and "
                                        "diagnose it")
-    demo.add_argument("--framework", default="torch", choices=["torch"])
+    demo.add_argument("--framework", default="megatron", choices=["megatron", "torch"],
+                      help="megatron: the GPT example (from a source checkout); torch: the "
+                           "built-in plain-PyTorch workload")
     demo.add_argument("--world", type=int, default=4)
     demo.add_argument("--tp", type=int, default=2)
     demo.add_argument("--pp", type=int, default=2)
@@ -32,9 +34,21 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--fault", action="append", default=[], metavar="SPEC",
                       help="e.g. compute-hang@2:step=5, compute-slow@1:factor=2, mismatch@3, "
                            "none (default: compute-hang@2:step=5)")
+    demo.add_argument("--netns", action="store_true",
+                      help="run each rank in its own network namespace (needs root and "
+                           "iproute2; implied by a comm-slow or comm-hang fault)")
     demo.add_argument("--out", type=Path, default=Path("demo-out"))
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       dest="overrides")
+
+    wbs = sub.add_parser("wandb-summary", help="show what an offline W&B run holds (keys, "
+                                               "points, tables, alerts), from its run file")
+    wbs.add_argument("path", type=Path, help="a .wandb file, or a directory with runs under "
+                                             "it (the newest is shown)")
+    wbs.add_argument("--prefix", default="", help="only history keys with this prefix")
+    wbs.add_argument("--wait", type=float, default=0.0, metavar="S",
+                     help="wait up to S seconds for the run to finish being written")
+    wbs.add_argument("--json", action="store_true", help="machine-readable output")
 
     cfg = sub.add_parser("config", help="print the resolved configuration")
     cfg.add_argument("--config", type=Path, help="a YAML config file")
@@ -49,6 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ccld_plugin.config import ConfigError
     from ccld_plugin.faults.spec import FaultSpecError
     from ccld_plugin.probe import BoardError
+    from ccld_plugin.wandb_summary import RunFileError
 
     try:
         if args.command == "inspect":
@@ -65,13 +80,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_demo(DemoOptions(framework=args.framework, world=args.world, tp=args.tp,
                                         pp=args.pp, steps=args.steps, faults=args.fault,
-                                        out=args.out, overrides=args.overrides), console)
+                                        out=args.out, overrides=args.overrides,
+                                        netns=args.netns), console)
+        if args.command == "wandb-summary":
+            from ccld_plugin.wandb_summary import print_summary, wait_for_run
+
+            contents = wait_for_run(args.path, args.wait)
+            if contents is None:
+                print(f"ccld: error: no W&B run file (run-*.wandb) at or under {args.path}",
+                      file=sys.stderr)
+                return 2
+            if args.json:
+                print(json.dumps(contents.to_dict(), indent=2))
+            else:
+                print_summary(contents, console, args.prefix)
+            return 0
         if args.command == "config":
             from ccld_plugin.config import load_config, to_yaml
 
             print(to_yaml(load_config(args.config, args.overrides)), end="")
             return 0
-    except (ConfigError, FaultSpecError, BoardError) as exc:
+    except (ConfigError, FaultSpecError, BoardError, RunFileError) as exc:
         print(f"ccld: error: {exc}", file=sys.stderr)
         return 2
     return 1

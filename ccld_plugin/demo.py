@@ -20,11 +20,13 @@ from ccld_plugin.board_report import collective_table, print_collectives
 from ccld_plugin.config import load_config
 from ccld_plugin.faults.spec import FaultSpec, parse_faults
 from ccld_plugin.launch import LocalJob
+from ccld_plugin.netjob import NetJob, available
 from ccld_plugin.probe import BoardError, BoardReader, board_files
 from ccld_plugin.sinks.console import render_verdict
 from ccld_plugin.sinks.jsonl import read_verdicts
 
-__all__ = ["DEFAULT_FAULT", "DemoOptions", "expected_verdict", "match_faults", "run_demo"]
+__all__ = ["DEFAULT_FAULT", "DemoError", "DemoOptions", "expected_verdict", "match_faults",
+           "run_demo"]
 
 DEFAULT_FAULT = "compute-hang@2:step=5"
 GRACE_S = 3.0  # after a verdict that means the job will not recover, before ending it
@@ -36,7 +38,7 @@ _TERMINAL = {"hang", "deadlock", "mismatch", "unresponsive"}
 
 @dataclass
 class DemoOptions:
-    framework: str = "torch"
+    framework: str = "megatron"
     world: int = 4
     tp: int = 2
     pp: int = 2
@@ -45,6 +47,7 @@ class DemoOptions:
     out: Path = Path("demo-out")
     overrides: list[str] = field(default_factory=list)
     timeout_s: float = 300.0
+    netns: bool = False  # ranks in a closed network; implied by a communication fault
 
 
 def expected_verdict(fault: FaultSpec | dict) -> tuple[str, str]:
@@ -75,6 +78,7 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
     specs = opts.faults or [DEFAULT_FAULT]
     faults = parse_faults(specs, opts.world)  # validate before launching anything
     cfg = load_config(None, opts.overrides)
+    _framework_argv(opts)
     for name in ("boards", "logs", "verdicts.jsonl", "faults.jsonl", "summary.json"):
         path = out / name
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
@@ -82,18 +86,26 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
     overrides = [f"board.dir={out}", "job=boards", "board.cleanup=false",
                  f"sinks.jsonl={out / 'verdicts.jsonl'}", "sinks.console=false",
                  *opts.overrides]
-    argv = ["-m", "ccld_plugin.workload", "--tp", str(opts.tp), "--pp", str(opts.pp),
-            "--steps", str(opts.steps), *sum((["--ccld-set", o] for o in overrides), [])]
+    argv = [*_framework_argv(opts), *sum((["--ccld-set", o] for o in overrides), [])]
     job = LocalJob(world=opts.world, argv=argv, log_dir=out / "logs",
                    env={"CCLD_FAULTS": ";".join(str(f) for f in faults),
-                        "CCLD_FAULT_LOG": str(out / "faults.jsonl")})
+                        "CCLD_FAULT_LOG": str(out / "faults.jsonl"),
+                        "TORCHDYNAMO_DISABLE": "1"})
+    if opts.netns or any(f.is_comm for f in faults):  # ranks in a closed network (netjob)
+        ok, why = available()
+        if not ok:
+            console.print(f"[red]ccld demo: the closed network is not available: {why}[/]")
+            return 2
+        job = NetJob(job, faults, out / "boards", out / "faults.jsonl", cfg.diagnoser.rank)
     shown = ", ".join(map(str, faults)) or "none (healthy run)"
     console.print(f"[bold]ccld demo[/]: {opts.world} ranks, tp={opts.tp} pp={opts.pp} "
                   f"dp={opts.world // (opts.tp * opts.pp)}, {opts.steps} steps, fault: {shown}; "
                   f"logs in {out / 'logs'}")
-    job.start()
-    printed = _follow(job, out / "verdicts.jsonl", opts.timeout_s, console)
-    codes = job.stop()
+    try:  # the job (and its network, if any) ends however the demo ends
+        job.start()
+        printed = _follow(job, out / "verdicts.jsonl", opts.timeout_s, console)
+    finally:
+        codes = job.stop()
     verdicts = read_verdicts(out / "verdicts.jsonl")
     for v in verdicts[len(printed):]:  # written by the diagnoser's last round
         console.print(render_verdict(v))
@@ -115,7 +127,33 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
     return 0 if launched and diagnosed else 1
 
 
-def _follow(job: LocalJob, path: Path, timeout_s: float, console: Console) -> list[dict]:
+MEGATRON_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "megatron" / \
+    "pretrain_gpt.py"
+
+
+def _framework_argv(opts: DemoOptions) -> list[str]:
+    """The command of one rank for the chosen framework."""
+    if opts.framework == "torch":
+        return ["-m", "ccld_plugin.workload", "--tp", str(opts.tp), "--pp", str(opts.pp),
+                "--steps", str(opts.steps)]
+    if opts.framework == "megatron":
+        if not MEGATRON_EXAMPLE.is_file():
+            raise DemoError(f"--framework megatron runs {MEGATRON_EXAMPLE.name} from a source "
+                            "checkout (examples/megatron); not found here: use --framework "
+                            "torch")
+        # A model big enough that compute, not Python overhead, dominates a step.
+        return [str(MEGATRON_EXAMPLE), "--tensor-model-parallel-size", str(opts.tp),
+                "--pipeline-model-parallel-size", str(opts.pp), "--train-iters",
+                str(opts.steps), "--hidden-size", "128", "--seq-length", "64",
+                "--micro-batch-size", "4", "--ccld"]
+    raise DemoError(f"unknown framework {opts.framework!r}; choose torch or megatron")
+
+
+class DemoError(ValueError):
+    """A demo that cannot run as asked; the message is one line."""
+
+
+def _follow(job: LocalJob | NetJob, path: Path, timeout_s: float, console: Console) -> list[dict]:
     """Print verdicts as they come; end the job a grace period after a verdict that
     means it will not recover, or at the timeout."""
     printed: list[dict] = []
