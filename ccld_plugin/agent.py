@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ccld_plugin.channels import ChannelSampler
 from ccld_plugin.config import AgentConfig
 from ccld_plugin.control import ClockSync, ControlPlane
 from ccld_plugin.errors import report_error
@@ -81,8 +82,10 @@ class Agent:
         self._last_tick_ns = 0
         self._published_step = -1
         self._groups_version = 0
-        self._published_groups = 0
+        self._published_groups: tuple = ()
         self._main_ident = threading.main_thread().ident
+        # Per-peer TCP progress of this rank (None where the probe cannot run).
+        self._channels = ChannelSampler.create(self._board, control, rank, control.world)
         self._thread = threading.Thread(target=self._run, name="ccld-agent", daemon=True)
 
     def start(self) -> None:
@@ -125,10 +128,11 @@ class Agent:
     def _publish(self, final: bool = False) -> None:
         self._board.heartbeat()
         groups = self.tracer.groups()
-        if len(groups) != self._published_groups:
+        signature = tuple((g.group_id, g.role) for g in groups)  # a role can be refined
+        if signature != self._published_groups:
             self._groups_version += 1
             self.control.publish_groups(self.rank, groups, self._groups_version)
-            self._published_groups = len(groups)
+            self._published_groups = signature
         summary = self.summarize(final)
         self.control.publish(self.rank, encode_summary(summary))
 
@@ -172,6 +176,7 @@ class Agent:
             groups_version=self._groups_version, flags=flags, errors=header.errors,
             groups=progress, in_flight=in_flight, steps=self._step_stats(ops, diag),
             samples=self._samples(done, diag),
+            channels=self._channels.tick() if self._channels else b"",
             stack=self._main_stack() if stuck_for >= self.cfg.stack_after_s else [])
 
     def _step_stats(self, ops: np.ndarray, diag: Any) -> list[StepStat]:

@@ -137,7 +137,7 @@ class TracedWork:
     def is_completed(self) -> bool:
         done = self._work.is_completed()
         if done:
-            self._finish(STATE_DONE)
+            self._finish(STATE_DONE if _succeeded(self._work) else STATE_ERROR)
         return done
 
     def _finish(self, state: int) -> None:
@@ -510,6 +510,13 @@ class Tracer:
 
 
 # ---------------------------------------------------------------------- helpers
+def _succeeded(work: Any) -> bool:
+    try:
+        return bool(work.is_success())
+    except Exception:  # noqa: BLE001 - not every work type answers; completion is enough
+        return True
+
+
 def _device_of(pg: Any) -> str:
     try:
         backend = str(dist.get_backend(pg)).lower()
