@@ -47,6 +47,7 @@ class DemoOptions:
     out: Path = Path("demo-out")
     overrides: list[str] = field(default_factory=list)
     timeout_s: float = 300.0
+    zero_stage: int = 2  # deepspeed only
     netns: bool = False  # ranks in a closed network; implied by a communication fault
 
 
@@ -87,10 +88,12 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
                  f"sinks.jsonl={out / 'verdicts.jsonl'}", "sinks.console=false",
                  *opts.overrides]
     argv = [*_framework_argv(opts), *sum((["--ccld-set", o] for o in overrides), [])]
-    job = LocalJob(world=opts.world, argv=argv, log_dir=out / "logs",
-                   env={"CCLD_FAULTS": ";".join(str(f) for f in faults),
-                        "CCLD_FAULT_LOG": str(out / "faults.jsonl"),
-                        "TORCHDYNAMO_DISABLE": "1"})
+    env = {"CCLD_FAULTS": ";".join(str(f) for f in faults),
+           "CCLD_FAULT_LOG": str(out / "faults.jsonl"),
+           "TORCHDYNAMO_DISABLE": "1"}  # nothing here to compile; saves seconds per rank
+    if not _has_cuda():
+        env["DS_ACCELERATOR"] = "cpu"
+    job = LocalJob(world=opts.world, argv=argv, log_dir=out / "logs", env=env)
     if opts.netns or any(f.is_comm for f in faults):  # ranks in a closed network (netjob)
         ok, why = available()
         if not ok:
@@ -127,8 +130,9 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
     return 0 if launched and diagnosed else 1
 
 
-MEGATRON_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "megatron" / \
-    "pretrain_gpt.py"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+MEGATRON_EXAMPLE = EXAMPLES / "megatron" / "pretrain_gpt.py"
+DEEPSPEED_EXAMPLE = EXAMPLES / "deepspeed" / "train.py"
 
 
 def _framework_argv(opts: DemoOptions) -> list[str]:
@@ -146,7 +150,21 @@ def _framework_argv(opts: DemoOptions) -> list[str]:
                 "--pipeline-model-parallel-size", str(opts.pp), "--train-iters",
                 str(opts.steps), "--hidden-size", "128", "--seq-length", "64",
                 "--micro-batch-size", "4", "--ccld"]
-    raise DemoError(f"unknown framework {opts.framework!r}; choose torch or megatron")
+    if opts.framework == "deepspeed":
+        if not DEEPSPEED_EXAMPLE.is_file():
+            raise DemoError(f"--framework deepspeed runs {DEEPSPEED_EXAMPLE.name} from a "
+                            "source checkout (examples/deepspeed); not found here: use "
+                            "--framework torch")
+        return [str(DEEPSPEED_EXAMPLE), "--zero-stage", str(opts.zero_stage), "--steps",
+                str(opts.steps), "--hidden", "512"]
+    raise DemoError(f"unknown framework {opts.framework!r}; choose megatron, deepspeed or "
+                    "torch")
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 class DemoError(ValueError):
