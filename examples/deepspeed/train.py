@@ -65,6 +65,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "deepspeed.initialize, then install(engine), as a launcher would")
     p.add_argument("--ccld-set", action="append", default=[], metavar="KEY=VALUE",
                    help="merged into the config's \"ccld\" block")
+    p.add_argument("--comms-logger-every", type=int, default=0, metavar="N",
+                   help="baseline: enable DeepSpeed's comms logger and print its straggler "
+                        "summary every N steps (every rank must call it: it barriers)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1,
                    help="set by the deepspeed launcher")
     return p.parse_args(argv)
@@ -109,6 +112,8 @@ def load_ds_config(args: argparse.Namespace) -> dict[str, Any]:
     config = json.loads(args.deepspeed_config.read_text())
     if args.zero_stage is not None:
         config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
+    if args.comms_logger_every:
+        config["comms_logger"] = {"enabled": True, "verbose": False, "prof_all": True}
     if args.sp > 1:
         config["sequence_parallel_size"] = args.sp
         config["data_parallel_size"] = int(os.environ.get("WORLD_SIZE", "1")) // args.sp
@@ -174,6 +179,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank == 0:
             print(f"step {step + 1}/{args.steps} | loss {loss_value:.6f} | "
                   f"{(time.perf_counter() - t0) * 1000:.1f} ms", flush=True)
+        if args.comms_logger_every and (step + 1) % args.comms_logger_every == 0:
+            if rank == 0:
+                print("COMMSLOG " + json.dumps({"step": step + 1, "wall_time": time.time()}),
+                      flush=True)
+            deepspeed.comm.log_summary(show_straggler=True)
+            sys.stdout.flush()
     result = {"rank": rank, "world": world, "steps": args.steps, "loss": loss_value,
               "zero_stage": engine.zero_optimization_stage(), "ccld": hooks is not None,
               "traced": dist.all_reduce.__module__ == "ccld_plugin.tracer",
