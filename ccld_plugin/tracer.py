@@ -304,6 +304,7 @@ class Tracer:
         group_at, async_at, tensor_at, tensor_name, is_list = _COLLECTIVES[name]
         local, board, entries = self._local, self.board, self._entries
         enter, exit_ = board.enter, board.exit
+        has_async = async_at is not None
 
         def traced(*args: Any, **kwargs: Any) -> Any:
             if local.busy:  # part of a traced op that is already on the board
@@ -318,12 +319,16 @@ class Tracer:
                 e = entries.get(group) or self.entry(group)
                 if e is None:
                     return orig(*args, **kwargs)
-                asked_async = async_at is not None and bool(
+                asked_async = has_async and bool(
                     args[async_at] if len(args) > async_at else kwargs.get("async_op", False))
                 cuda = e.cuda or (e.mixed and _first_is_cuda(args))
                 flags = (FLAG_ASYNC if asked_async else 0) | (FLAG_CUDA if cuda else 0)
-                index = enter(e.slot, code, flags,
-                              _op_bytes(args, kwargs, tensor_at, tensor_name, is_list))
+                if tensor_at is None:
+                    nbytes = 0
+                else:  # inlined: this is the hot path of every collective
+                    t = args[tensor_at] if len(args) > tensor_at else kwargs[tensor_name]
+                    nbytes = sum(x.nbytes for x in t) if is_list else t.nbytes
+                index = enter(e.slot, code, flags, nbytes)
             except Exception as exc:  # noqa: BLE001
                 report_error(f"tracer.{name}", exc)
                 return orig(*args, **kwargs)
