@@ -20,8 +20,10 @@ from rich.console import Console
 from ccld_plugin.demo import DemoOptions, run_demo
 
 CASES = {
-    "compute-hang": dict(world=4, tp=2, pp=2, steps=60, faults=["compute-hang@2:step=5"]),
-    "compute-slow": dict(world=4, tp=1, pp=1, steps=40, faults=["compute-slow@1:factor=2,step=3"]),
+    "compute-hang": dict(framework="torch", world=4, tp=2, pp=2, steps=60,
+                         faults=["compute-hang@2:step=5"]),
+    "compute-slow": dict(framework="torch", world=4, tp=1, pp=1, steps=40,
+                         faults=["compute-slow@1:factor=2,step=3"]),
 }
 
 
