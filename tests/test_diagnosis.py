@@ -18,7 +18,7 @@ FAST = ["diagnoser.hang_min_s=3", "agent.stack_after_s=1", "agent.interval_s=0.5
 
 
 def demo(tmp_path, world, tp, pp, steps, fault, extra=()):
-    opts = DemoOptions(world=world, tp=tp, pp=pp, steps=steps, faults=[fault],
+    opts = DemoOptions(framework="torch", world=world, tp=tp, pp=pp, steps=steps, faults=[fault],
                        out=tmp_path / "out", overrides=[*FAST, *extra], timeout_s=240)
     code = run_demo(opts)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
