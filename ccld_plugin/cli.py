@@ -24,9 +24,12 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run a real training job on this machine and "
                                        "diagnose it")
-    demo.add_argument("--framework", default="megatron", choices=["megatron", "torch"],
-                      help="megatron: the GPT example (from a source checkout); torch: the "
-                           "built-in plain-PyTorch workload")
+    demo.add_argument("--framework", default="megatron",
+                      choices=["megatron", "deepspeed", "torch"],
+                      help="megatron / deepspeed: the examples (from a source checkout); "
+                           "torch: the built-in plain-PyTorch workload")
+    demo.add_argument("--zero-stage", type=int, default=2, choices=[1, 2, 3],
+                      help="ZeRO stage (deepspeed only)")
     demo.add_argument("--world", type=int, default=4)
     demo.add_argument("--tp", type=int, default=2)
     demo.add_argument("--pp", type=int, default=2)
@@ -81,7 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_demo(DemoOptions(framework=args.framework, world=args.world, tp=args.tp,
                                         pp=args.pp, steps=args.steps, faults=args.fault,
                                         out=args.out, overrides=args.overrides,
-                                        netns=args.netns), console)
+                                        netns=args.netns, zero_stage=args.zero_stage),
+                            console)
         if args.command == "wandb-summary":
             from ccld_plugin.wandb_summary import print_summary, wait_for_run
 

@@ -140,17 +140,33 @@ class DiagnoserConfig:
 @dataclass(kw_only=True)
 class WandbConfig:
     enabled: bool = False
+    """Diagnosis panels in W&B: into the process's wandb.run if there is one, else a run
+    of the sink's own."""
     project: str = "ccld"
     entity: str | None = None
     run_name: str | None = None
     mode: str = "offline"
+    """offline needs no account (upload later with `wandb sync`); WANDB_MODE, when set,
+    wins."""
+    dir: str | None = None
+    """Where the sink's own run is written (wandb's `dir`; default: WANDB_DIR or the
+    working directory)."""
     log_interval_steps: int = 10
+    """Steps between two updates of the per-rank table, bar chart, heatmap and
+    per-group bandwidth chart."""
+    finish_timeout_s: float = 15.0
+    """How long the job's exit waits for the run to be finished; the writer process
+    finishes it on its own after that."""
 
     def __post_init__(self) -> None:
         _check(self.mode in ("offline", "online", "disabled"), "sinks.wandb.mode", self.mode,
                "one of offline, online, disabled")
+        _check(self.dir is None or bool(self.dir), "sinks.wandb.dir", self.dir,
+               "a directory path or null")
         _check(self.log_interval_steps >= 1, "sinks.wandb.log_interval_steps",
                self.log_interval_steps, ">= 1")
+        _check(self.finish_timeout_s >= 0, "sinks.wandb.finish_timeout_s",
+               self.finish_timeout_s, ">= 0")
 
 
 @dataclass(kw_only=True)

@@ -1,5 +1,7 @@
 """Where verdicts go: the console, a JSONL file, W&B. Each sink has ``emit(verdict)`` and
-``close()``; a failing sink is contained and never stops the others."""
+``close()``, and may have ``observe(view, diagnoser)``, called once per diagnoser round
+(the W&B sink draws its panels from it); a failing sink is contained and never stops the
+others."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from typing import Protocol
 
 from ccld_plugin.config import SinksConfig
 from ccld_plugin.diagnose.records import Verdict
+from ccld_plugin.errors import report_error
 from ccld_plugin.sinks.console import ConsoleSink, render_verdict
 from ccld_plugin.sinks.jsonl import JsonlSink
 
@@ -28,4 +31,13 @@ def build_sinks(cfg: SinksConfig) -> list[Sink]:
         path = Path(cfg.jsonl)
         sinks.append(JsonlSink(path / "verdicts.jsonl" if path.is_dir() or not path.suffix
                                else path))
+    if cfg.wandb.enabled:
+        try:
+            # Imported here: the module never imports wandb itself, but the sink is
+            # optional and nothing about it may stop the job from starting.
+            from ccld_plugin.sinks.wandb import WandbSink
+
+            sinks.append(WandbSink(cfg.wandb))
+        except Exception as exc:  # noqa: BLE001
+            report_error("sinks.wandb", exc)
     return sinks

@@ -1,0 +1,169 @@
+"""The W&B writer: turns the sink's messages into wandb calls.
+
+Two homes. When the training process already has a run (``wandb.run``: the user's own,
+Megatron's W&B writer, DeepSpeed's W&B monitor), :class:`Applier` runs in-process on the
+sink's thread and logs into it. Otherwise this file runs as its own process (started by
+path, so it imports neither torch nor the plugin) and owns the sink's run: the training
+process writes length-prefixed JSON messages to its stdin and it answers status lines on
+stdout. wandb keeps the offline ``.wandb`` file in memory until the run finishes, so a
+run that lives in a training process is lost when the job is killed (how every hung job
+ends); this process sees end-of-file on stdin however the training process ends, and
+finishes the run properly.
+
+Standard library and wandb only; wandb is imported when a run is opened, never at import.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import struct
+import sys
+import threading
+import traceback
+from collections.abc import Iterator
+from typing import IO, Any
+
+__all__ = ["Applier", "encode_message", "main", "read_messages"]
+
+_LEN = struct.Struct("<I")
+FINISH_TIMEOUT_S = 120.0  # an online finish that cannot reach the server gives up here
+
+
+def encode_message(msg: dict) -> bytes:
+    data = json.dumps(msg, separators=(",", ":")).encode()
+    return _LEN.pack(len(data)) + data
+
+
+def read_messages(fh: IO[bytes]) -> Iterator[dict]:
+    """Messages until end-of-file (the training process closed the pipe or died)."""
+    while True:
+        head = fh.read(_LEN.size)
+        if len(head) < _LEN.size:
+            return
+        (n,) = _LEN.unpack(head)
+        data = fh.read(n)
+        if len(data) < n:
+            return  # torn by the writer's death: nothing after it can be trusted
+        yield json.loads(data)
+
+
+class Applier:
+    """Applies messages to one run. ``attached``: the run is someone else's, so history
+    is merged into their current step (``commit=False``) and never advances it; their own
+    ``log(step=...)`` calls (Megatron's and DeepSpeed's writers pass explicit steps) would
+    otherwise be dropped as out of order."""
+
+    def __init__(self, wandb: Any, run: Any, attached: bool) -> None:
+        self.wandb = wandb
+        self.run = run
+        self.attached = attached
+
+    def value(self, v: Any) -> Any:
+        """A tagged plain value as the wandb object it describes."""
+        if not isinstance(v, dict) or "_ccld" not in v:
+            return v
+        wb, kind = self.wandb, v["_ccld"]
+        if kind == "table":
+            return wb.Table(columns=v["columns"], data=v["data"], allow_mixed_types=True)
+        if kind == "html":
+            return wb.Html(v["html"], inject=False, data_is_not_path=True)
+        if kind == "bar":
+            table = wb.Table(columns=v["columns"], data=v["data"], allow_mixed_types=True)
+            return wb.plot.bar(table, v["label"], v["value"], title=v.get("title", ""))
+        if kind == "lines":
+            return wb.plot.line_series(xs=v["xs"], ys=v["ys"], keys=v["keys"],
+                                       title=v.get("title", ""), xname=v.get("xname", "x"))
+        raise ValueError(f"unknown panel kind {kind!r}")
+
+    def apply(self, msg: dict) -> None:
+        op, run = msg["op"], self.run
+        if op == "define":
+            run.define_metric(msg["name"], step_metric=msg.get("step_metric"),
+                              summary=msg.get("summary"))
+        elif op == "log":
+            data = {k: self.value(v) for k, v in msg["data"].items()}
+            run.log(data, commit=False) if self.attached else run.log(data)
+        elif op == "summary":
+            for k, v in msg["data"].items():
+                run.summary[k] = self.value(v)
+        elif op == "alert":
+            run.alert(title=msg["title"][:63], text=msg["text"], level=msg.get("level", "WARN"),
+                      wait_duration=msg.get("wait_s", 1))
+        elif op == "file":
+            path = os.path.join(run.dir, msg["name"])
+            with open(path, "wb") as fh:
+                fh.write(base64.b64decode(msg["b64"]))
+            run.save(path, base_path=run.dir, policy="end")
+        else:
+            raise ValueError(f"unknown message {op!r}")
+
+
+def _status(out: IO[bytes], **fields: Any) -> None:
+    try:
+        out.write((json.dumps(fields) + "\n").encode())
+        out.flush()
+    except (OSError, ValueError):
+        pass  # nobody is listening any more
+
+
+def _open_run(kwargs: dict) -> tuple[Any, Any]:
+    import wandb
+
+    if kwargs.get("dir"):
+        os.makedirs(kwargs["dir"], exist_ok=True)
+    settings = wandb.Settings(console="off", silent=True, disable_git=True, save_code=False,
+                              x_disable_stats=True, x_save_requirements=False)
+    run = wandb.init(**kwargs, reinit="create_new", settings=settings)
+    return wandb, run
+
+
+def main() -> int:
+    # Started by path: Python put this file's directory first on sys.path, and the sink's
+    # own module there is named wandb.py. Drop it so that `import wandb` finds wandb.
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    try:
+        # Nothing here is urgent; the training ranks that share these cores are.
+        os.nice(10)
+    except OSError:
+        pass
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    messages = read_messages(inp)
+    first = next(messages, None)
+    if first is None or first.get("op") != "init":
+        return 2
+    try:
+        wandb, run = _open_run(first["kwargs"])
+    except BaseException as exc:  # noqa: BLE001 - reported to the training process
+        _status(out, error=f"{type(exc).__name__}: {exc}")
+        return 1
+    _status(out, ready=True, dir=os.path.dirname(run.dir), id=run.id)
+    print(f"[ccld] W&B run {run.id} ({run.settings.mode}) in {os.path.dirname(run.dir)}; "
+          f"upload an offline run with: wandb sync {os.path.dirname(run.dir)}",
+          file=sys.stderr, flush=True)
+    applier = Applier(wandb, run, attached=False)
+    failed: set[str] = set()
+    for msg in messages:
+        if msg.get("op") == "finish":
+            break
+        try:
+            applier.apply(msg)
+        except Exception as exc:  # noqa: BLE001 - one bad panel must not end the run
+            if msg.get("op") not in failed:
+                failed.add(msg.get("op", "?"))
+                _status(out, failed=msg.get("op"), error=f"{type(exc).__name__}: {exc}")
+                traceback.print_exc()
+    # However finish goes (an online run with no network), this process must end.
+    timer = threading.Timer(FINISH_TIMEOUT_S, os._exit, args=(3,))
+    timer.daemon = True
+    timer.start()
+    run.finish()
+    timer.cancel()
+    _status(out, finished=True)
+    return 0  # a normal exit, so that wandb removes its temporary directories
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,386 @@
+"""The W&B diagnosis panels.
+
+Real jobs and a real wandb (offline): a hung demo job logs into a run of the sink's own,
+and the run file is read back with the plugin's own reader; the same job with wandb made
+unimportable still diagnoses; panels go into a user's existing run without disturbing its
+steps. The panel numbers themselves are checked on synthetic views.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ccld_plugin.config import DiagnoserConfig, WandbConfig, load_config
+from ccld_plugin.demo import DemoOptions, run_demo
+from ccld_plugin.diagnose import Diagnoser, JobView
+from ccld_plugin.diagnose.records import Cause, Kind, Verdict
+from ccld_plugin.diagnose.slow import Joined
+from ccld_plugin.errors import contained_errors
+from ccld_plugin.probe import OP_CODES
+from ccld_plugin.sinks import build_sinks
+from ccld_plugin.sinks.jsonl import read_verdicts
+from ccld_plugin.sinks.metrics import PanelMetrics, group_key, hang_watch, take_new_joined
+from ccld_plugin.sinks.wandb import (
+    VERDICT_COLUMNS,
+    WandbSink,
+    _Writer,
+    encode_png,
+    heatmap_rgb,
+    verdict_row,
+)
+from ccld_plugin.summary import GroupProgress, InFlightOp, RankSummary, StepStat
+from ccld_plugin.topology import GroupInfo, group_id_of
+from ccld_plugin.wandb_summary import find_run_files, iter_records, wait_for_run
+
+FAST = ["diagnoser.hang_min_s=3", "agent.stack_after_s=1", "agent.interval_s=0.5"]
+PER_STEP = ["step_ms", "compute_ms", "compute_max_ms", "blocked_dp_ms", "slowest_rank",
+            "slowest_ratio"]
+S, MS = 1_000_000_000, 1_000_000
+
+
+def _demo(out: Path, extra: list[str]) -> int:
+    opts = DemoOptions(framework="torch", world=4, tp=1, pp=1, steps=40,
+                       faults=["compute-hang@2:step=4"], out=out,
+                       overrides=[*FAST, "sinks.wandb.enabled=true", *extra], timeout_s=120)
+    return run_demo(opts)
+
+
+# ---------------------------------------------------------------------- real jobs
+def test_hung_job_logs_panels_verdict_and_alert_to_an_offline_run(tmp_path):
+    out = tmp_path / "out"
+    started = time.time()
+    assert _demo(out, [f"sinks.wandb.dir={out / 'wandb'}"]) == 0
+    # The job was killed (it hung); the writer process finishes the run on its own.
+    run = wait_for_run(out / "wandb", timeout_s=60, since=started - 1)
+    assert run is not None and run.finished, run
+    for key in PER_STEP:
+        assert run.points.get(f"ccld/per_step/{key}", 0) >= 3, (key, sorted(run.points))
+    assert run.points["ccld/step"] >= 3
+    # Arrival skew and bandwidth come from sampled collectives (every 4th of a group).
+    assert run.points.get("ccld/per_step/skew_ms", 0) >= 1
+    # The hang watch kept climbing after the steps stopped, past the 3 s threshold.
+    assert max(run.values["ccld/hang/oldest_op_age_s"]) >= 3
+    assert run.values["ccld/hang/threshold_s"][-1] >= 3
+    assert "ccld/heatmap/compute" in run.points
+    assert run.charts.get("ccld/ranks/compute_bar") == "wandb/bar/v0"
+    ranks = run.tables["ccld/ranks/table"]
+    assert [row[0] for row in ranks.rows] == [0, 1, 2, 3]
+
+    table = run.tables["ccld/verdicts/table"]
+    assert table.columns == VERDICT_COLUMNS
+    rows = [dict(zip(table.columns, r, strict=True)) for r in table.rows]
+    (hang,) = [r for r in rows if r["kind"] == "hang"]
+    assert (json.loads(hang["ranks"]), hang["cause"], hang["group_role"]) == ([2], "compute",
+                                                                               "dp")
+    assert json.loads(hang["group_ranks"]) == [0, 1, 2, 3] and hang["op"] == "all_reduce"
+    (alert,) = [a for a in run.alerts if "hang" in a["title"]]
+    assert alert["title"] == "ccld hang: rank 2 (compute)" and alert["level"] == "ERROR"
+    assert "rank 2 in dp[0, 1, 2, 3]" in alert["text"]
+    # The same verdict as the JSONL sink wrote.
+    (v,) = [x for x in read_verdicts(out / "verdicts.jsonl") if x["kind"] == "hang"]
+    assert verdict_row(v) == table.rows[rows.index(hang)]
+
+
+BLOCKER = '''\
+"""Makes wandb unimportable in every process of the job, as if it were not installed:
+a meta-path finder ahead of the normal ones answers every wandb module with the error
+the import system raises for a missing module."""
+import sys
+
+
+class _NoWandb:
+    def find_spec(self, name, path=None, target=None):
+        if name == "wandb" or name.startswith("wandb."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _NoWandb())
+'''
+
+
+def test_job_without_wandb_still_runs_and_diagnoses(tmp_path, monkeypatch):
+    """wandb is installed here, so its absence is simulated: a sitecustomize on the job's
+    PYTHONPATH (inherited by every rank) puts a meta-path finder first that raises
+    ModuleNotFoundError for wandb, exactly what ``import wandb`` raises when it is not
+    installed. The first check proves the blocker works in a fresh interpreter."""
+    blocker = tmp_path / "no_wandb"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(BLOCKER)
+    path = os.pathsep.join(p for p in (str(blocker), os.environ.get("PYTHONPATH")) if p)
+    monkeypatch.setenv("PYTHONPATH", path)
+    probe = subprocess.run([sys.executable, "-c", "import wandb"], capture_output=True,
+                           text=True)
+    assert probe.returncode == 1 and "ModuleNotFoundError" in probe.stderr
+
+    out = tmp_path / "out"
+    assert _demo(out, [f"sinks.wandb.dir={out / 'wandb'}"]) == 0
+    (v,) = [x for x in read_verdicts(out / "verdicts.jsonl") if x["kind"] == "hang"]
+    assert (v["ranks"], v["cause"]) == ([2], "compute")
+    log = (out / "logs" / "rank0.log").read_text()
+    lines = [ln for ln in log.splitlines() if "contained error in sinks.wandb" in ln]
+    assert len(lines) == 1, log[-3000:]
+    assert "ModuleNotFoundError: No module named 'wandb'" in lines[0]
+    assert "training continues" in lines[0]
+    assert not (out / "wandb").exists()
+
+
+def test_broken_wandb_in_the_writer_process_is_contained(tmp_path, monkeypatch):
+    """A wandb that is found but fails to import (a broken install): the writer process
+    reports it and the sink says so once, without raising."""
+    stub = tmp_path / "stub" / "wandb"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ImportError('broken wandb install')\n")
+    monkeypatch.setenv("PYTHONPATH", str(stub.parent))
+    before = contained_errors().get("sinks.wandb", 0)
+    writer = _Writer({"project": "p", "mode": "offline"}, sys.executable)
+    assert writer.proc.wait(timeout=30) == 1
+    writer._status.join(timeout=10)
+    assert writer.failure and "ImportError: broken wandb install" in writer.failure
+    assert contained_errors()["sinks.wandb"] == before + 1
+    with pytest.raises(RuntimeError, match="broken wandb install"):
+        writer.send([{"op": "log", "data": {}}])
+
+
+def test_panels_go_into_the_users_existing_run(tmp_path):
+    """A user's run (as Megatron's or DeepSpeed's writer makes): the sink logs into it,
+    never advances its step, leaves it open at close, and the user's own explicit-step
+    logging loses nothing."""
+    import wandb
+
+    run = wandb.init(project="user", mode="offline", dir=str(tmp_path),
+                     settings=wandb.Settings(console="off", silent=True, x_disable_stats=True))
+    assert wandb.run is run
+    try:
+        (sink,) = build_sinks(load_config(None, ["sinks.console=false",
+                                                 "sinks.wandb.enabled=true",
+                                                 "sinks.wandb.log_interval_steps=2"]).sinks)
+        assert isinstance(sink, WandbSink)
+        diag = Diagnoser(DiagnoserConfig(), 0.5)
+        for step in range(6):
+            run.log({"loss": 1.0 / (step + 1)}, step=step)
+            views = _job_views(steps=1, first=step)
+            diag.slow.joined.extend(_joined(views[-1], step))
+            sink.observe(views[-1], diag)
+        sink.emit(_verdict())
+        sink.close()
+        assert wandb.run is run  # still the user's, still open
+        run.log({"loss": 0.01}, step=6)
+        # A user's record too long for one 32 KiB block: the reader must join its chunks.
+        run.log({"notes": "x" * 70_000}, step=7, commit=True)
+    finally:
+        run.finish()
+    (path,) = find_run_files(tmp_path)
+    # finish() can return before wandb's service has written the file's last block.
+    got = wait_for_run(tmp_path, timeout_s=30)
+    assert got is not None and got.finished and got.file == path
+    assert got.points["loss"] == 7 and got.values["loss"][-1] == 0.01
+    assert len(got.values["notes"][0]) == 70_000
+    assert got.points.get("ccld/per_step/compute_ms", 0) >= 1
+    assert got.tables["ccld/verdicts/table"].rows[0][VERDICT_COLUMNS.index("cause")] \
+        == "communication"
+    assert [a["title"] for a in got.alerts] == ["ccld slow: rank 3 (communication)"]
+    assert len(list(iter_records(path))) == got.records
+
+
+# ---------------------------------------------------------------------- synthetic
+DP = GroupInfo(group_id_of([0, 1, 2, 3]), "dp", (0, 1, 2, 3))
+TP = [GroupInfo(group_id_of([0, 1]), "tp", (0, 1)), GroupInfo(group_id_of([2, 3]), "tp", (2, 3))]
+TABLES = {r: [DP, TP[r // 2]] for r in range(4)}
+STEP_NS = 100 * MS
+
+
+def _summary(rank: int, steps: list[int], now: int, compute_ms: float = 60.0,
+             blocked_us: tuple[int, int] = (20_000, 10_000),
+             flights: tuple = ()) -> RankSummary:
+    stats = [StepStat(s, s * STEP_NS, 100_000, int(compute_ms * 1000)) for s in steps]
+    return RankSummary(
+        rank=rank, pid=1, host=f"h{rank // 2}", time_ns=now, heartbeat_ns=now,
+        step=steps[-1] if steps else 0, last_progress_ns=now, groups_version=1,
+        groups=[GroupProgress(0, 9, 9, 2, blocked_us[0], 0, 0),
+                GroupProgress(1, 9, 9, 2, blocked_us[1], 0, 0)],
+        in_flight=list(flights), steps=stats)
+
+
+def _job_views(steps: int, first: int = 0, slow_rank: int = 2) -> list[JobView]:
+    """One view per step: every rank reports the step that just ended; ``slow_rank``
+    computes twice as long."""
+    views = []
+    for s in range(first, first + steps):
+        now = (s + 1) * STEP_NS + 1
+        sums = {r: _summary(r, [s], now, 120.0 if r == slow_rank else 60.0)
+                for r in range(4)}
+        views.append(JobView(summaries=sums, tables=TABLES, now_ns=now, job_start_ns=0,
+                             world=4))
+    return views
+
+
+def _joined(view: JobView, step: int, last: int = 2) -> list[Joined]:
+    t = step * STEP_NS + 50 * MS
+    return [Joined(DP, 4 * step, t, last, {r: (0 if r == last else 30 * MS) for r in range(4)},
+                   2 * MS, 4_000_000),
+            Joined(TP[0], 4 * step, t - MS, 0, {0: 0, 1: 1 * MS}, 1 * MS, 1_000_000)]
+
+
+def test_step_rows_wait_for_every_rank_and_decompose_the_step():
+    m = PanelMetrics()
+    v0, v1 = _job_views(2)
+    (row,) = m.update(v0, _joined(v0, 0))
+    assert m.update(v0, []) == []  # the same summaries read again add nothing
+    assert (row.step, row.ranks, row.step_ms, row.compute_ms, row.compute_max_ms) == \
+        (0, 4, 100.0, 60.0, 120.0)
+    assert (row.slowest_rank, row.slowest_ratio) == (2, 2.0)  # vs its DP cohort's 60 ms
+    assert row.blocked_ms == {"dp": 20.0, "tp": 10.0}
+    assert (row.skew_ms, row.skew_role, row.skew_last_rank) == (30.0, "dp", 2)
+    assert round(row.bandwidth[DP.group_id].mb_s) == 2000  # 4 MB in 2 ms
+    log = row.as_log()
+    assert log["ccld/step"] == 0 and log["ccld/per_step/blocked_dp_ms"] == 20.0
+    # Rank 3 has not finished step 1 yet: no row until it has.
+    partial = dict(v1.summaries)
+    partial[3] = _summary(3, [], v1.now_ns + 5)
+    assert m.update(JobView(summaries=partial, tables=TABLES, now_ns=v1.now_ns,
+                            job_start_ns=0, world=4), _joined(v1, 1)) == []
+    late = dict(v1.summaries)
+    late[3] = _summary(3, [1], v1.now_ns + 10, blocked_us=(0, 0))
+    (row1,) = m.update(JobView(summaries=late, tables=TABLES, now_ns=v1.now_ns + 10,
+                               job_start_ns=0, world=4), [])
+    assert (row1.step, row1.ranks, row1.time_s, row1.skew_last_rank) == (1, 4, 0.1, 2)
+    # Rank 3's time in collectives reported before its step 1 ended counts towards it.
+    assert row1.blocked_ms == {"dp": 20.0, "tp": 10.0}
+
+
+def test_blocked_time_is_shared_among_the_steps_of_a_summary():
+    m = PanelMetrics()
+    now = 3 * STEP_NS
+    sums = {r: _summary(r, [0, 1], now, blocked_us=(40_000, 0)) for r in range(4)}
+    rows = m.update(JobView(summaries=sums, tables=TABLES, now_ns=now, job_start_ns=0,
+                            world=4), [])
+    assert [(r.step, r.blocked_ms) for r in rows] == [(0, {"dp": 20.0}), (1, {"dp": 20.0})]
+
+
+def test_sparse_step_numbers_and_the_flush_at_the_end():
+    m = PanelMetrics()
+    now = 50 * STEP_NS
+    sums = {r: _summary(r, [0, 10, 20] if r != 1 else [0, 10], now) for r in range(4)}
+    view = JobView(summaries=sums, tables=TABLES, now_ns=now, job_start_ns=0, world=4)
+    assert [r.step for r in m.update(view, [])] == [0, 10]  # rank 1 has not finished 20
+    (last,) = m.flush()  # the job is ending: what some ranks finished is shown too
+    assert (last.step, last.ranks) == (20, 3)
+    assert m.flush() == []
+
+
+def test_rank_table_heatmap_and_bandwidth_history():
+    m = PanelMetrics()
+    for i, v in enumerate(_job_views(6)):
+        m.update(v, _joined(v, i))
+    rows = {r.rank: r for r in m.rank_rows(4)}
+    assert rows[2].compute_ms == 120.0 and rows[2].ratio == 2.0 and rows[0].ratio == 1.0
+    assert rows[2].last_share == 1.0 and rows[2].wait_ms == 0.0 and rows[0].wait_ms == 15.0
+    assert rows[1].bandwidth == {"dp": 2000.0, "tp": 1000.0}
+    assert rows[3].bandwidth == {"dp": 2000.0} and rows[3].host == "h1"
+    assert rows[0].as_row(["dp", "tp"])[-2:] == [2000.0, 1000.0]
+    hist = m.bandwidth_history()
+    assert hist[DP.group_id][1] == [0, 1, 2, 3, 4, 5] and group_key(DP) == "dp_0_3"
+    mat, ranks, steps = m.compute_matrix(4)
+    assert ranks == [0, 1, 2, 3] and steps == [2, 3, 4, 5]
+    assert mat.shape == (4, 4) and (mat[2] == 120).all() and (mat[0] == 60).all()
+    # A last step that rank 3 has not reported yet is left out rather than drawn grey.
+    now = 7 * STEP_NS
+    m.update(JobView(summaries={r: _summary(r, [6], now) for r in range(3)}, tables=TABLES,
+                     now_ns=now, job_start_ns=0, world=4), [])
+    assert m.compute_matrix(4)[2] == [2, 3, 4, 5]
+    rgb = heatmap_rgb(mat)
+    assert (rgb[2] == [165, 0, 38]).all()  # twice the step's median: the darkest red
+    assert (rgb[0] == [247, 247, 247]).all()  # at the median: white
+
+
+def test_heatmap_bins_large_worlds_keeping_the_straggler():
+    mat = np.full((2000, 3), 10.0)
+    mat[1234] = 25.0
+    mat[5, 1] = np.nan
+    rgb = heatmap_rgb(mat, max_rows=500)
+    assert rgb.shape == (500, 3, 3)
+    assert (rgb[1234 // 4] == [165, 0, 38]).all()
+    assert (rgb[1, 1] == [247, 247, 247]).all()  # a bin with one missing rank still shows
+
+
+def _png_pixels(png: bytes) -> np.ndarray:
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, w, h = 8, b"", 0, 0
+    while pos < len(png):
+        (n,) = struct.unpack(">I", png[pos : pos + 4])
+        kind, data = png[pos + 4 : pos + 8], png[pos + 8 : pos + 8 + n]
+        assert struct.unpack(">I", png[pos + 8 + n : pos + 12 + n])[0] == zlib.crc32(kind + data)
+        if kind == b"IHDR":
+            w, h = struct.unpack(">II", data[:8])
+            assert data[8:10] == b"\x08\x02"  # 8-bit RGB
+        idat += data if kind == b"IDAT" else b""
+        pos += 12 + n
+    raw = np.frombuffer(zlib.decompress(idat), np.uint8).reshape(h, 1 + 3 * w)
+    assert (raw[:, 0] == 0).all()
+    return raw[:, 1:].reshape(h, w, 3)
+
+
+def test_png_encoder_round_trips():
+    rgb = np.random.default_rng(0).integers(0, 256, (7, 5, 3), dtype=np.uint8)
+    assert (_png_pixels(encode_png(rgb)) == rgb).all()
+
+
+def test_hang_watch_names_the_oldest_op_and_its_threshold():
+    now = 50 * S
+    flight = [InFlightOp(0, OP_CODES["all_reduce"], 0, -1, 9, 64, now - 7 * S)]
+    sums = {r: _summary(r, [], now, flights=flight if r != 2 else ()) for r in range(4)}
+    sums[1].in_flight[0] = InFlightOp(0, OP_CODES["all_reduce"], 0, -1, 9, 64, now - 8 * S)
+    w = hang_watch(JobView(summaries=sums, tables=TABLES, now_ns=now, job_start_ns=0, world=4),
+                   lambda gid: 10.0 if gid == DP.group_id else 0.0)
+    assert (w.oldest_rank, w.role, w.op, w.threshold_s, w.blocked_ranks) == \
+        (1, "dp", "all_reduce", 10.0, 3)
+    assert w.oldest_age_s == 8.0 and w.time_s == 50.0
+    assert w.as_log()["ccld/hang/oldest_op_age_s"] == 8.0
+
+
+def test_take_new_joined_walks_back_to_the_last_one_taken():
+    q: deque[int] = deque(maxlen=5)
+    q.extend([1, 2, 3])
+    assert take_new_joined(q, None) == [1, 2, 3]  # type: ignore[arg-type]
+    q.extend([4, 5, 6])
+    assert take_new_joined(q, 3) == [4, 5, 6]  # type: ignore[arg-type]
+    q.extend(range(7, 13))
+    assert take_new_joined(q, 6) == [8, 9, 10, 11, 12]  # 6 was evicted: all are new
+
+
+def _verdict() -> Verdict:
+    return Verdict(kind=Kind.SLOW, cause=Cause.COMMUNICATION, ranks=[3], group=DP.to_dict(),
+                   link=[2, 3], step=9, detected_s=4.5, severity=3.1,
+                   evidence=["dp[0, 1, 2, 3] moves 1.0 MB/s", "second line"])
+
+
+def test_verdict_row_has_every_field():
+    row = dict(zip(VERDICT_COLUMNS, verdict_row(_verdict().to_dict()), strict=True))
+    fields = set(_verdict().to_dict()) - {"group"}
+    assert fields <= set(row) and {"group_role", "group_ranks", "group_id"} <= set(row)
+    assert (row["kind"], row["ranks"], row["link"], row["group_ranks"]) == \
+        ("slow", "[3]", "[2, 3]", "[0, 1, 2, 3]")
+    assert row["evidence"] == "dp[0, 1, 2, 3] moves 1.0 MB/s\nsecond line"
+    assert row["stack"] is None and row["schema"] == 1
+
+
+def test_disabled_mode_and_no_sink_when_off(monkeypatch):
+    assert not [s for s in build_sinks(load_config(None, ["sinks.console=false"]).sinks)]
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    sink = WandbSink(WandbConfig(enabled=True))
+    view = _job_views(1)[0]
+    sink.observe(view, Diagnoser(DiagnoserConfig(), 0.5))
+    sink.close()
+    assert sink._dead and sink._backend is None
