@@ -5,7 +5,9 @@ worker), else a dedicated TCPStore hosted by the diagnoser rank. Keys:
 
 - ``s/<rank>``: the rank's latest summary (overwritten every tick);
 - ``g/<rank>``: the rank's group table, rewritten when it changes;
-- ``clk/...``: the clock handshake; ``job_start``: the diagnoser's start time.
+- ``clk/...``: the clock handshake; ``job_start``: the diagnoser's start time;
+- ``ep/<rank>``: the (ip, port) local ends of the rank's TCP connections, which peers join
+  with their remote ends to map connections to ranks (rewritten when they change).
 """
 
 from __future__ import annotations
@@ -116,6 +118,25 @@ class ControlPlane:
         data = json.loads(bytes(self.store.get(f"g/{rank}")))
         return data["version"], [GroupInfo(int(gid, 16), role, tuple(ranks))
                                  for gid, role, ranks in data["groups"]]
+
+    # ---------------------------------------------------------------- endpoints
+    def publish_endpoints(self, rank: int, endpoints: Iterable[tuple[str, int]]) -> None:
+        self.store.set(f"ep/{rank}", json.dumps([[h, p] for h, p in endpoints]))
+
+    def read_endpoints(self, ranks: Iterable[int]) -> dict[int, list[tuple[str, int]]]:
+        """Published endpoints of ``ranks``, in chunks; ranks that published none are
+        left out."""
+        ranks = list(ranks)
+        present = [r for r, ok in zip(ranks, self._exist([f"ep/{r}" for r in ranks]),
+                                      strict=True) if ok]
+        out: dict[int, list[tuple[str, int]]] = {}
+        step = self.cfg.chunk_keys
+        for i in range(0, len(present), step):
+            chunk = present[i : i + step]
+            for r, value in zip(chunk, self.store.multi_get([f"ep/{r}" for r in chunk]),
+                                strict=True):
+                out[r] = [(str(h), int(p)) for h, p in json.loads(bytes(value))]
+        return out
 
     # ---------------------------------------------------------------- clock
     def serve_clock(self, job_start_ns: int, timeout_s: float) -> None:

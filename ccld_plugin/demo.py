@@ -86,7 +86,7 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     overrides = [f"board.dir={out}", "job=boards", "board.cleanup=false",
                  f"sinks.jsonl={out / 'verdicts.jsonl'}", "sinks.console=false",
-                 *opts.overrides]
+                 *_wandb_overrides(out), *opts.overrides]
     argv = [*_framework_argv(opts), *sum((["--ccld-set", o] for o in overrides), [])]
     env = {"CCLD_FAULTS": ";".join(str(f) for f in faults),
            "CCLD_FAULT_LOG": str(out / "faults.jsonl"),
@@ -104,6 +104,7 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
     console.print(f"[bold]ccld demo[/]: {opts.world} ranks, tp={opts.tp} pp={opts.pp} "
                   f"dp={opts.world // (opts.tp * opts.pp)}, {opts.steps} steps, fault: {shown}; "
                   f"logs in {out / 'logs'}")
+    started = time.time()
     try:  # the job (and its network, if any) ends however the demo ends
         job.start()
         printed = _follow(job, out / "verdicts.jsonl", opts.timeout_s, console)
@@ -119,6 +120,7 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
                "exit": codes}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     _print_summary(console, summary, faults, out)
+    _print_wandb(console, out, started)
     if cfg.board.cleanup:
         shutil.rmtree(out / "boards", ignore_errors=True)
     launched = all(c is not None for c in codes)
@@ -159,6 +161,31 @@ def _framework_argv(opts: DemoOptions) -> list[str]:
                 str(opts.steps), "--hidden", "512"]
     raise DemoError(f"unknown framework {opts.framework!r}; choose megatron, deepspeed or "
                     "torch")
+
+
+def _wandb_overrides(out: Path) -> list[str]:
+    """An offline W&B run under DIR/wandb when wandb is installed (the sink would contain
+    its absence anyway; this keeps the demo's output free of that error)."""
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        return []
+    return ["sinks.wandb.enabled=true", f"sinks.wandb.dir={out / 'wandb'}"]
+
+
+def _print_wandb(console: Console, out: Path, started: float) -> None:
+    if not (out / "wandb").exists():
+        return
+    from ccld_plugin.wandb_summary import wait_for_run
+
+    # The writer finishes the run after the job ends (a killed job too).
+    run = wait_for_run(out / "wandb", timeout_s=30, since=started)
+    if run is None:
+        console.print(f"[yellow]no finished W&B run under {out / 'wandb'} yet[/]")
+        return
+    console.print(f"W&B offline run: {run.file.parent} ({len(run.points)} keys, "
+                  f"{len(run.tables)} tables, {len(run.alerts)} alerts; see it with: ccld "
+                  f"wandb-summary {out / 'wandb'}; upload with: wandb sync {run.file.parent})")
 
 
 def _has_cuda() -> bool:

@@ -12,6 +12,7 @@ from typing import Any
 from ccld_plugin.agent import Agent, StepClock
 from ccld_plugin.control import ControlPlane
 from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
+from ccld_plugin.diagnose.channels import channel_evidence
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.sinks import Sink, build_sinks
 from ccld_plugin.summary import RankSummary, decode_summary
@@ -54,7 +55,8 @@ class DiagnoserService:
         self.world = world
         self.job_start_ns = job_start_ns
         self.sinks = sinks
-        self.diagnoser = Diagnoser(cfg.diagnoser, cfg.agent.interval_s)
+        self.diagnoser = Diagnoser(cfg.diagnoser, cfg.agent.interval_s,
+                                   channel_evidence=channel_evidence)
         self.verdicts: list[Verdict] = []
         self._tables: dict[int, tuple[int, list[GroupInfo]]] = {}
         self._host = socket.gethostname()
@@ -100,6 +102,12 @@ class DiagnoserService:
                 for sink in self.sinks:
                     try:
                         sink.emit(v)
+                    except Exception as exc:  # noqa: BLE001
+                        report_error(f"diagnoser.{type(sink).__name__}", exc)
+            for sink in self.sinks:
+                if hasattr(sink, "observe"):
+                    try:
+                        sink.observe(view, self.diagnoser)
                     except Exception as exc:  # noqa: BLE001
                         report_error(f"diagnoser.{type(sink).__name__}", exc)
 

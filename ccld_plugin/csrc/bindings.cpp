@@ -9,9 +9,11 @@
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 extern "C" {
@@ -21,6 +23,37 @@ extern "C" {
 namespace nb = nanobind;
 
 namespace {
+
+template <typename T>
+T checked(nb::handle value, const std::string& name) {
+  // Through 64-bit ints so that a value out of the field's range is an error, not a wrap.
+  if constexpr (std::is_signed_v<T>) {
+    int64_t v = nb::cast<int64_t>(value);
+    if (v < std::numeric_limits<T>::min() || v > std::numeric_limits<T>::max())
+      throw std::invalid_argument("channel field " + name + " out of range");
+    return static_cast<T>(v);
+  } else {
+    uint64_t v = nb::cast<uint64_t>(value);
+    if (v > std::numeric_limits<T>::max())
+      throw std::invalid_argument("channel field " + name + " out of range");
+    return static_cast<T>(v);
+  }
+}
+
+void set_channel_field(ccld_channel& c, const std::string& name, nb::handle v) {
+#define CH(field)                                             \
+  if (name == #field) {                                       \
+    c.field = checked<decltype(c.field)>(v, name);            \
+    return;                                                   \
+  }
+  if (name == "source") return;
+  CH(direction) CH(wait) CH(channel_id) CH(peer) CH(pid) CH(group_id) CH(seq)
+  CH(steps_posted) CH(steps_done) CH(bytes_done) CH(bytes_queued) CH(first_ns)
+  CH(last_progress_ns) CH(rtt_us) CH(retrans) CH(rwnd_limited_us) CH(sndbuf_limited_us)
+  CH(busy_us) CH(delivery_rate) CH(local_port) CH(remote_port) CH(remote_addr)
+#undef CH
+  throw std::invalid_argument("ccld_channel has no field " + name);
+}
 
 class Board {
  public:
@@ -61,6 +94,17 @@ class Board {
 
   int32_t channel_claim(uint8_t source) { return ccld_channel_claim(live(), source); }
   void channel_release(int32_t slot) { ccld_channel_release(live(), slot); }
+  // Fill a channel record from keyword arguments named like the fields of ccld_channel
+  // (unnamed fields are 0) and publish it with the record's seqlock. `source` is accepted
+  // and ignored: the slot keeps the source that claimed it.
+  void channel_write(int32_t slot, nb::kwargs fields) {
+    ccld_channel rec;
+    std::memset(&rec, 0, sizeof rec);
+    for (auto [key, value] : fields) {
+      set_channel_field(rec, nb::cast<std::string>(key), value);
+    }
+    ccld_channel_write(live(), slot, &rec);
+  }
 
   bool closed() const { return b_ == nullptr; }
   void close(bool unlink_file) {
@@ -187,6 +231,7 @@ NB_MODULE(_native, m) {
       .def("set_clock_offset", &Board::set_clock_offset)
       .def("channel_claim", &Board::channel_claim)
       .def("channel_release", &Board::channel_release)
+      .def("channel_write", &Board::channel_write)
       .def_prop_ro("closed", &Board::closed)
       .def("close", &Board::close, nb::arg("unlink") = false);
   m.def("layout", &layout);

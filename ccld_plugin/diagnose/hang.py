@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
+from ccld_plugin.diagnose import channels as chan
 from ccld_plugin.diagnose.records import Cause, Kind, Verdict
 from ccld_plugin.diagnose.view import Blocked, JobView
 from ccld_plugin.probe import FLAG_P2P, OP_NAMES
@@ -94,6 +95,11 @@ def find_hangs(view: JobView, threshold_s: Callable[[int], float], min_wait_s: f
                channel_evidence: ChannelEvidence | None = None) -> list[Verdict]:
     """Hang verdicts for ops in flight longer than their group's threshold."""
     blocked = {r: b for r, b in view.blocked().items() if b.age_s >= min_wait_s}
+    # A rank cut off from the network: its last summary predates the cut and says nothing
+    # about what it does now (a stale "waits in recv" would make a false cycle). Left out
+    # of the graph, it is a root, reported as a communication hang by _root_hang.
+    for r in chan.cut_off_ranks(view):
+        blocked.pop(r, None)
     stuck = [b for b in blocked.values()
              if b.age_s >= threshold_s(b.group.group_id) and view.idle_s(b.rank) >= min_wait_s]
     if not stuck:
@@ -110,7 +116,7 @@ def find_hangs(view: JobView, threshold_s: Callable[[int], float], min_wait_s: f
     # but still progressing is a straggler, not a hang.
     roots = {r for r in roots if r in view.summaries and r not in view.gone
              and view.idle_s(r) >= min_wait_s}
-    verdicts = [_compute_hang(view, r, blocked, graph) for r in sorted(roots)]
+    verdicts = [_root_hang(view, r, blocked, graph) for r in sorted(roots)]
     if not verdicts:
         verdicts += [_deadlock(view, c, blocked) for c in cycles]
     if not verdicts:
@@ -150,6 +156,34 @@ def _compute_hang(view: JobView, root: int, blocked: dict[int, Blocked],
                    severity=round(idle, 1), evidence=evidence, stack=s.stack or None)
 
 
+def _root_hang(view: JobView, root: int, blocked: dict[int, Blocked],
+               graph: dict[int, list[int]]) -> Verdict:
+    """A root's hang, with what its peers' connections to it show (channel evidence).
+
+    A root that went silent while its peers' connections to it stall unacknowledged is
+    not stuck in compute: its link is cut, and its last summary (which shows it outside
+    the op) predates the cut. Otherwise it is a compute-bound hang, and the connections
+    show either data it does not read or healthy, idle links.
+    """
+    v = _compute_hang(view, root, blocked, graph)
+    waiters = sorted(r for r, targets in graph.items() if root in targets)
+    cut = chan.cut_off_rank(view, root, view.summaries)
+    if cut is None:
+        v.evidence += chan.toward_lines(view, root, waiters)
+        return v
+    _, link, lines = cut
+    stuck = [blocked[r] for r in waiters]
+    age = max(b.age_s for b in stuck)
+    v.cause, v.link, v.stack = Cause.COMMUNICATION, link, None
+    v.evidence = [f"ranks {waiters} wait for rank {root} in {v.op} on "
+                  f"{v.group['role']}{v.group['ranks']} ({age:.1f} s); its last summary "
+                  f"predates the stall", *lines]
+    v.onset_s = view.seconds(min(b.op.enter_ns for b in stuck))
+    v.step = max(view.summaries[r].step for r in waiters)  # the root's own is stale
+    v.severity = round(age, 1)
+    return v
+
+
 def _deadlock(view: JobView, cycle: list[int], blocked: dict[int, Blocked]) -> Verdict:
     ops = [blocked[r] for r in cycle]
     first = ops[0]
@@ -168,7 +202,7 @@ def _deadlock(view: JobView, cycle: list[int], blocked: dict[int, Blocked]) -> V
 def _comm_hangs(view: JobView, stuck: list[Blocked], graph: dict[int, list[int]],
                 channel_evidence: ChannelEvidence | None) -> list[Verdict]:
     """Everyone arrived, yet the op does not finish: data does not flow."""
-    verdicts, seen = [], set()
+    verdicts, seen, located = [], set(), []
     for b in sorted(stuck, key=lambda b: -b.age_s):
         if b.group.group_id in seen:
             continue
@@ -183,12 +217,26 @@ def _comm_hangs(view: JobView, stuck: list[Blocked], graph: dict[int, list[int]]
             evidence += lines
         else:
             evidence.append("no channel data to name the link: every member is a suspect")
-        verdicts.append(Verdict(
+        v = Verdict(
             kind=Kind.HANG, cause=Cause.COMMUNICATION, ranks=ranks, group=b.group.to_dict(),
             link=link, op=b.op_name, trace_id=b.trace_id, step=view.summaries[b.rank].step,
             onset_s=view.seconds(b.op.enter_ns), detected_s=view.seconds(view.now_ns),
-            severity=round(b.age_s, 1), evidence=evidence))
-    return verdicts
+            severity=round(b.age_s, 1), evidence=evidence)
+        verdicts.append(v)
+        if found is not None:
+            located.append(v)
+    return _fold(located) if located else verdicts
+
+
+def _fold(verdicts: list[Verdict]) -> list[Verdict]:
+    """One verdict per culprit the channel evidence named: the other groups stuck on the
+    same culprit (and those without channel evidence, stuck downstream) are its effects."""
+    out: dict[tuple[int, ...], Verdict] = {}
+    for v in verdicts:
+        first = out.setdefault(tuple(v.ranks), v)
+        if first is not v:
+            first.evidence.append(f"also stuck on it: {v.evidence[0]}")
+    return list(out.values())
 
 
 def find_mismatches(view: JobView) -> list[Verdict]:
@@ -240,6 +288,8 @@ def find_unresponsive(view: JobView, unresponsive_s: float) -> list[Verdict]:
         gone = rank in view.gone
         if not gone and age < unresponsive_s:
             continue
+        if not gone and chan.cut_off_rank(view, rank, view.summaries) is not None:
+            continue  # alive but cut off: a communication hang (find_hangs), not a wedge
         last = [f"{OP_NAMES.get(op.op, '?')} seq {op.seq} on {_fmt_group(g)}"
                 for op, g in view.ops_of(rank)]
         evidence = [f"process {s.pid} on {s.host} no longer exists" if gone else

@@ -17,6 +17,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 
 from ccld_plugin.config import DiagnoserConfig
+from ccld_plugin.diagnose.channels import ChannelHistory, LinkFinding
 from ccld_plugin.diagnose.records import Cause, Kind, Verdict
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.errors import log
@@ -64,11 +65,14 @@ class SlowDetector:
         self.streak: dict[tuple, int] = defaultdict(int)
         self.first_seen: dict[tuple, int] = {}
         self.bw_history: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=20))
+        self.channels = ChannelHistory()  # per-peer TCP evidence: names the slow link's rank
+        self._channel_found: LinkFinding | None = None  # of the current streak
         self._cohort_key = -1
         self._cohort_cache: dict[int, list[int]] = {}
 
     # ------------------------------------------------------------------ ingest
     def ingest(self, view: JobView) -> None:
+        self.channels.ingest(view)
         for rank, s in view.summaries.items():
             mine = self.steps[rank]
             for st in s.steps:
@@ -138,7 +142,7 @@ class SlowDetector:
         log.debug("ccld window %d-%d: compute us %s, %d joined samples", lo, hi - 1,
                   {r: round(x) for r, x in sorted(compute.items())}, len(joined))
         verdicts = self._stragglers(view, compute, step_us, joined, lo, hi)
-        verdicts += self._slow_links(view, joined, lo, hi)
+        verdicts += self._slow_links(view, joined, lo, hi, t0, t1)
         return verdicts
 
     def _stragglers(self, view: JobView, compute: dict[int, float], step_us: dict[int, float],
@@ -231,8 +235,8 @@ class SlowDetector:
                        detected_s=view.seconds(view.now_ns), severity=round(x / med, 2),
                        evidence=evidence)
 
-    def _slow_links(self, view: JobView, joined: list[Joined], lo: int, hi: int
-                    ) -> list[Verdict]:
+    def _slow_links(self, view: JobView, joined: list[Joined], lo: int, hi: int,
+                    t0: int, t1: int) -> list[Verdict]:
         per_group: dict[int, list[Joined]] = defaultdict(list)
         for j in joined:
             if j.bytes >= MIN_BANDWIDTH_BYTES and j.group.size > 1:
@@ -256,14 +260,24 @@ class SlowDetector:
                 self.bw_history[gid].append(b)
             else:
                 slow.append((g, b, ref))
-        if not slow:
+        # Channel evidence names the rank (or link) common to the slow connections, also
+        # where no sibling group exists to compare bandwidth with (one DP group).
+        found = self.channels.slow_links(view, t0, t1)
+        if not slow and found is None:
             for key in [k for k in self.streak if k[:2] == (Kind.SLOW, Cause.COMMUNICATION)]:
                 self.streak.pop(key)
+                self.first_seen.pop(key, None)
+            self._channel_found = None
             return []
+        if not slow:
+            return self._channel_slow(view, found, lo, hi)
         common = set(slow[0][0].ranks)
         for g, _, _ in slow[1:]:
             common &= set(g.ranks)
         ranks = sorted(common) if common else sorted(set().union(*(g.ranks for g, _, _ in slow)))
+        link = None
+        if found is not None and set(found.ranks) <= set().union(*(g.ranks for g, _, _ in slow)):
+            ranks, link = found.ranks, found.link
         worst = min(slow, key=lambda s: s[1] / s[2])
         key = (Kind.SLOW, Cause.COMMUNICATION, tuple(ranks))
         self.streak[key] += 1
@@ -275,10 +289,46 @@ class SlowDetector:
                     f"{s[2] / 1e6:.1f} MB/s for its siblings / history" for s in slow]
         if len(slow) > 1:
             evidence.append(f"slow groups intersect in ranks {ranks}")
+        if found is not None:
+            evidence += found.lines
         return [Verdict(kind=Kind.SLOW, cause=Cause.COMMUNICATION, ranks=ranks,
-                        group=g.to_dict(), step=hi - 1, onset_s=None,
+                        group=g.to_dict(), link=link, step=hi - 1,
+                        onset_s=self._onset(view, key, ranks),
                         detected_s=view.seconds(view.now_ns), severity=round(ref / b, 2),
                         evidence=evidence)]
+
+    def _channel_slow(self, view: JobView, found: LinkFinding, lo: int, hi: int
+                      ) -> list[Verdict]:
+        """Communication-bound slowness seen in the channel evidence alone."""
+        prev = self._channel_found
+        if prev is not None and set(prev.ranks) < set(found.ranks):
+            found = prev  # a window that could only name the link does not undo one end
+        self._channel_found = found
+        key = (Kind.SLOW, Cause.COMMUNICATION, tuple(found.ranks))
+        for other in [k for k in self.streak if k[:2] == key[:2] and k != key]:
+            # The same finding narrowed (link 0<->1, then rank 1) keeps its count; a
+            # different culprit starts over.
+            count, first = self.streak.pop(other), self.first_seen.pop(other, lo)
+            if set(other[2]) & set(found.ranks):
+                self.streak[key] = max(self.streak[key], count)
+                self.first_seen[key] = min(self.first_seen.get(key, first), first)
+        self.streak[key] += 1
+        self.first_seen.setdefault(key, lo)
+        if self.streak[key] != self.cfg.confirm_windows:
+            return []
+        g = found.group
+        return [Verdict(kind=Kind.SLOW, cause=Cause.COMMUNICATION, ranks=found.ranks,
+                        group=g.to_dict() if g is not None else None, link=found.link,
+                        step=hi - 1, onset_s=self._onset(view, key, found.ranks),
+                        detected_s=view.seconds(view.now_ns), severity=found.severity,
+                        evidence=found.lines)]
+
+    def _onset(self, view: JobView, key: tuple, ranks: list[int]) -> float | None:
+        """Start of the first window in which the finding was seen."""
+        first = self.first_seen.get(key)
+        starts = [self.steps[r][first].start_ns for r in ranks
+                  if first is not None and first in self.steps.get(r, {})]
+        return view.seconds(min(starts)) if starts else None
 
 
 def _stats_cohort(topo: Topology, rank: int, stages: dict[int | None, list[int]]

@@ -1,0 +1,283 @@
+"""Channel evidence: the summary codec, the diagnoser's reading of stalled and slow
+connections (on synthetic views), and the agent's sampler on real loopback sockets."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from ccld_plugin import _native
+from ccld_plugin.channels import ChannelSampler
+from ccld_plugin.diagnose import channels as chan
+from ccld_plugin.diagnose.channels import (
+    ChannelHistory,
+    PeerChannel,
+    channel_evidence,
+    cut_off_rank,
+    decode_channels,
+    encode_channels,
+    toward_lines,
+)
+from ccld_plugin.diagnose.view import JobView
+from ccld_plugin.probe import BoardReader
+from ccld_plugin.summary import RankSummary
+from ccld_plugin.topology import GroupInfo, group_id_of
+
+S = 1_000_000_000
+INTERVAL = 0.5
+
+
+def entry(peer: int, **kw: object) -> PeerChannel:
+    base = dict(peer=peer, wait="none", direction="send", conns=1, rtos=0, sent=0,
+                received=0, queued=0, rtt_us=100, min_rtt_us=10, retrans=0, rwnd_share=0.0,
+                sndbuf_share=0.0, busy_share=0.0, stalled_s=0.0)
+    base.update(kw)
+    return PeerChannel(**base)  # type: ignore[arg-type]
+
+
+def group(role: str, ranks: list[int]) -> GroupInfo:
+    return GroupInfo(group_id_of(ranks), role, tuple(ranks))
+
+
+DP4 = [group("world", [0, 1, 2, 3]), group("dp", [0, 1, 2, 3])]
+TP2PP2 = [group("world", [0, 1, 2, 3]), group("tp", [0, 1]), group("tp", [2, 3]),
+          group("pp", [0, 2]), group("pp", [1, 3])]
+
+
+def view(reports: dict[int, list[PeerChannel]], now: int = 100 * S,
+         ages: dict[int, float] | None = None, groups: list[GroupInfo] = DP4) -> JobView:
+    """A view in which rank r's latest summary, made ages[r] seconds ago, carries
+    reports[r] as its channel evidence."""
+    ages = ages or {}
+    summaries = {}
+    for r, entries in reports.items():
+        t = now - int(ages.get(r, 0.0) * S)
+        summaries[r] = RankSummary(rank=r, pid=1000 + r, host="h", time_ns=t, heartbeat_ns=t,
+                                   step=5, last_progress_ns=t, groups_version=1,
+                                   channels=encode_channels(entries, INTERVAL, len(entries)))
+    return JobView(summaries=summaries, tables={r: groups for r in reports}, now_ns=now,
+                   job_start_ns=0, world=4)
+
+
+# --- codec ----------------------------------------------------------------------------------
+
+
+def test_codec_round_trip_and_budget() -> None:
+    es = [entry(p, wait="network", sent=5 * 10**6, queued=123_456, rtt_us=40_000,
+                busy_share=0.9, rwnd_share=0.25, stalled_s=3.21, retrans=7, rtos=2)
+          for p in range(20)]
+    data = encode_channels(es, INTERVAL, 40)
+    assert len(data) <= 450  # a bounded share of the ~1 KB summary budget
+    rep = decode_channels(3, 77, data)
+    assert rep is not None and rep.rank == 3 and rep.time_ns == 77 and rep.conns == 40
+    assert len(rep.entries) == chan.MAX_ENTRIES and rep.interval_s == INTERVAL
+    e = rep.entries[0]
+    assert (e.peer, e.wait, e.sent, e.queued, e.rtt_us, e.retrans, e.rtos) == \
+        (0, "network", 5 * 10**6, 123_456, 40_000, 7, 2)
+    assert e.busy_share == pytest.approx(0.9, abs=0.01)
+    assert e.stalled_s == pytest.approx(3.21)
+    assert decode_channels(0, 0, b"") is None and decode_channels(0, 0, b"\x09xx") is None
+    assert decode_channels(0, 0, data[:-1]) is None
+
+
+# --- hangs ----------------------------------------------------------------------------------
+
+CUT = dict(wait="network", queued=64_000, stalled_s=4.0, rtos=3, rtt_us=200_000)
+
+
+def test_cut_link_names_the_silent_rank() -> None:
+    # Rank 2's link is cut: its summaries stop; ranks 1 and 3 have bytes to it that
+    # nothing acknowledges. Its stale report (before the cut) looked healthy.
+    v = view({0: [entry(3, sent=10**6)], 1: [entry(2, **CUT)], 2: [entry(1, sent=10**6)],
+              3: [entry(2, **CUT)]}, ages={2: 5.0})
+    found = cut_off_rank(v, 2, v.summaries)
+    assert found is not None
+    ranks, link, lines = found
+    assert ranks == [2] and link is None
+    assert any("unacknowledged for 4.0 s" in ln and "3 retransmission timeouts" in ln
+               for ln in lines)
+    assert any("summaries stopped arriving 5.0 s ago" in ln for ln in lines)
+    # The same stalls, seen from the hang's "nobody missing" path.
+    ranks, link, _ = channel_evidence(v, DP4[1], [0, 1, 2, 3])  # type: ignore[misc]
+    assert ranks == [2]
+    # A fresh rank is not cut off, whatever its peers' connections show.
+    assert cut_off_rank(view({1: [entry(2, **CUT)], 2: []}), 2, [1]) is None
+
+
+def test_single_stalled_link_breaks_the_tie_by_silence() -> None:
+    v = view({0: [entry(2, **CUT)], 2: []}, ages={2: 4.0})
+    ranks, link, _ = channel_evidence(v, DP4[1], [0, 2])  # type: ignore[misc]
+    assert (ranks, link) == ([2], None)
+    # Both ends fresh: one stalled link names both ends and the link.
+    v = view({0: [entry(2, **CUT)], 2: []})
+    ranks, link, _ = channel_evidence(v, DP4[1], [0, 2])  # type: ignore[misc]
+    assert (ranks, link) == ([0, 2], [0, 2])
+
+
+def test_wedged_process_is_not_cut_off() -> None:
+    # Its kernel still acknowledges: the peers' data waits on its closed receive window.
+    peer_wait = dict(wait="peer", queued=500_000, stalled_s=4.0, rwnd_share=1.0)
+    v = view({1: [entry(2, **peer_wait)], 3: [entry(2, **peer_wait)], 2: []}, ages={2: 6.0})
+    assert cut_off_rank(v, 2, v.summaries) is None
+    lines = toward_lines(v, 2, [1, 3])
+    assert "does not read" in lines[0] and "window closed 100%" in lines[0]
+
+
+def test_compute_hang_evidence_shows_healthy_idle_links() -> None:
+    v = view({0: [entry(1, sent=0, received=10)], 1: [], 3: []})
+    lines = toward_lines(v, 1, [0, 3])
+    assert "nothing queued toward it" in lines[0] and "links are healthy" in lines[0]
+
+
+def test_no_stall_no_evidence() -> None:
+    v = view({r: [entry((r + 1) % 4, sent=10**6, queued=1000, stalled_s=0.2)]
+              for r in range(4)})
+    assert channel_evidence(v, DP4[1], [0, 1, 2, 3]) is None
+
+
+# --- slowness --------------------------------------------------------------------------------
+
+
+def feed(h: ChannelHistory, ticks: int, per_tick: dict[int, list[PeerChannel]],
+         groups: list[GroupInfo], t0: int = 10 * S) -> JobView:
+    v = view({r: [] for r in per_tick}, groups=groups)
+    for k in range(ticks):
+        t = t0 + int(k * INTERVAL * S)
+        h.ingest(view(per_tick, now=t, groups=groups))
+    return v
+
+
+def healthy(peer: int, rtt: int = 300) -> PeerChannel:
+    return entry(peer, sent=6 * 10**6, rtt_us=rtt, min_rtt_us=8, busy_share=0.03)
+
+
+def shaped(peer: int) -> PeerChannel:
+    return entry(peer, wait="network", sent=2_900_000, rtt_us=20_000, min_rtt_us=8,
+                 busy_share=0.95, queued=800_000)
+
+
+def test_dp4_ring_slow_links_have_one_rank_in_common() -> None:
+    # Ring 0->3->2->1->0; rank 1's link is shaped: 1->0 and 2->1 are slow.
+    h = ChannelHistory()
+    v = feed(h, 10, {0: [healthy(3)], 1: [shaped(0)], 2: [shaped(1)], 3: [healthy(2)]}, DP4)
+    found = h.slow_links(v, 10 * S, 15 * S)
+    assert found is not None
+    assert (found.ranks, found.link, found.group.role) == ([1], None, "dp")  # type: ignore
+    assert found.severity > 10
+    assert any("rank 1 -> 0: RTT 20.0 ms" in ln for ln in found.lines)
+    assert any("every slow link has rank 1" in ln for ln in found.lines)
+
+
+def test_one_slow_link_is_named_as_a_link() -> None:
+    h = ChannelHistory()
+    v = feed(h, 10, {0: [shaped(1), healthy(2)], 1: [healthy(3)], 2: [healthy(3), healthy(0)],
+                     3: [healthy(2)]}, TP2PP2)
+    found = h.slow_links(v, 10 * S, 15 * S)
+    assert found is not None and found.link == [0, 1] and found.ranks == [0, 1]
+    assert found.group.role == "tp"  # type: ignore[union-attr]
+
+
+def test_healthy_jitter_and_delayed_acks_are_not_slow() -> None:
+    # One-way PP flows have several ms of smoothed RTT from delayed ACKs on both siblings;
+    # ring links differ 2x in RTT on a busy host. Neither is a slow link.
+    h = ChannelHistory()
+    pp = dict(rtt_us=6000, busy_share=0.35, sent=1_000_000)
+    v = feed(h, 12, {0: [entry(2, **pp), healthy(1, 200)], 1: [entry(3, **pp),
+                                                                healthy(0, 500)],
+                     2: [healthy(3, 300)], 3: [healthy(2, 150)]}, TP2PP2)
+    assert h.slow_links(v, 10 * S, 16 * S) is None
+    h = ChannelHistory()
+    v = feed(h, 12, {0: [healthy(3, 400)], 1: [healthy(0, 900)], 2: [healthy(1, 300)],
+                     3: [healthy(2, 1800)]}, DP4)
+    assert h.slow_links(v, 10 * S, 16 * S) is None
+
+
+def test_too_few_intervals_say_nothing() -> None:
+    h = ChannelHistory()
+    v = feed(h, 2, {0: [healthy(3)], 1: [shaped(0)], 2: [shaped(1)], 3: [healthy(2)]}, DP4)
+    assert h.slow_links(v, 10 * S, 15 * S) is None
+
+
+# --- the agent's sampler on real sockets -----------------------------------------------------
+
+
+class FakeControl:
+    """The two control-plane calls the sampler makes, over a dict."""
+
+    def __init__(self) -> None:
+        self.endpoints: dict[int, list[tuple[str, int]]] = {}
+        self.reads = 0
+
+    def publish_endpoints(self, rank: int, endpoints: list[tuple[str, int]]) -> None:
+        self.endpoints[rank] = list(endpoints)
+
+    def read_endpoints(self, ranks: list[int]) -> dict[int, list[tuple[str, int]]]:
+        self.reads += 1
+        return {r: self.endpoints[r] for r in ranks if r in self.endpoints}
+
+
+@pytest.fixture
+def sockets() -> Iterator[list[socket.socket]]:
+    opened: list[socket.socket] = []
+    yield opened
+    for s in opened:
+        s.close()
+
+
+def test_sampler_maps_classifies_and_fills_the_board(tmp_path, sockets) -> None:
+    # "Rank 0" (this sampler) connects to two listeners of "rank 1": one receiver reads
+    # what it gets, the other never reads.
+    board = _native.Board(str(tmp_path / "rank0.board"), 0, 2, "j", "h", 16, 4, 16, 16)
+    control = FakeControl()
+    pairs = []
+    for rcvbuf in (0, 8192):
+        ls = socket.create_server(("127.0.0.1", 0))
+        if rcvbuf:
+            ls.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        c = socket.create_connection(("127.0.0.1", ls.getsockname()[1]), timeout=5)
+        srv, _ = ls.accept()
+        sockets += [ls, c, srv]
+        pairs.append((c, srv))
+    # What rank 1 would publish: the local ends of its accepted connections.
+    control.endpoints[1] = [srv.getsockname()[:2] for _, srv in pairs]
+    sampler = ChannelSampler(board, control, rank=0, world=2)
+    (flow_c, flow_s), (stuck_c, _) = pairs
+    stuck_c.setblocking(False)
+    blob = b"x" * 65536
+    data = b""
+    for _ in range(6):
+        flow_c.sendall(blob)
+        got = 0
+        while got < len(blob):
+            got += len(flow_s.recv(1 << 20))
+        for _ in range(64):  # fill the non-reader's window and our send buffer
+            try:
+                stuck_c.send(blob)
+            except BlockingIOError:
+                break
+        data = sampler.tick()
+        time.sleep(0.2)
+    rep = decode_channels(0, 0, data)
+    assert rep is not None and control.endpoints[0]  # published its own endpoints
+    mine = [e for e in rep.entries if e.peer == 1]
+    assert len(mine) == 1 and mine[0].conns == 2
+    e = mine[0]
+    assert e.wait == "peer" and e.direction == "send" and e.queued > 0
+    assert e.rwnd_share > 0.5 and e.stalled_s >= 0.5
+    # One board record per connection of rank 0 to rank 1, the stuck one waiting on it.
+    with BoardReader(tmp_path / "rank0.board") as r:
+        recs = r.channels()
+    to_1 = recs[recs["peer"] == 1]
+    assert len(to_1) == 2 and set(to_1["wait"]) == {0, 2}  # none (flowing), peer
+    assert (to_1["bytes_done"] > 0).all() and (to_1["last_progress_ns"] > 0).all()
+    assert sampler.cost_us()["median_us"] > 0
+    # Closed connections give their board slots back.
+    for s in sockets:
+        s.close()
+    sampler.tick()
+    with BoardReader(tmp_path / "rank0.board") as r:
+        assert len(r.channels()) == 0
+    board.close(unlink=True)

@@ -1,0 +1,125 @@
+"""Communication faults on real jobs in a closed network: every rank in its own network
+namespace (ccld_plugin.netjob), the fault applied on the rank's link from outside.
+
+Each test runs the demo's launcher on the built-in workload and asserts the verdict's
+kind, cause, ranks, group role and link. Thresholds are short so that the file stays
+within a few minutes. Traffic: a few MB per step between the run's namespaces, for at
+most ~25 steps; every namespace is removed when the run ends.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ccld_plugin.demo import DemoOptions, run_demo
+from ccld_plugin.faults import netns
+from ccld_plugin.probe import BoardReader, board_files
+
+FAST = ["diagnoser.hang_min_s=3", "agent.stack_after_s=1", "agent.interval_s=0.5",
+        "diagnoser.unresponsive_s=4"]
+
+
+@pytest.fixture(autouse=True)
+def closed_network() -> None:
+    ok, why = netns.available()
+    if not ok:
+        pytest.skip(why)
+
+
+def _our_netns() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
+    return {ln.split()[0] for ln in out.stdout.splitlines()
+            if ln.startswith(netns.PREFIX)}
+
+
+def demo(tmp_path: Path, tp: int, pp: int, steps: int, *faults: str,
+         framework: str = "torch", extra: tuple[str, ...] = ()) -> tuple[int, dict]:
+    before = _our_netns()
+    opts = DemoOptions(framework=framework, world=4, tp=tp, pp=pp, steps=steps,
+                       faults=list(faults), out=tmp_path / "out", overrides=[*FAST, *extra],
+                       timeout_s=150, netns=True)
+    code = run_demo(opts)
+    assert _our_netns() <= before, "the run left namespaces behind"
+    return code, json.loads((tmp_path / "out" / "summary.json").read_text())
+
+
+def only(summary: dict, kind: str, cause: str) -> dict:
+    found = [v for v in summary["verdicts"] if (v["kind"], v["cause"]) == (kind, cause)]
+    assert len(found) == 1, summary["verdicts"]
+    return found[0]
+
+
+def test_comm_slow_on_one_rank_of_dp4(tmp_path: Path) -> None:
+    # One DP group, no sibling group to compare bandwidth with: the channel evidence
+    # (ring links 1->0 and 2->1 slow, 0->3 and 3->2 not) names the rank.
+    code, summary = demo(tmp_path, 1, 1, 14, "comm-slow@1:rate=50mbit,step=3")
+    v = only(summary, "slow", "communication")
+    assert (v["ranks"], v["link"], v["group"]["role"]) == ([1], None, "dp")
+    assert any("every slow link has rank 1" in e for e in v["evidence"])
+    assert any("RTT" in e and "send queue busy" in e for e in v["evidence"])
+    assert v["severity"] > 6
+    assert len(summary["verdicts"]) == 1 and code == 0
+    fault = summary["faults"][0]
+    assert fault["applied_by"] == "netjob" and fault["onset_s"] > 0
+    assert summary["latency_s"][0]["steps_to_verdict"] <= 10
+
+
+def test_comm_slow_on_one_rank_of_tp2_pp2_megatron(tmp_path: Path) -> None:
+    # Megatron GPT (the demo's default), rank 1: TP peer 0, PP peer 3. Both of its links
+    # are slow, its TP sibling 2<->3 and PP sibling 0<->2 are not.
+    code, summary = demo(tmp_path, 2, 2, 18, "comm-slow@1:rate=50mbit,step=3",
+                         framework="megatron")
+    v = only(summary, "slow", "communication")
+    assert (v["ranks"], v["link"]) == ([1], None)
+    assert v["group"]["role"] in ("tp", "pp") and 1 in v["group"]["ranks"]
+    assert len(summary["verdicts"]) == 1 and code == 0
+    assert summary["latency_s"][0]["steps_to_verdict"] <= 12
+
+
+def test_comm_hang_names_the_rank_whose_link_is_cut(tmp_path: Path) -> None:
+    # Its summaries stop too (the control plane crosses the same link): it must be a
+    # communication hang on rank 2, not a compute hang, a deadlock or "unresponsive".
+    code, summary = demo(tmp_path, 1, 1, 40, "comm-hang@2:step=4")
+    v = only(summary, "hang", "communication")
+    assert (v["ranks"], v["group"]["role"]) == ([2], "dp")
+    assert any("unacknowledged for" in e for e in v["evidence"])
+    assert any("summaries stopped arriving" in e for e in v["evidence"])
+    assert len(summary["verdicts"]) == 1 and code == 0
+    assert summary["latency_s"][0]["latency_s"] <= 3 + 4
+
+
+def test_compute_slow_and_comm_slow_on_different_ranks(tmp_path: Path) -> None:
+    code, summary = demo(tmp_path, 1, 1, 20, "compute-slow@3:factor=5,step=3",
+                         "comm-slow@1:rate=100mbit,step=3")
+    comm = only(summary, "slow", "communication")
+    compute = only(summary, "slow", "compute")
+    assert comm["ranks"] == [1] and compute["ranks"] == [3]
+    assert len(summary["verdicts"]) == 2 and code == 0
+
+
+def test_compute_hang_shows_healthy_links_to_the_hung_rank(tmp_path: Path) -> None:
+    code, summary = demo(tmp_path, 1, 1, 40, "compute-hang@2:step=4")
+    v = only(summary, "hang", "compute")
+    assert v["ranks"] == [2]
+    # gloo sends only once the receiver asks, so nothing queues toward a hung rank: its
+    # links are idle and healthy, which rules the network out.
+    assert any("to rank 2" in e and "links are healthy" in e for e in v["evidence"]), \
+        v["evidence"]
+    assert len(summary["verdicts"]) == 1 and code == 0
+
+
+def test_healthy_run_in_namespaces_has_no_verdict(tmp_path: Path) -> None:
+    code, summary = demo(tmp_path, 2, 2, 40, "none", extra=("board.cleanup=false",))
+    assert summary["verdicts"] == []
+    assert summary["steps_completed"] == 40 and code == 0
+    # The channel table was filled, with the gloo connections mapped to peer ranks.
+    peers = set()
+    for f in board_files(tmp_path / "out" / "boards"):
+        with BoardReader(f) as r:
+            rank, recs = r.header().rank, r.channels()
+        peers |= {(rank, int(p)) for p in recs["peer"] if p >= 0}
+    assert {(0, 1), (1, 0), (0, 2), (2, 0), (1, 3), (3, 1), (2, 3), (3, 2)} <= peers
