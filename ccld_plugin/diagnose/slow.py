@@ -31,7 +31,7 @@ MAX_JOINED = 20000
 PENDING_TTL_NS = 60_000_000_000
 MIN_ARRIVAL_SAMPLES = 4
 LAST_SHARE = 0.5  # a straggler arrives last in at least this share of its collectives
-LAST_SHARE_SMALL_COHORT = 0.75
+LAST_SHARE_SMALL_COHORT = 0.8
 MIN_STEP_SHARE = 0.1  # excess compute below 10% of the step time is noise, not a verdict
 # A group's transfer bandwidth must fall this far below its siblings' (and below its own
 # history, once it has one) to count: small transfers on a busy host vary by 2x.
@@ -183,7 +183,9 @@ class SlowDetector:
             candidates.add(key)
             self.streak[key] += 1
             self.first_seen.setdefault(key, lo)
-            if self.streak[key] == self.cfg.confirm_windows:
+            # Two ranks cannot outvote noise: a small cohort needs one more window.
+            needed = self.cfg.confirm_windows + (1 if len(cohort) < 3 else 0)
+            if self.streak[key] == needed:
                 out.append(self._straggler_verdict(view, r, x, med, cohort, mine, last_frac,
                                                    lo, hi, key))
         for key in list(self.streak):
