@@ -43,6 +43,7 @@ __all__ = ["ChannelSampler", "store_ports"]
 
 REMAP_MIN_S = 1.0
 REMAP_MAX_S = 30.0
+REMAP_YOUNG_S = 30.0  # unmapped connections younger than this are retried every REMAP_MIN_S
 _WAIT_RANK = {"network": 3, "peer": 2, "local": 1, "none": 0}  # which wait an entry shows
 _NO_PEER = -1
 
@@ -56,6 +57,15 @@ class _Conn:
     progress_ns: int  # last sample at which bytes moved either way
     acked_ns: int  # last sample at which nothing was queued or the peer acknowledged more
     wait: str = "none"
+    written_peer: int = _NO_PEER  # the peer its board record names
+
+
+def _idle(st: _Conn, prev: TcpConn, cur: TcpConn) -> bool:
+    """Nothing moved, nothing is pending either way, and its board record is current."""
+    return (st.wait == "none" and st.written_peer == st.peer and cur.queued_bytes == 0
+            and cur.unread_bytes == 0 and cur.bytes_acked == prev.bytes_acked
+            and cur.bytes_received == prev.bytes_received and cur.retrans == prev.retrans
+            and cur.state == prev.state)
 
 
 def _key(c: TcpConn) -> tuple[int, int]:
@@ -160,11 +170,19 @@ class ChannelSampler:
             self.board.channel_release(self._conns.pop(k).slot)
         self._map(fresh)
         per_peer: dict[int, list[tuple[_Conn, TcpConn | None, TcpConn]]] = {}
+        n_conns: dict[int, int] = {}
         for st, prev, cur in deltas:
+            if st.peer != _NO_PEER:
+                n_conns[st.peer] = n_conns.get(st.peer, 0) + 1
+            if prev is not None and _idle(st, prev, cur):
+                # Most connections of a large job are idle in a tick: nothing to classify,
+                # no record to rewrite, nothing for the summary.
+                st.prev, st.acked_ns = cur, cur.sample_ns
+                continue
             self._advance(st, prev, cur)
             if st.peer != _NO_PEER:
                 per_peer.setdefault(st.peer, []).append((st, prev, cur))
-        entries = [e for e in (self._entry(p, rows) for p, rows in per_peer.items())
+        entries = [e for e in (self._entry(p, rows, n_conns[p]) for p, rows in per_peer.items())
                    if e is not None]
         entries.sort(key=lambda e: (-_WAIT_RANK[e.wait], -e.stalled_s, -(e.sent + e.received)))
         entries = entries[:MAX_ENTRIES]
@@ -182,13 +200,13 @@ class ChannelSampler:
                 st.progress_ns = cur.sample_ns
             if cur.queued_bytes == 0 or cur.bytes_acked > prev.bytes_acked:
                 st.acked_ns = cur.sample_ns
-        st.prev = cur
+        st.prev, st.written_peer = cur, st.peer
         fields = transport.channel_fields(cur, st.wait, st.peer)
         self.board.channel_write(st.slot, **fields, first_ns=st.first_ns,
                                  last_progress_ns=st.progress_ns)
 
-    def _entry(self, peer: int, rows: list[tuple[_Conn, TcpConn | None, TcpConn]]
-               ) -> PeerChannel | None:
+    def _entry(self, peer: int, rows: list[tuple[_Conn, TcpConn | None, TcpConn]],
+               conns: int) -> PeerChannel | None:
         """One peer's connections over the interval, as one summary entry."""
         sent = recv = retrans = queued = unread = rtos = 0
         rwnd = sndbuf = busy = stalled = 0.0
@@ -223,7 +241,7 @@ class ChannelSampler:
             direction, pending = "send", queued
         else:
             direction, pending = "recv", unread
-        return PeerChannel(peer=peer, wait=wait, direction=direction, conns=len(rows),
+        return PeerChannel(peer=peer, wait=wait, direction=direction, conns=conns,
                            rtos=rtos, sent=sent, received=recv, queued=pending, rtt_us=rtt,
                            min_rtt_us=floor, retrans=retrans, rwnd_share=rwnd,
                            sndbuf_share=sndbuf, busy_share=busy, stalled_s=stalled)
@@ -256,7 +274,13 @@ class ChannelSampler:
             self._conns[_key(c)].peer = peer
         if len(found) < len(unmapped):  # peers not published yet, or not a rank at all
             self._remap_at = time.monotonic() + self._remap_backoff
-            self._remap_backoff = min(2 * self._remap_backoff, REMAP_MAX_S)
+            # Peers publish within a tick of connecting: retry at the minimum while some
+            # unmapped connection is young, back off for ones that never map (not ranks).
+            now_ns = time.monotonic_ns()  # first_ns is a sample time: the same clock
+            young = any(now_ns - self._conns[_key(c)].first_ns < REMAP_YOUNG_S * 1e9
+                        for c in unmapped if c not in found)
+            if not young:
+                self._remap_backoff = min(2 * self._remap_backoff, REMAP_MAX_S)
 
     # ------------------------------------------------------------------ misc
     def _write_trace(self, entries: list[PeerChannel], interval: float) -> None:

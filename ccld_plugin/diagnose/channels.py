@@ -72,20 +72,23 @@ SILENT_INTERVALS = 2.5
 # count, at least SLOW_MIN_TICKS of them per window. Absolute RTTs do not separate a slow
 # link from a healthy one: on a loaded host a one-way flow's smoothed RTT reaches several
 # ms from delayed ACKs alone (measured 3-11 ms on healthy veth links), as much as a link
-# shaped to 50 Mbit/s shows. Against sibling links with the same traffic, a shaped link
-# stood out here by 8-250x in both RTT and send-queue time per byte (50 Mbit/s on a TP
-# link: 16x and 8x; on a DP ring: ~100x); healthy siblings by at most 5.2x in both at once
-# (RTT alone up to 8x) over 120 windows of five healthy runs. SLOW_BUSY_SHARE: a link
-# that is slow but seldom busy costs the job little.
+# shaped to 50 Mbit/s shows. Against its sibling links (same traffic pattern), a shaped
+# link's send-queue time per byte was 8-100x higher here (50 Mbit/s on a TP link: 8-27x;
+# on a DP ring: ~100x), a healthy link's at most 5.2x (median 1.0x) over ~120 windows of
+# six healthy runs: SLOW_RATIO. The RTT must agree (RTT_RATIO; healthy siblings differ
+# up to 8x in RTT alone, a shaped link's RTT was 3-250x its siblings'), and the link must
+# be busy SLOW_BUSY_SHARE of the time (it costs the job; the 5.2x healthy case was 11%).
 SLOW_MIN_BYTES = 32 * 1024
 SLOW_MIN_TICKS = 3
 SLOW_RATIO = 6.0
-# Once one link is slow by SLOW_RATIO, its two ends are told apart with softer evidence:
-# the end whose other links are slow by LOCATE_RATIO (the other end's are not) is named,
-# however little those links are used (a PP link of a TP-heavy job is busy ~10%).
-LOCATE_RATIO = 3.0
+RTT_RATIO = 3.0
 SLOW_RTT_EXCESS_US = 1_000
-SLOW_BUSY_SHARE = 0.1
+SLOW_BUSY_SHARE = 0.2
+# Once one link is slow, its two ends are told apart with softer evidence: the end whose
+# other links are slow by LOCATE_RATIO in time per byte (and RTT_RATIO in RTT) while the
+# other end's are not is named, however little those links are used (a PP link of a
+# TP-heavy job is busy ~10%).
+LOCATE_RATIO = 3.0
 JIFFY_S = 0.004  # the coarsest kernel timer resolution in use (HZ=250)
 HISTORY_TICKS = 600  # per rank; ~10 minutes at the default interval
 FORGET_S = 60.0  # reports this much older than the window being evaluated are dropped
@@ -409,10 +412,10 @@ class ChannelHistory:
     A directed link is slow in a window when, against the links of the same role that
     share no rank with it (they carry the same traffic pattern, so protocol effects such
     as delayed ACKs on one-way flows are in the reference too) or, without such siblings,
-    against its own history, both its RTT and its send-queue time per byte are
-    SLOW_RATIO times higher, the RTT by at least SLOW_RTT_EXCESS_US, and its send queue is
-    busy for SLOW_BUSY_SHARE of the time. The rank common to the slow links is named; a
-    single slow link is named as a link.
+    against its own history, its send-queue time per byte is SLOW_RATIO times higher and
+    its RTT RTT_RATIO times (by at least SLOW_RTT_EXCESS_US), and its send queue is busy
+    SLOW_BUSY_SHARE of the time. The rank common to the slow links is named; a single
+    slow link is named as a link unless one end's other links are slow too.
     """
 
     def __init__(self) -> None:
@@ -466,11 +469,13 @@ class ChannelHistory:
                 continue
             ref_rtt = statistics.median(o.rtt_us for o in refs)
             ref_spm = statistics.median(o.s_per_mb for o in refs)
-            for ratio, busy, out in ((SLOW_RATIO, SLOW_BUSY_SHARE, slow),
-                                     (LOCATE_RATIO, 0.0, softer)):
-                if (st.rtt_us >= ratio * ref_rtt and st.rtt_us - ref_rtt >= SLOW_RTT_EXCESS_US
-                        and st.s_per_mb >= ratio * ref_spm and st.busy >= busy):
-                    out.append((st, ref_rtt, ref_spm, source))
+            if (st.rtt_us < RTT_RATIO * ref_rtt
+                    or st.rtt_us - ref_rtt < SLOW_RTT_EXCESS_US):
+                continue
+            if st.s_per_mb >= SLOW_RATIO * ref_spm and st.busy >= SLOW_BUSY_SHARE:
+                slow.append((st, ref_rtt, ref_spm, source))
+            if st.s_per_mb >= LOCATE_RATIO * ref_spm:
+                softer.append((st, ref_rtt, ref_spm, source))
         slow_keys = {(st.src, st.dst) for st, *_ in softer}
         for k, st in links.items():
             if k not in slow_keys:
