@@ -10,6 +10,7 @@ most ~25 steps; every namespace is removed when the run ends.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -33,20 +34,29 @@ def closed_network() -> None:
         pytest.skip(why)
 
 
-def _our_netns() -> set[str]:
+def _ours() -> list[str]:
+    """Namespaces and state files of networks this process owns (other runs may be going
+    on at the same time: only ours must be gone)."""
+    runs = []
+    for f in netns.STATE_DIR.glob("*.json") if netns.STATE_DIR.is_dir() else []:
+        try:
+            if json.loads(f.read_text()).get("pid") == os.getpid():
+                runs.append(f.stem)
+        except (OSError, ValueError):
+            continue
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
-    return {ln.split()[0] for ln in out.stdout.splitlines()
-            if ln.startswith(netns.PREFIX)}
+    names = [ln.split()[0] for ln in out.stdout.splitlines()]
+    return [f"state file {r}.json" for r in runs] + [
+        n for n in names if any(n.startswith(f"{netns.PREFIX}{r}-") for r in runs)]
 
 
 def demo(tmp_path: Path, tp: int, pp: int, steps: int, *faults: str,
          framework: str = "torch", extra: tuple[str, ...] = ()) -> tuple[int, dict]:
-    before = _our_netns()
     opts = DemoOptions(framework=framework, world=4, tp=tp, pp=pp, steps=steps,
                        faults=list(faults), out=tmp_path / "out", overrides=[*FAST, *extra],
                        timeout_s=150, netns=True)
     code = run_demo(opts)
-    assert _our_netns() <= before, "the run left namespaces behind"
+    assert _ours() == [], "the run left its network behind"
     return code, json.loads((tmp_path / "out" / "summary.json").read_text())
 
 

@@ -339,11 +339,15 @@ def toward_lines(view: JobView, root: int, waiters: Iterable[int]) -> list[str]:
     if net:
         return [_stall_line(r, e, "network") for r, e in net[:2]]
     entries = [e for rep in reports.values() for e in rep.entries if e.peer == root]
-    rtt = max((e.rtt_us for e in entries), default=0)
-    retrans = sum(e.retrans for e in entries)
-    return [f"connections of ranks {sorted(reports)} to rank {root}: nothing queued toward it, "
-            f"{retrans} retransmits, max RTT {rtt / 1000:.2f} ms: the links are healthy; "
-            f"rank {root} has not asked for the data (it has not posted its receives)"]
+    if entries:
+        rtt = max(e.rtt_us for e in entries)
+        state = (f"{sum(e.retrans for e in entries)} retransmits, max RTT "
+                 f"{rtt / 1000:.2f} ms")
+    else:  # idle connections are left out of the summaries
+        state = "idle, nothing outstanding either way"
+    return [f"connections of ranks {sorted(reports)} to rank {root}: nothing queued toward it "
+            f"({state}): the links are healthy; rank {root} has not asked for the data (it "
+            f"has not posted its receives)"]
 
 
 # --- slowness -------------------------------------------------------------------------------
