@@ -26,6 +26,7 @@ from ccld_plugin.diagnose.view import JobView
 __all__ = ["Diagnoser"]
 
 HISTORY = 300  # per-group max op durations kept (one per rank per round)
+FIRST_OP_FACTOR = 2.0
 
 
 class Diagnoser:
@@ -39,9 +40,13 @@ class Diagnoser:
         self._reported: set[tuple] = set()
 
     def threshold_s(self, group_id: int) -> float:
-        """max(hang_min_s, hang_k x p99 duration of ops on the group)."""
+        """max(hang_min_s, hang_k x p99 duration of ops on the group). Before any op of the
+        group has completed, twice the floor: a group's first ops also set up its
+        connections, and the first step is the slowest of a job."""
         history = self._durations.get(group_id)
-        p99 = float(np.percentile(history, 99)) / 1e6 if history else 0.0
+        if not history:
+            return FIRST_OP_FACTOR * self.cfg.hang_min_s
+        p99 = float(np.percentile(history, 99)) / 1e6
         return max(self.cfg.hang_min_s, self.cfg.hang_k * p99)
 
     def round(self, view: JobView) -> list[Verdict]:
