@@ -21,7 +21,9 @@ import numpy as np
 from ccld_plugin.channels import ChannelSampler
 from ccld_plugin.config import AgentConfig
 from ccld_plugin.control import ClockSync, ControlPlane
+from ccld_plugin.diagnose.channels import MAX_ENTRIES, encode_channels, entry_order
 from ccld_plugin.errors import report_error
+from ccld_plugin.nccl_channels import NcclChannels
 from ccld_plugin.probe import (
     FLAG_ASYNC,
     FLAG_P2P,
@@ -84,8 +86,10 @@ class Agent:
         self._groups_version = 0
         self._published_groups: tuple = ()
         self._main_ident = threading.main_thread().ident
-        # Per-peer TCP progress of this rank (None where the probe cannot run).
+        # Per-peer TCP progress of this rank (None where the probe cannot run), and the
+        # NCCL plugin's channel records on the board (none unless NCCL loaded it).
         self._channels = ChannelSampler.create(self._board, control, rank, control.world)
+        self._nccl = NcclChannels()
         self._thread = threading.Thread(target=self._run, name="ccld-agent", daemon=True)
 
     def start(self) -> None:
@@ -176,8 +180,23 @@ class Agent:
             groups_version=self._groups_version, flags=flags, errors=header.errors,
             groups=progress, in_flight=in_flight, steps=self._step_stats(ops, diag),
             samples=self._samples(done, diag),
-            channels=self._channels.tick() if self._channels else b"",
+            channels=self._channel_evidence(now),
             stack=self._main_stack() if stuck_for >= self.cfg.stack_after_s else [])
+
+    def _channel_evidence(self, now_ns: int) -> bytes:
+        """The summary's per-peer channel entries: NCCL channels and TCP connections."""
+        tcp = self._channels.sample() if self._channels else None
+        try:
+            nccl = self._nccl.sample(self._reader.channels(), now_ns)
+        except Exception as exc:  # noqa: BLE001 - no NCCL evidence, training goes on
+            report_error("agent.nccl_channels", exc)
+            nccl = []
+        if tcp is None and not nccl:
+            return b""
+        entries = sorted([*nccl, *(tcp.entries if tcp else [])], key=entry_order)
+        interval = tcp.interval_s if tcp and tcp.interval_s > 0 else self.cfg.interval_s
+        conns = (tcp.conns if tcp else 0) + sum(e.conns for e in nccl)
+        return encode_channels(entries[:MAX_ENTRIES], interval, conns)
 
     def _step_stats(self, ops: np.ndarray, diag: Any) -> list[StepStat]:
         starts = list(self.steps.starts)

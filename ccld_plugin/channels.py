@@ -35,17 +35,32 @@ from pathlib import Path
 from typing import Any
 
 from ccld_plugin import transport
-from ccld_plugin.diagnose.channels import MAX_ENTRIES, PeerChannel, encode_channels
+from ccld_plugin.diagnose.channels import (
+    MAX_ENTRIES,
+    WAIT_ORDER,
+    PeerChannel,
+    encode_channels,
+    entry_order,
+)
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.transport import TcpConn, TcpProbe
 
-__all__ = ["ChannelSampler", "store_ports"]
+__all__ = ["ChannelSample", "ChannelSampler", "store_ports"]
 
 REMAP_MIN_S = 1.0
 REMAP_MAX_S = 30.0
 REMAP_YOUNG_S = 30.0  # unmapped connections younger than this are retried every REMAP_MIN_S
-_WAIT_RANK = {"network": 3, "peer": 2, "local": 1, "none": 0}  # which wait an entry shows
 _NO_PEER = -1
+
+
+@dataclass(frozen=True)
+class ChannelSample:
+    """One tick's per-peer entries (worst first), the interval they cover and how many
+    connections are mapped to peer ranks."""
+
+    entries: list[PeerChannel]
+    interval_s: float
+    conns: int
 
 
 @dataclass
@@ -136,17 +151,22 @@ class ChannelSampler:
 
     # ------------------------------------------------------------------ tick
     def tick(self) -> bytes:
-        """One sample; returns the summary's ``channels`` bytes (empty on failure)."""
+        """One sample as the summary's ``channels`` bytes (empty on failure)."""
+        got = self.sample()
+        return encode_channels(got.entries, got.interval_s, got.conns) if got else b""
+
+    def sample(self) -> ChannelSample | None:
+        """One sample; None on failure (logged once, counted)."""
         t0 = time.perf_counter_ns()
         try:
-            return self._tick()
+            return self._sample()
         except Exception as exc:  # noqa: BLE001
             report_error("channels.tick", exc)
-            return b""
+            return None
         finally:
             self.costs_ns.append(time.perf_counter_ns() - t0)
 
-    def _tick(self) -> bytes:
+    def _sample(self) -> ChannelSample:
         conns = [c for c in self.probe.sample()
                  if c.local[1] not in self.exclude_ports
                  and c.remote[1] not in self.exclude_ports]
@@ -184,14 +204,14 @@ class ChannelSampler:
                 per_peer.setdefault(st.peer, []).append((st, prev, cur))
         entries = [e for e in (self._entry(p, rows, n_conns[p]) for p, rows in per_peer.items())
                    if e is not None]
-        entries.sort(key=lambda e: (-_WAIT_RANK[e.wait], -e.stalled_s, -(e.sent + e.received)))
+        entries.sort(key=entry_order)
         entries = entries[:MAX_ENTRIES]
         interval = max((cur.sample_ns - prev.sample_ns) / 1e9 for _, prev, cur in deltas
                        if prev is not None) if any(p is not None for _, p, _ in deltas) else 0.0
         if self._trace is not None:
             self._write_trace(entries, interval)
         mapped = sum(1 for st in self._conns.values() if st.peer != _NO_PEER)
-        return encode_channels(entries, interval, mapped)
+        return ChannelSample(entries, interval, mapped)
 
     def _advance(self, st: _Conn, prev: TcpConn | None, cur: TcpConn) -> None:
         if prev is not None and cur.sample_ns > prev.sample_ns:
@@ -233,7 +253,7 @@ class ChannelSampler:
             if d_sent or cur.queued_bytes:  # the RTT of a connection that carried data
                 rtt = max(rtt, cur.rtt_us)
                 floor = cur.min_rtt_us if not floor else min(floor, cur.min_rtt_us)
-            if _WAIT_RANK[st.wait] > _WAIT_RANK[wait]:
+            if WAIT_ORDER[st.wait] > WAIT_ORDER[wait]:
                 wait = st.wait
         if not (sent or recv or queued or unread or wait != "none"):
             return None  # idle: absent from the summary (keeps it small)

@@ -12,7 +12,8 @@ from typing import Any
 from ccld_plugin.agent import Agent, StepClock
 from ccld_plugin.control import ControlPlane
 from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
-from ccld_plugin.diagnose.channels import channel_evidence
+from ccld_plugin.diagnose.channels import Located, channel_evidence
+from ccld_plugin.diagnose.nccl_waits import nccl_evidence
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.sinks import Sink, build_sinks
 from ccld_plugin.summary import RankSummary, decode_summary
@@ -41,6 +42,13 @@ def start(session: Any) -> None:
     session.clock_source = agent
 
 
+def located_by_channels(view: JobView, group: GroupInfo, members: list[int]
+                        ) -> Located | None:
+    """Where a hang's channels put it: NCCL wait states first (they say exactly what each
+    step waits for), then the TCP connections."""
+    return nccl_evidence(view, group, members) or channel_evidence(view, group, members)
+
+
 def _job(session: Any) -> str:
     from ccld_plugin.session import job_name
 
@@ -56,7 +64,7 @@ class DiagnoserService:
         self.job_start_ns = job_start_ns
         self.sinks = sinks
         self.diagnoser = Diagnoser(cfg.diagnoser, cfg.agent.interval_s,
-                                   channel_evidence=channel_evidence)
+                                   channel_evidence=located_by_channels)
         self.verdicts: list[Verdict] = []
         self._tables: dict[int, tuple[int, list[GroupInfo]]] = {}
         self._host = socket.gethostname()

@@ -7,7 +7,9 @@
  *
  * usage: nccl_harness LIB VERSION SCENARIO BOARD [ARG]
  *   VERSION   4, 5, 6, or 0 for the newest the library exports
- *   SCENARIO  ring RANK | p2p SIDE | edge | threads | bench | abort | noboard | layout
+ *   SCENARIO  ring RANK | ringfault RANK FAULT WHERE | p2p SIDE | edge | threads | bench |
+ *             abort | noboard | layout
+ * Built with -DCCLD_HARNESS_LIB it is a library for live jobs instead (ccld_harness_ring).
  * Prints one JSON object on stdout; exits non-zero only when the harness itself fails.
  * Boards are left mapped at exit, as a killed rank would leave them: tests read the file.
  */
@@ -285,11 +287,13 @@ struct stall {
   int pipeline; /* later steps started behind it, left in their first state */
 };
 static const struct stall NO_STALL = {-1, 0, 0};
+#define NOT_POSTED (-1) /* stall.state: the op posts no step from stall.step on */
 
 /* Steps base .. base+nsteps-1 of one proxy op; returns 1 if it stalled (op left open). */
 static int run_steps(void* ctx, void* op, int base, int nsteps, int is_send, int chunk,
                      struct stall st) {
   for (int s = 0; s < nsteps; s++) {
+    if (s == st.step && st.state == NOT_POSTED) return 1;
     if (s == st.step) {
       proxy_step(ctx, op, base + s, is_send, chunk, st.state);
       int first_state = is_send ? SEND_STATES[0] : RECV_STATES[0];
@@ -336,7 +340,8 @@ enum { RING_N = 8, RING_STEPS = 8, RING_CHUNK = 1 << 17 };
 struct ring_arg {
   void* ctx;
   void* task;
-  int rank, op;
+  int rank, op, n;
+  int fault, where; /* ring_fault: a fault and where it is; fault < 0: ring_stalls */
 };
 
 static void ring_stalls(int rank, int op, struct stall* send, struct stall* recv) {
@@ -355,16 +360,55 @@ static void ring_stalls(int rank, int op, struct stall* send, struct stall* recv
   }
 }
 
+/* One fault in a ring, and how it spreads (rank r sends to r+1, receives from r-1):
+ *   FAULT_GPU at S: S's GPU is stuck. Data from S-1 arrived and is not consumed, S produces
+ *     nothing; S-1's sends wait for S's credit; everyone else is starved (receives wait
+ *     for data, sends wait for their GPU, which has nothing to forward).
+ *   FAULT_CREDIT at S: S's receive side posts no receive (its proxy is stuck), its GPU is
+ *     fine and starved; S-1 waits for S's credit and, held back, does not consume its own
+ *     input; the rest are starved.
+ *   FAULT_LINK at S: the link S -> S+1 drops everything. S's steps handed to the network
+ *     do not complete and its kernel, blocked on them, does not consume its input; S+1
+ *     waits for the data; S-1 waits for S's credit; the rest are starved. */
+enum { FAULT_NONE = 0, FAULT_GPU = 1, FAULT_CREDIT = 2, FAULT_LINK = 3 };
+enum { FAULT_STEP = 2 };
+
+static void ring_fault(int fault, int where, int rank, int n, struct stall* send,
+                       struct stall* recv) {
+  *send = *recv = NO_STALL;
+  if (fault == FAULT_NONE) return;
+  const int k = FAULT_STEP;
+  int d = (rank - where + n) % n;
+  *send = (struct stall){k, CCLD_NCCL_STATE_SEND_GPU_WAIT, 0};
+  *recv = (struct stall){k, CCLD_NCCL_STATE_RECV_WAIT, 0};
+  if (d == n - 1) *send = (struct stall){k + 1, CCLD_NCCL_STATE_SEND_PEER_WAIT, 0};
+  if (d == n - 1 && fault == FAULT_CREDIT)
+    *recv = (struct stall){k + 1, CCLD_NCCL_STATE_RECV_GPU_WAIT, 0};
+  if (d != 0) return;
+  if (fault == FAULT_GPU) {
+    *send = (struct stall){k, CCLD_NCCL_STATE_SEND_GPU_WAIT, 0};
+    *recv = (struct stall){k, CCLD_NCCL_STATE_RECV_GPU_WAIT, 0};
+  } else if (fault == FAULT_CREDIT) {
+    *recv = (struct stall){k, NOT_POSTED, 0};
+  } else if (fault == FAULT_LINK) {
+    *send = (struct stall){k, CCLD_NCCL_STATE_SEND_WAIT, 2};
+    *recv = (struct stall){k + 1, CCLD_NCCL_STATE_RECV_GPU_WAIT, 0};
+  }
+}
+
 static void* ring_proxy(void* p) {
   struct ring_arg* a = p;
   struct stall send_st, recv_st;
-  ring_stalls(a->rank, a->op, &send_st, &recv_st);
+  if (a->fault < 0)
+    ring_stalls(a->rank, a->op, &send_st, &recv_st);
+  else
+    ring_fault(a->fault, a->where, a->rank, a->n, &send_st, &recv_st);
   int base = RING_STEPS * (a->op - 1); /* steps count per connection, across ops */
   for (int ch = 0; ch < 2; ch++) {
     void* kern = kernel_ch(a->ctx, a->task, ch);
-    void* send = proxy_op(a->ctx, a->task, getpid(), ch, (a->rank + 1) % RING_N, RING_STEPS,
+    void* send = proxy_op(a->ctx, a->task, getpid(), ch, (a->rank + 1) % a->n, RING_STEPS,
                           RING_CHUNK, 1);
-    void* recv = proxy_op(a->ctx, a->task, getpid(), ch, (a->rank + RING_N - 1) % RING_N,
+    void* recv = proxy_op(a->ctx, a->task, getpid(), ch, (a->rank + a->n - 1) % a->n,
                           RING_STEPS, RING_CHUNK, 0);
     int stalled = run_steps(a->ctx, send, base, RING_STEPS, 1, RING_CHUNK, send_st);
     stalled |= run_steps(a->ctx, recv, base, RING_STEPS, 0, RING_CHUNK, recv_st);
@@ -373,7 +417,16 @@ static void* ring_proxy(void* p) {
   return NULL;
 }
 
-static int scenario_ring(const char* path, int rank) {
+/* One collective on the calling thread (whose trace id the caller has set) and its proxy
+ * work on a proxy thread, as NCCL runs them. */
+static void ring_op(void* ctx, int rank, int n, int op, int fault, int where) {
+  struct ring_arg a = {ctx, nccl_task(ctx, 0, 0, 2), rank, op, n, fault, where};
+  pthread_t proxy;
+  pthread_create(&proxy, NULL, ring_proxy, &a);
+  pthread_join(proxy, NULL);
+}
+
+static int scenario_ring(const char* path, int rank, int fault, int where) {
   int32_t ranks[RING_N];
   for (int i = 0; i < RING_N; i++) ranks[i] = 2 * i + 1;
   ccld_board* b = make_board(path, ranks[rank], 2 * RING_N, 64);
@@ -384,10 +437,8 @@ static int scenario_ring(const char* path, int rank) {
   for (int op = 1; op <= 2; op++) {
     uint64_t index = p_ccld_op_enter(b, (uint32_t)slot, CCLD_OP_ALL_REDUCE, CCLD_FLAG_CUDA,
                                      1u << 24, CCLD_NO_RANK, 0);
-    struct ring_arg a = {ctx, nccl_task(ctx, 0, 0, 2), rank, op};
-    pthread_t proxy;
-    pthread_create(&proxy, NULL, ring_proxy, &a);
-    pthread_join(proxy, NULL);
+    /* fault < 0: the mixed stalls of ring_stalls in op 2; else the fault in op 2 */
+    ring_op(ctx, rank, RING_N, op, fault < 0 ? -1 : op == 2 ? fault : FAULT_NONE, where);
     if (op == 1) p_ccld_op_exit(b, index, CCLD_STATE_DONE);
   }
   uint64_t bound = 0;
@@ -866,13 +917,30 @@ static int scenario_layout(void) {
   return 0;
 }
 
+#ifdef CCLD_HARNESS_LIB
+/* Library mode, for live jobs (a real torch.distributed job whose ranks load the plugin
+ * through ccld_plugin): one ring all-reduce of `nranks` ranks with `fault` at comm rank
+ * `where`, driven through the plugin `lib` (the copy the process has loaded, so the events
+ * reach the process board). The caller has entered the op on the board on this thread,
+ * as the tracer does before the real collective; the op is left in flight. Returns the
+ * number of interface calls that failed (0 when all went well). */
+int ccld_harness_ring(const char* lib, uint64_t comm_hash, int nranks, int rank, int fault,
+                      int where) {
+  if (!g_sym) load(lib, 0);
+  void* ctx = nccl_init(comm_hash, nranks, rank, NULL);
+  ring_op(ctx, rank, nranks, 1, fault, where);
+  return g_bad_returns + g_unwritten_handles;
+}
+#else
 int main(int argc, char** argv) {
-  if (argc < 5) die("usage: %s LIB VERSION SCENARIO BOARD [ARG]\n", argv[0]);
+  if (argc < 5) die("usage: %s LIB VERSION SCENARIO BOARD [ARG...]\n", argv[0]);
   load(argv[1], atoi(argv[2]));
   const char* scenario = argv[3];
   const char* board = argv[4];
   int arg = argc > 5 ? atoi(argv[5]) : 0;
-  if (!strcmp(scenario, "ring")) return scenario_ring(board, arg);
+  if (!strcmp(scenario, "ring")) return scenario_ring(board, arg, -1, 0);
+  if (!strcmp(scenario, "ringfault"))
+    return scenario_ring(board, arg, argc > 6 ? atoi(argv[6]) : 0, argc > 7 ? atoi(argv[7]) : 0);
   if (!strcmp(scenario, "p2p")) return scenario_p2p(board, arg);
   if (!strcmp(scenario, "edge")) return scenario_edge(board);
   if (!strcmp(scenario, "threads")) return scenario_threads(board);
@@ -883,3 +951,4 @@ int main(int argc, char** argv) {
   die("harness: unknown scenario %s\n", scenario);
   return 2;
 }
+#endif

@@ -95,13 +95,15 @@ def test_cut_link_names_the_silent_rank() -> None:
               3: [entry(2, **CUT)]}, ages={2: 5.0})
     found = cut_off_rank(v, 2, v.summaries)
     assert found is not None
-    ranks, link, lines = found
+    ranks, link, lines = found.ranks, found.link, found.lines
     assert ranks == [2] and link is None
     assert any("unacknowledged for 4.0 s" in ln and "3 retransmission timeouts" in ln
                for ln in lines)
     assert any("summaries stopped arriving 5.0 s ago" in ln for ln in lines)
     # The same stalls, seen from the hang's "nobody missing" path.
-    ranks, link, _ = channel_evidence(v, DP4[1], [0, 1, 2, 3])  # type: ignore[misc]
+    found = channel_evidence(v, DP4[1], [0, 1, 2, 3])
+    assert found is not None
+    ranks, link = found.ranks, found.link
     assert ranks == [2]
     # A fresh rank is not cut off, whatever its peers' connections show.
     assert cut_off_rank(view({1: [entry(2, **CUT)], 2: []}), 2, [1]) is None
@@ -109,11 +111,15 @@ def test_cut_link_names_the_silent_rank() -> None:
 
 def test_single_stalled_link_breaks_the_tie_by_silence() -> None:
     v = view({0: [entry(2, **CUT)], 2: []}, ages={2: 4.0})
-    ranks, link, _ = channel_evidence(v, DP4[1], [0, 2])  # type: ignore[misc]
+    found = channel_evidence(v, DP4[1], [0, 2])
+    assert found is not None
+    ranks, link = found.ranks, found.link
     assert (ranks, link) == ([2], None)
     # Both ends fresh: one stalled link names both ends and the link.
     v = view({0: [entry(2, **CUT)], 2: []})
-    ranks, link, _ = channel_evidence(v, DP4[1], [0, 2])  # type: ignore[misc]
+    found = channel_evidence(v, DP4[1], [0, 2])
+    assert found is not None
+    ranks, link = found.ranks, found.link
     assert (ranks, link) == ([0, 2], [0, 2])
 
 

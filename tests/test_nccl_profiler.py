@@ -84,11 +84,10 @@ def build(tmp_path_factory: pytest.TempPathFactory) -> Build:
 
 
 def run(build: Build, scenario: str, board: Path | str = "-", version: int = 0,
-        arg: int | None = None) -> dict:
+        *args: int) -> dict:
     """Run one harness scenario; its JSON result, after the checks every scenario shares."""
-    cmd = [str(build.harness), str(build.lib), str(version), scenario, str(board)]
-    if arg is not None:
-        cmd.append(str(arg))
+    cmd = [str(build.harness), str(build.lib), str(version), scenario, str(board),
+           *map(str, args)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, f"harness {scenario} exited with {r.returncode}:\n{r.stderr}"
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -202,6 +201,84 @@ def test_ring_all_reduce_stalls(build: Build, tmp_path: Path, version: int) -> N
                if r["wait"] == NETWORK}
     assert local == waited_for == {7}
     assert network == {(13, 15), (15, 13)}
+
+
+# ----------------------------------------------------------------------------- verdicts
+# One fault in an 8-rank ring (comm rank i = global rank 2i+1), spread the way NCCL's
+# transfer steps spread it (nccl_harness.c, ring_fault); what each rank's board holds is
+# turned into summary entries by the agent's NcclChannels and read by the diagnoser.
+FAULT_NONE, FAULT_GPU, FAULT_CREDIT, FAULT_LINK = 0, 1, 2, 3
+READ_LATER_S = 5.0  # the boards are read as if 5 s later: the stalled steps have not moved
+
+
+def ring_fault_view(build: Build, tmp_path: Path, fault: int, where: int):
+    from ccld_plugin.diagnose.channels import encode_channels
+    from ccld_plugin.diagnose.view import JobView
+    from ccld_plugin.nccl_channels import NcclChannels
+    from ccld_plugin.probe import STATE_IN_FLIGHT, BoardReader
+    from ccld_plugin.summary import GroupProgress, InFlightOp, RankSummary
+    from ccld_plugin.topology import GroupInfo
+
+    summaries, tables = {}, {}
+    group = GroupInfo(RING_GROUP, "dp", tuple(2 * i + 1 for i in range(8)))
+    for rank in range(8):
+        board = tmp_path / f"f{fault}w{where}r{rank}.board"
+        out = run(build, "ringfault", board, 6, rank, fault, where)
+        assert out["stats"]["traced"] == 2 and out["stats"]["dropped"] == 0
+        reader = BoardReader(board)
+        now = reader.header().start_mono_ns + int(READ_LATER_S * 1e9)
+        ops = reader.ops()
+        flights = ops[ops["state"] == STATE_IN_FLIGHT]
+        entries = NcclChannels().sample(reader.channels(), now)
+        g = 2 * rank + 1
+        summaries[g] = RankSummary(
+            rank=g, pid=out["pid"], host="h", time_ns=now, heartbeat_ns=now, step=3,
+            last_progress_ns=int(ops["exit_ns"].max()), groups_version=1,
+            groups=[GroupProgress(0, int(ops["seq"].max()), 1, 0, 0, 0, 0)],
+            in_flight=[InFlightOp(int(r["group_slot"]), int(r["op"]), int(r["flags"]),
+                                  int(r["peer"]), int(r["seq"]), int(r["bytes"]),
+                                  int(r["enter_ns"]), int(r["state"])) for r in flights],
+            channels=encode_channels(entries, 1.0, len(entries)))
+        tables[g] = [group]
+        reader.close()
+    now = max(s.time_ns for s in summaries.values())
+    return JobView(summaries, tables, now, 0, 16), group
+
+
+def hang_verdicts(view):
+    from ccld_plugin.diagnose.hang import find_hangs
+    from ccld_plugin.services import located_by_channels
+
+    return find_hangs(view, lambda gid: 3.0, 1.0, located_by_channels)
+
+
+@pytest.mark.parametrize(("fault", "where", "ranks", "cause"), [
+    (FAULT_GPU, 3, [7], "compute"),
+    (FAULT_GPU, 0, [1], "compute"),
+    (FAULT_CREDIT, 5, [11], "communication"),
+    (FAULT_LINK, 6, [13, 15], "communication"),
+    (FAULT_LINK, 7, [1, 15], "communication"),  # the ring's wrap-around link 15 -> 1
+])
+def test_ring_fault_verdict(build: Build, tmp_path: Path, fault: int, where: int,
+                            ranks: list[int], cause: str) -> None:
+    """Every rank entered the all-reduce and it stalls: the wait states of the NCCL
+    channels name the stuck GPU (compute), the rank that grants no credit, or the link."""
+    view, group = ring_fault_view(build, tmp_path, fault, where)
+    verdicts = hang_verdicts(view)
+    assert len(verdicts) == 1, [v.evidence for v in verdicts]
+    v = verdicts[0]
+    assert (v.kind.value, v.cause.value, v.ranks) == ("hang", cause, ranks), v.evidence
+    assert v.group["ranks"] == list(group.ranks) and v.op == "all_reduce"
+    assert v.trace_id == f"{RING_GROUP:016x}:2"
+    assert v.link == (ranks if fault == FAULT_LINK else None)
+    assert any("no progress for" in line for line in v.evidence)
+
+
+def test_ring_without_fault_has_no_stalled_channels(build: Build, tmp_path: Path) -> None:
+    from ccld_plugin.diagnose.nccl_waits import nccl_stalls
+
+    view, group = ring_fault_view(build, tmp_path, FAULT_NONE, 0)
+    assert nccl_stalls(view, group.ranks) == {}
 
 
 # ----------------------------------------------------------------------------- p2p

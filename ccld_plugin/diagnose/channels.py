@@ -5,7 +5,9 @@ connections to (``RankSummary.channels``, encoded here and filled by
 ``ccld_plugin.channels``): bytes moved each way in the interval, bytes queued, RTT and its
 floor, retransmissions, the share of the interval the sender was stalled by the peer's
 receive window or its own send buffer, the wait class of ``transport.classify_wait`` and
-how long queued data has not moved.
+how long queued data has not moved. Entries of source "nccl" come from the NCCL profiler
+plugin's channel records instead (``ccld_plugin.nccl_channels``); their wait states are
+read by ``diagnose.nccl_waits``.
 
 This module is pure (no torch, no native code). It decodes those entries and answers two
 questions for the diagnoser:
@@ -27,6 +29,7 @@ from collections import defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ccld_plugin.diagnose.records import Cause
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.topology import GroupInfo
 
@@ -36,27 +39,34 @@ __all__ = [
     "ChannelReport",
     "LinkFinding",
     "LinkStats",
+    "Located",
     "PeerChannel",
     "WAIT_NAMES",
+    "WAIT_ORDER",
     "channel_evidence",
     "cut_off_rank",
     "cut_off_ranks",
     "decode_channels",
     "encode_channels",
+    "entry_order",
+    "fmt_bytes",
+    "is_silent",
     "link_role",
     "report_of",
     "toward_lines",
 ]
 
-CHANNELS_VERSION = 1
+CHANNELS_VERSION = 2
 WAIT_NAMES = ("none", "local", "peer", "network")  # enum ccld_wait of board.h
 _WAIT_CODE = {name: i for i, name in enumerate(WAIT_NAMES)}
+WAIT_ORDER = {"none": 0, "local": 1, "peer": 2, "network": 3}  # which wait an entry shows
 DIRECTIONS = ("send", "recv")
+SOURCES = ("tcp", "nccl")
 
 _HEAD = struct.Struct("<BBHH")  # version, entries, interval ms, connections mapped to ranks
 # peer, wait, direction, conns, rtos, sent, received, queued, rtt, min rtt, retrans,
-# rwnd share, sndbuf share, busy share (x/255), stalled (10 ms units)
-_ENTRY = struct.Struct("<iBBBBIIIIIHBBBH")
+# rwnd share, sndbuf share, busy share (x/255), stalled (10 ms units), source
+_ENTRY = struct.Struct("<iBBBBIIIIIHBBBHB")
 MAX_ENTRIES = 12  # keeps a rank's channel evidence under ~450 bytes per tick
 
 # --- thresholds of the diagnoser ----------------------------------------------------------
@@ -96,7 +106,11 @@ FORGET_S = 60.0  # reports this much older than the window being evaluated are d
 
 @dataclass(frozen=True, slots=True)
 class PeerChannel:
-    """One rank's connections to one peer rank over one agent interval."""
+    """One rank's connections to one peer rank over one agent interval.
+
+    Source "tcp": the rank's TCP connections to the peer. Source "nccl": the NCCL channels
+    of one direction to the peer (``conns`` counts channels, ``queued`` is the bytes of
+    steps posted and not done, the TCP-only fields are 0)."""
 
     peer: int
     wait: str  # none / local / peer / network: the worst of its connections
@@ -113,6 +127,18 @@ class PeerChannel:
     sndbuf_share: float  # ... by our own send buffer
     busy_share: float  # ... with a non-empty send queue
     stalled_s: float  # how long queued bytes have not moved (0: nothing queued)
+    source: str = "tcp"
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """Where channel evidence puts a hang: the ranks (or the link) to name, the lines that
+    say why, and whether the culprit is the compute side or communication."""
+
+    ranks: list[int]
+    link: list[int] | None
+    lines: list[str]
+    cause: Cause = Cause.COMMUNICATION
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +163,12 @@ def _u32(v: int) -> int:
     return max(0, min(int(v), 0xFFFFFFFF))
 
 
+def entry_order(e: PeerChannel) -> tuple[int, float, int]:
+    """Sort key of a summary's entries: the worst waits, the longest stalls, the busiest
+    links first (what survives the MAX_ENTRIES cut)."""
+    return (-WAIT_ORDER[e.wait], -e.stalled_s, -(e.sent + e.received))
+
+
 def encode_channels(entries: Iterable[PeerChannel], interval_s: float, conns: int) -> bytes:
     """The ``channels`` bytes of a summary (at most MAX_ENTRIES entries, in order)."""
     rows = list(entries)[:MAX_ENTRIES]
@@ -148,7 +180,7 @@ def encode_channels(entries: Iterable[PeerChannel], interval_s: float, conns: in
             min(e.rtos, 255), _u32(e.sent), _u32(e.received), _u32(e.queued), _u32(e.rtt_us),
             _u32(e.min_rtt_us), min(e.retrans, 0xFFFF), _share(e.rwnd_share),
             _share(e.sndbuf_share), _share(e.busy_share),
-            min(round(e.stalled_s * 100), 0xFFFF)))
+            min(round(e.stalled_s * 100), 0xFFFF), SOURCES.index(e.source)))
     return b"".join(parts)
 
 
@@ -161,13 +193,13 @@ def decode_channels(rank: int, time_ns: int, data: bytes) -> ChannelReport | Non
         return None
     entries = []
     for (peer, wait, direction, nconn, rtos, sent, received, queued, rtt, min_rtt, retrans,
-         rwnd, sndbuf, busy, stalled) in _ENTRY.iter_unpack(data[_HEAD.size:]):
+         rwnd, sndbuf, busy, stalled, source) in _ENTRY.iter_unpack(data[_HEAD.size:]):
         entries.append(PeerChannel(
             peer=peer, wait=WAIT_NAMES[wait] if wait < len(WAIT_NAMES) else "none",
             direction=DIRECTIONS[direction & 1], conns=nconn, rtos=rtos, sent=sent,
             received=received, queued=queued, rtt_us=rtt, min_rtt_us=min_rtt, retrans=retrans,
             rwnd_share=rwnd / 255, sndbuf_share=sndbuf / 255, busy_share=busy / 255,
-            stalled_s=stalled / 100))
+            stalled_s=stalled / 100, source=SOURCES[source] if source < len(SOURCES) else "tcp"))
     return ChannelReport(rank, time_ns, interval_ms / 1000, conns, tuple(entries))
 
 
@@ -189,7 +221,7 @@ def _silent_s(view: JobView, rank: int) -> float:
     return (view.now_ns - s.time_ns) / 1e9 if s is not None else float("inf")
 
 
-def _is_silent(view: JobView, rank: int, interval_s: float) -> bool:
+def is_silent(view: JobView, rank: int, interval_s: float) -> bool:
     return rank not in view.gone and _silent_s(view, rank) >= SILENT_INTERVALS * interval_s
 
 
@@ -210,7 +242,7 @@ def _stalled(e: PeerChannel) -> str | None:
     return None
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
     for unit, scale in (("MB", 1e6), ("KB", 1e3)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
@@ -223,11 +255,11 @@ def _fmt_rtt(e: PeerChannel) -> str:
 
 def _stall_line(rank: int, e: PeerChannel, why: str) -> str:
     if why == "peer":
-        return (f"rank {rank} -> {e.peer}: {_fmt_bytes(e.queued)} queued, the receiver's "
+        return (f"rank {rank} -> {e.peer}: {fmt_bytes(e.queued)} queued, the receiver's "
                 f"window closed {e.rwnd_share:.0%} of the last interval, nothing moved for "
                 f"{e.stalled_s:.1f} s: rank {e.peer} does not read")
     rto = f", {e.rtos} retransmission timeouts in a row" if e.rtos else ""
-    return (f"rank {rank} -> {e.peer}: {_fmt_bytes(e.queued)} queued, unacknowledged for "
+    return (f"rank {rank} -> {e.peer}: {fmt_bytes(e.queued)} queued, unacknowledged for "
             f"{e.stalled_s:.1f} s{rto}, {_fmt_rtt(e)}")
 
 
@@ -237,7 +269,7 @@ def _stalled_links(view: JobView, members: Iterable[int]
     out = []
     for rank in sorted(ms):
         rep = report_of(view, rank)
-        if rep is None or _is_silent(view, rank, rep.interval_s):
+        if rep is None or is_silent(view, rank, rep.interval_s):
             continue  # a silent rank's last report predates the stall
         for e in rep.entries:
             why = _stalled(e)
@@ -266,15 +298,14 @@ def _common(links: list[tuple[int, int]], silent: set[int]) -> tuple[list[int], 
     return sorted(r for r, c in count.items() if c == top), None
 
 
-def channel_evidence(view: JobView, group: GroupInfo, members: list[int]
-                     ) -> tuple[list[int], list[int] | None, list[str]] | None:
+def channel_evidence(view: JobView, group: GroupInfo, members: list[int]) -> Located | None:
     """For a hang in ``group`` where nobody is missing: the rank (or link) common to the
     stalled connections among ``members``, and evidence lines; None without stalls."""
     stalls = _stalled_links(view, members)
     if not stalls:
         return None
     interval = _interval_s(view)
-    silent = {r for r in members if _is_silent(view, r, interval)}
+    silent = {r for r in members if is_silent(view, r, interval)}
     ranks, link = _common([(r, e.peer) for r, e, _ in stalls], silent)
     lines = [_stall_line(r, e, why) for r, e, why in
              sorted(stalls, key=lambda x: -x[1].stalled_s)[:4]]
@@ -283,7 +314,7 @@ def channel_evidence(view: JobView, group: GroupInfo, members: list[int]
     if kinds == {"network"}:
         lines.append("the peers' kernels acknowledge nothing: a live kernel acknowledges "
                      "even when its process stalls, so the path itself is down")
-    return ranks, link, lines
+    return Located(ranks, link, lines)
 
 
 def _silent_lines(view: JobView, ranks: list[int]) -> list[str]:
@@ -291,13 +322,12 @@ def _silent_lines(view: JobView, ranks: list[int]) -> list[str]:
             f"process runs: its control-plane traffic crosses the same link" for r in ranks]
 
 
-def cut_off_rank(view: JobView, rank: int, peers: Iterable[int]
-                 ) -> tuple[list[int], list[int] | None, list[str]] | None:
+def cut_off_rank(view: JobView, rank: int, peers: Iterable[int]) -> Located | None:
     """Whether ``rank``, silent and seemingly absent from a stuck op, is cut off: its
     summaries stopped while its peers' connections to it stall unacknowledged. Then its
     stale summary says nothing about what it does, and the hang is on its link."""
     interval = _interval_s(view)
-    if not _is_silent(view, rank, interval):
+    if not is_silent(view, rank, interval):
         return None
     ps = [p for p in peers if p != rank]
     to_it = [(r, e, why) for r, e, why in _stalled_links(view, [rank, *ps])
@@ -310,13 +340,14 @@ def cut_off_rank(view: JobView, rank: int, peers: Iterable[int]
     lines.append("the peers' kernels get no acknowledgement from it: a live kernel "
                  "acknowledges even when its process stalls, so its link is down")
     senders = sorted({r for r, _, _ in to_it})
-    return [rank], ([senders[0], rank] if len(senders) == 1 and len(ps) == 1 else None), lines
+    return Located([rank], [senders[0], rank] if len(senders) == 1 and len(ps) == 1 else None,
+                   lines)
 
 
 def cut_off_ranks(view: JobView) -> list[int]:
     """Every rank of the view that :func:`cut_off_rank` finds cut off."""
     interval = _interval_s(view)
-    return [r for r in sorted(view.summaries) if _is_silent(view, r, interval)
+    return [r for r in sorted(view.summaries) if is_silent(view, r, interval)
             and cut_off_rank(view, r, view.summaries) is not None]
 
 
@@ -332,7 +363,7 @@ def toward_lines(view: JobView, root: int, waiters: Iterable[int]) -> list[str]:
     if blocked:
         r, e = max(blocked, key=lambda x: x[1].queued)
         return [f"ranks {sorted({r for r, _ in blocked})} have data queued for rank {root} "
-                f"that it does not read: e.g. rank {r}: {_fmt_bytes(e.queued)} queued, "
+                f"that it does not read: e.g. rank {r}: {fmt_bytes(e.queued)} queued, "
                 f"receive window closed {e.rwnd_share:.0%} of the interval"]
     net = [(r, e) for r, rep in reports.items() for e in rep.entries
            if e.peer == root and _stalled(e) == "network"]
@@ -407,7 +438,7 @@ def _fmt_link(st: LinkStats) -> str:
     return (f"rank {st.src} -> {st.dst}: RTT {st.rtt_us / 1000:.1f} ms (floor "
             f"{st.floor_us / 1000:.2f} ms), send queue busy {st.busy:.0%}, "
             f"{st.s_per_mb * 1000:.0f} ms per MB ({1 / st.s_per_mb:.1f} MB/s while busy), "
-            f"up to {_fmt_bytes(st.queued)} queued, {st.retrans} retransmits")
+            f"up to {fmt_bytes(st.queued)} queued, {st.retrans} retransmits")
 
 
 class ChannelHistory:

@@ -27,8 +27,7 @@ __all__ = ["find_hangs", "find_mismatches", "find_unresponsive", "wait_for_graph
 _SIZE_MAY_DIFFER = {"all_to_all", "all_to_all_single", "gather", "scatter", "all_gather",
                     "reduce_scatter", "coalesced", "barrier", "monitored_barrier"}
 
-ChannelEvidence = Callable[[JobView, GroupInfo, list[int]], tuple[list[int], list[int] | None,
-                                                                  list[str]] | None]
+ChannelEvidence = Callable[[JobView, GroupInfo, list[int]], chan.Located | None]
 
 
 def _fmt_group(g: GroupInfo) -> str:
@@ -171,13 +170,12 @@ def _root_hang(view: JobView, root: int, blocked: dict[int, Blocked],
     if cut is None:
         v.evidence += chan.toward_lines(view, root, waiters)
         return v
-    _, link, lines = cut
     stuck = [blocked[r] for r in waiters]
     age = max(b.age_s for b in stuck)
-    v.cause, v.link, v.stack = Cause.COMMUNICATION, link, None
+    v.cause, v.link, v.stack = Cause.COMMUNICATION, cut.link, None
     v.evidence = [f"ranks {waiters} wait for rank {root} in {v.op} on "
                   f"{v.group['role']}{v.group['ranks']} ({age:.1f} s); its last summary "
-                  f"predates the stall", *lines]
+                  f"predates the stall", *cut.lines]
     v.onset_s = view.seconds(min(b.op.enter_ns for b in stuck))
     v.step = max(view.summaries[r].step for r in waiters)  # the root's own is stale
     v.severity = round(age, 1)
@@ -208,17 +206,17 @@ def _comm_hangs(view: JobView, stuck: list[Blocked], graph: dict[int, list[int]]
             continue
         seen.add(b.group.group_id)
         members = [b.op.peer, b.rank] if b.p2p else list(b.group.ranks)
-        ranks, link = sorted(members), None
+        ranks, link, cause = sorted(members), None, Cause.COMMUNICATION
         evidence = [f"all of {_fmt_group(b.group)} entered {b.op_name} seq {b.op.seq}; it has "
                     f"not completed for {b.age_s:.1f} s"]
         found = channel_evidence(view, b.group, members) if channel_evidence else None
         if found is not None:
-            ranks, link, lines = found
-            evidence += lines
+            ranks, link, cause = found.ranks, found.link, found.cause
+            evidence += found.lines
         else:
             evidence.append("no channel data to name the link: every member is a suspect")
         v = Verdict(
-            kind=Kind.HANG, cause=Cause.COMMUNICATION, ranks=ranks, group=b.group.to_dict(),
+            kind=Kind.HANG, cause=cause, ranks=ranks, group=b.group.to_dict(),
             link=link, op=b.op_name, trace_id=b.trace_id, step=view.summaries[b.rank].step,
             onset_s=view.seconds(b.op.enter_ns), detected_s=view.seconds(view.now_ns),
             severity=round(b.age_s, 1), evidence=evidence)

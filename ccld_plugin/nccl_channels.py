@@ -1,0 +1,83 @@
+"""Channel progress of this rank's NCCL collectives, as the profiler plugin left it.
+
+The NCCL profiler plugin (``csrc/nccl_profiler.c``) keeps one board channel record per
+in-flight (collective, channel, peer, direction): steps posted and done, bytes done, the
+wait state of the oldest unfinished step and when anything last happened on it. Every
+agent tick :meth:`NcclChannels.sample` folds the records of one peer and direction into
+one summary entry of source "nccl" (``diagnose.channels.PeerChannel``), which
+``diagnose.nccl_waits`` reads when a collective hangs. Records of kernel channels (no peer)
+are left out: they say a kernel runs, not what it waits for.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from ccld_plugin.diagnose.channels import WAIT_ORDER, PeerChannel
+from ccld_plugin.probe import SOURCE_NAMES, WAIT_NAMES
+
+__all__ = ["NcclChannels"]
+
+_SRC_NCCL = next(k for k, v in SOURCE_NAMES.items() if v == "nccl")
+
+# The fields that tell one tracked connection from the next one reusing its slot.
+_IDENTITY = ("pid", "group_id", "seq", "channel_id", "peer", "direction", "first_ns")
+
+
+class NcclChannels:
+    """Summary entries from the board's NCCL channel records; keeps the bytes of the last
+    tick to report what moved in between. Not thread-safe: the agent thread calls it."""
+
+    def __init__(self) -> None:
+        self._last_bytes: dict[tuple[int, ...], int] = {}
+
+    def sample(self, records: np.ndarray, now_ns: int) -> list[PeerChannel]:
+        """Entries for the channel records in use (``BoardReader.channels()``), at
+        ``now_ns`` on the board's clock (monotonic); idle peers are left out."""
+        recs = records[(records["source"] == _SRC_NCCL) & (records["peer"] >= 0)]
+        by_peer: dict[tuple[int, int], list[np.void]] = defaultdict(list)
+        moved: dict[tuple[int, int], int] = defaultdict(int)
+        last: dict[tuple[int, ...], int] = {}
+        for rec in recs:
+            key = (int(rec["peer"]), int(rec["direction"]))
+            ident = tuple(int(rec[f]) for f in _IDENTITY)
+            done = int(rec["bytes_done"])
+            moved[key] += max(0, done - self._last_bytes.get(ident, 0))
+            last[ident] = done
+            by_peer[key].append(rec)
+        self._last_bytes = last
+        out = [self._entry(peer, direction, rows, moved[(peer, direction)], now_ns)
+               for (peer, direction), rows in by_peer.items()]
+        return [e for e in out if e is not None]
+
+    @staticmethod
+    def _entry(peer: int, direction: int, rows: list[np.void], moved: int,
+               now_ns: int) -> PeerChannel | None:
+        pending = 0
+        wait, stalled_ns = "none", 0
+        steps_done = bytes_done = 0
+        for r in rows:
+            steps_done += int(r["steps_done"])
+            bytes_done += int(r["bytes_done"])
+            live = max(0, int(r["steps_posted"]) - int(r["steps_done"]))
+            pending += live
+            w = WAIT_NAMES.get(int(r["wait"]), "none") if live else "none"
+            age = max(0, now_ns - int(r["last_progress_ns"])) if live else 0
+            if WAIT_ORDER[w] > WAIT_ORDER[wait]:
+                wait, stalled_ns = w, age
+            elif w == wait:
+                stalled_ns = max(stalled_ns, age)
+        if not pending and not moved:
+            return None
+        # Steps of one connection have the same size: estimate the pending bytes from the
+        # completed ones (at least one byte per step, so a pending step never reads as 0).
+        per_step = bytes_done // steps_done if steps_done else 0
+        send = direction == 0
+        return PeerChannel(
+            peer=peer, wait=wait, direction="send" if send else "recv", conns=len(rows),
+            rtos=0, sent=moved if send else 0, received=0 if send else moved,
+            queued=pending * max(1, per_step), rtt_us=0, min_rtt_us=0, retrans=0,
+            rwnd_share=0.0, sndbuf_share=0.0, busy_share=0.0,
+            stalled_s=stalled_ns / 1e9, source="nccl")
