@@ -16,8 +16,10 @@ from rich.table import Table
 from ccld_plugin.probe import (
     FLAG_P2P,
     OP_NAMES,
+    SOURCE_NAMES,
     STATE_DONE,
     STATE_IN_FLIGHT,
+    WAIT_NAMES,
     BoardError,
     BoardReader,
     board_files,
@@ -25,6 +27,9 @@ from ccld_plugin.probe import (
 
 __all__ = ["GroupOps", "RankStatus", "collective_table", "inspect_boards", "print_collectives",
            "print_status"]
+
+
+MAX_CHANNELS_SHOWN = 3  # per rank in the table; the JSON output has all
 
 
 @dataclass
@@ -35,6 +40,22 @@ class InFlight:
     seq: int
     peer: int | None
     age_s: float
+
+
+@dataclass
+class WaitingChannel:
+    """A channel record with work outstanding: NCCL steps posted and not done, or TCP
+    bytes queued (what a hung rank's transfers waited on when the board was read)."""
+
+    source: str  # nccl or tcp
+    channel: int
+    direction: str
+    peer: int | None
+    wait: str  # none / local / peer / network
+    pending: str  # "N steps" (NCCL) or bytes queued (TCP)
+    group_id: str
+    seq: int
+    idle_s: float  # since the record last changed
 
 
 @dataclass
@@ -51,6 +72,7 @@ class RankStatus:
     errors: int
     groups: list[dict] = field(default_factory=list)
     in_flight: list[InFlight] = field(default_factory=list)
+    waiting_channels: list[WaitingChannel] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -94,7 +116,29 @@ def rank_status(reader: BoardReader, now_ns: int | None = None) -> RankStatus:
             group_ranks=list(g.ranks) if g else [], seq=int(r["seq"]),
             peer=int(r["peer"]) if int(r["flags"]) & FLAG_P2P else None,
             age_s=max(0.0, (now - int(r["enter_ns"])) / 1e9)))
+    status.waiting_channels = _waiting_channels(reader.channels(), now)
     return status
+
+
+def _waiting_channels(recs: np.ndarray, now: int) -> list[WaitingChannel]:
+    out = []
+    for r in recs:
+        source = SOURCE_NAMES.get(int(r["source"]), "?")
+        steps = int(r["steps_posted"]) - int(r["steps_done"])
+        if source == "nccl" and steps > 0:
+            pending = f"{steps} step{'s' if steps != 1 else ''}"
+        elif source == "tcp" and int(r["bytes_queued"]) > 0:
+            pending = f"{int(r['bytes_queued'])} B"
+        else:
+            continue
+        peer = int(r["peer"])
+        out.append(WaitingChannel(
+            source=source, channel=int(r["channel_id"]),
+            direction="recv" if int(r["direction"]) else "send",
+            peer=peer if peer >= 0 else None, wait=WAIT_NAMES.get(int(r["wait"]), "?"),
+            pending=pending, group_id=f"{int(r['group_id']):016x}", seq=int(r["seq"]),
+            idle_s=max(0.0, (now - int(r["last_progress_ns"])) / 1e9)))
+    return sorted(out, key=lambda c: -c.idle_s)
 
 
 def inspect_boards(path: str | os.PathLike[str]) -> list[RankStatus]:
@@ -112,8 +156,12 @@ def inspect_boards(path: str | os.PathLike[str]) -> list[RankStatus]:
 def print_status(statuses: Sequence[RankStatus], console: Console | None = None) -> None:
     console = console or Console()
     table = Table(title="ccld boards", show_lines=False)
-    for col in ("rank", "pid", "process", "step", "heartbeat", "groups (role: entered/done)",
-                "in flight"):
+    columns = ["rank", "pid", "process", "step", "heartbeat", "groups (role: entered/done)",
+               "in flight"]
+    show_channels = any(s.waiting_channels for s in statuses)
+    if show_channels:
+        columns.append("waiting channels")
+    for col in columns:
         table.add_column(col)
     for s in statuses:
         groups = ", ".join(f"{g['role']}{g['ranks']}: {g['entered_seq']}/{g['completed_seq']}"
@@ -122,8 +170,17 @@ def print_status(statuses: Sequence[RankStatus], console: Console | None = None)
             f"{f.op} on {f.group_role}{f.group_ranks} seq {f.seq}"
             + (f" peer {f.peer}" if f.peer is not None else "") + f" for {f.age_s:.1f}s"
             for f in s.in_flight) or "-"
-        table.add_row(str(s.rank), str(s.pid), s.process, str(s.step),
-                      f"{s.heartbeat_age_s:.1f}s ago", groups, flight)
+        row = [str(s.rank), str(s.pid), s.process, str(s.step), f"{s.heartbeat_age_s:.1f}s ago",
+               groups, flight]
+        if show_channels:
+            shown = s.waiting_channels[:MAX_CHANNELS_SHOWN]
+            more = len(s.waiting_channels) - len(shown)
+            row.append("; ".join(
+                f"{c.source} ch{c.channel} {c.direction} "
+                f"{'->' if c.direction == 'send' else '<-'} {c.peer}: {c.pending}, waits "
+                f"{c.wait}, {c.idle_s:.1f}s" for c in shown) + (f"; +{more} more" if more else "")
+                or "-")
+        table.add_row(*row)
     console.print(table)
 
 

@@ -215,11 +215,14 @@ def _comm_hangs(view: JobView, stuck: list[Blocked], graph: dict[int, list[int]]
             evidence += found.lines
         else:
             evidence.append("no channel data to name the link: every member is a suspect")
+        culprit = view.summaries.get(ranks[0]) if len(ranks) == 1 else None
         v = Verdict(
             kind=Kind.HANG, cause=cause, ranks=ranks, group=b.group.to_dict(),
             link=link, op=b.op_name, trace_id=b.trace_id, step=view.summaries[b.rank].step,
             onset_s=view.seconds(b.op.enter_ns), detected_s=view.seconds(view.now_ns),
-            severity=round(b.age_s, 1), evidence=evidence)
+            severity=round(b.age_s, 1), evidence=evidence,
+            # where a compute-bound culprit's host thread is (e.g. what it launched last)
+            stack=(culprit.stack or None) if culprit and cause == Cause.COMPUTE else None)
         verdicts.append(v)
         if found is not None:
             located.append(v)
