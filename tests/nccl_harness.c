@@ -43,6 +43,7 @@ SYM(ccld_copy_records);
 SYM(ccld_now_ns);
 SYM(ccld_nccl_stats);
 SYM(ccld_nccl_comm_group);
+SYM(ccld_nccl_comms);
 
 static void die(const char* fmt, ...) {
   va_list ap;
@@ -80,6 +81,7 @@ static void load(const char* path, int want) {
   RESOLVE(ccld_now_ns);
   RESOLVE(ccld_nccl_stats);
   RESOLVE(ccld_nccl_comm_group);
+  RESOLVE(ccld_nccl_comms);
 }
 
 #define V4 ((const ccld_nccl_profiler_v4_t*)g_sym)
@@ -443,9 +445,13 @@ static int scenario_ring(const char* path, int rank, int fault, int where) {
   }
   uint64_t bound = 0;
   int is_bound = p_ccld_nccl_comm_group(0xc0ffee, &bound);
+  uint64_t ids[4] = {0}, groups[4] = {0};
+  int ncomms = p_ccld_nccl_comms(ids, groups, 4);
   printf("{\"scenario\": \"ring\", \"version\": %d, \"mask\": %d, \"pid\": %d, "
-         "\"comm_bound\": %d, \"comm_group\": %llu, ",
-         g_version, mask, (int)getpid(), is_bound, (unsigned long long)bound);
+         "\"comm_bound\": %d, \"comm_group\": %llu, \"comms\": [[%llu, %llu]], ",
+         g_version, mask, (int)getpid(), is_bound, (unsigned long long)bound,
+         (unsigned long long)ids[0], (unsigned long long)groups[0]);
+  if (ncomms != 1) die("harness: %d live comms, expected 1\n", ncomms);
   print_stats();
   printf("}\n");
   return 0;

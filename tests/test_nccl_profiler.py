@@ -182,6 +182,7 @@ def test_ring_all_reduce_stalls(build: Build, tmp_path: Path, version: int) -> N
         out = run(build, "ring", board, version, rank)
         assert out["version"] == version
         assert out["comm_bound"] == 1 and out["comm_group"] == RING_GROUP
+        assert out["comms"] == [[0xC0FFEE, RING_GROUP]]
         assert out["stats"]["traced"] == 2 and out["stats"]["dropped"] == 0
         recs = channels(board)
         assert sorted(shape(r) for r in recs) == ring_expected(rank), f"rank {rank}"

@@ -879,3 +879,15 @@ int ccld_nccl_comm_group(uint64_t comm_id, uint64_t* group_id) {
   }
   return 0;
 }
+
+int ccld_nccl_comms(uint64_t* comm_ids, uint64_t* group_ids, int max) {
+  int n = 0;
+  for (uint32_t i = 0; i < MAX_COMMS; i++) {
+    const struct comm* c = &g_comms[i];
+    if (LOAD(&c->state) != COMM_LIVE) continue;
+    if (n < max && comm_ids) comm_ids[n] = c->comm_id;
+    if (n < max && group_ids) group_ids[n] = LOAD(&c->group_id);
+    n++;
+  }
+  return n;
+}

@@ -346,6 +346,11 @@ void ccld_nccl_stats_reset(void);
  * traced Coll/P2p on it. Returns 1 and sets *group_id when bound, 0 otherwise. */
 int ccld_nccl_comm_group(uint64_t comm_id, uint64_t* group_id);
 
+/* Every live communicator: up to `max` (comm id, group id or 0 when not bound yet) pairs
+ * written to the arrays; returns how many there are (for a check that cannot know the
+ * ids NCCL chose). */
+int ccld_nccl_comms(uint64_t* comm_ids, uint64_t* group_ids, int max);
+
 #ifdef __cplusplus
 }
 #endif
