@@ -1,6 +1,8 @@
 """The summary a rank publishes every agent tick, and its compact binary encoding.
 
-A value type: plain dataclasses, no torch. Every time in it is on the diagnoser's
+A value type: plain dataclasses and named tuples (the per-op records: the diagnoser decodes
+hundreds of thousands of them per round at scale, and tuples are the cheapest to build),
+no torch. Every time in it is on the diagnoser's
 monotonic clock (the agent applies its clock offset), so the diagnoser compares ranks
 directly. Steady state is a few hundred bytes per rank; a per-node aggregator could merge
 the summaries of its ranks into one value without the diagnoser's analysis changing.
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 __all__ = ["ArrivalSample", "GroupProgress", "InFlightOp", "RankSummary", "StepStat",
            "decode_summary", "encode_summary"]
@@ -19,8 +22,7 @@ FLAG_EXITED = 1  # the rank left through the plugin's exit path
 FLAG_ERRORED = 2  # ...after a collective raised
 
 
-@dataclass(frozen=True, slots=True)
-class GroupProgress:
+class GroupProgress(NamedTuple):
     slot: int  # index into the rank's published group table
     entered_seq: int
     completed_seq: int
@@ -30,8 +32,7 @@ class GroupProgress:
     max_dur_us: int
 
 
-@dataclass(frozen=True, slots=True)
-class InFlightOp:
+class InFlightOp(NamedTuple):
     slot: int
     op: int
     flags: int
@@ -42,16 +43,14 @@ class InFlightOp:
     state: int = 1  # in flight, or error (the op that raised)
 
 
-@dataclass(frozen=True, slots=True)
-class StepStat:
+class StepStat(NamedTuple):
     step: int
     start_ns: int
     step_us: int
     compute_us: int  # step time minus time blocked in collectives
 
 
-@dataclass(frozen=True, slots=True)
-class ArrivalSample:
+class ArrivalSample(NamedTuple):
     """When this rank entered and left one collective, for the arrival-skew join."""
 
     slot: int

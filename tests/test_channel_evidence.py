@@ -290,3 +290,29 @@ def test_sampler_maps_classifies_and_fills_the_board(tmp_path, sockets) -> None:
     with BoardReader(tmp_path / "rank0.board") as r:
         assert len(r.channels()) == 0
     board.close(unlink=True)
+
+
+def test_sibling_medians_match_the_direct_computation() -> None:
+    """The fast medians (each link against the links that share no rank with it) give
+    what a pass over all links gives, on random link sets of every size."""
+    import random
+    import statistics
+
+    from ccld_plugin.diagnose.channels import LinkStats, _SiblingMedians
+
+    rng = random.Random(7)
+    for n_ranks in (3, 4, 5, 8, 16, 40):
+        keys = {(a, b) for a in range(n_ranks) for b in range(n_ranks)
+                if a != b and rng.random() < 0.4}
+        links = {k: LinkStats(k[0], k[1], 3, rng.choice([100.0, 250.0, rng.uniform(50, 5e4)]),
+                              10, rng.uniform(1e-4, 1.0), 0.5, 0, 0, 10**6) for k in keys}
+        fast = _SiblingMedians(links)
+        for k in links:
+            refs = [o for ok, o in links.items() if not set(ok) & set(k)]
+            got = fast.without(k)
+            if not refs:
+                assert got is None
+                continue
+            assert got is not None
+            assert got[0] == pytest.approx(statistics.median(o.rtt_us for o in refs))
+            assert got[1] == pytest.approx(statistics.median(o.s_per_mb for o in refs))

@@ -1,0 +1,133 @@
+"""Cost of one diagnoser round as the job grows (DESIGN 2.5 goal: <= 100 ms at 16,384 ranks).
+
+Synthetic but shaped like a real 3D-parallel job (TP8 x PP4 x DP rest): every rank's
+summary carries what the agent publishes in steady state (four groups' progress, one
+step, eight arrival samples per group, a few channel entries) and is encoded to the same
+bytes. Per round it times, separately:
+
+- read: the summaries from a real TCPStore on loopback, in the control plane's chunks;
+- decode: bytes -> RankSummary for every rank;
+- view: the JobView (topology of every rank's group table);
+- analyze: Diagnoser.round (hang, mismatch, unresponsive, slow windows).
+
+The ranks' steps advance one per round, so slow-detector windows close as in a live job.
+Prints the median of the rounds per stage and world size, and the slowest round. Usage:
+    python benchmarks/diagnoser_scale.py [--worlds 512,2048,16384] [--rounds 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ccld_plugin.config import DiagnoserConfig
+from ccld_plugin.diagnose import Diagnoser, JobView
+from ccld_plugin.diagnose.channels import PeerChannel, encode_channels
+from ccld_plugin.summary import (
+    ArrivalSample,
+    GroupProgress,
+    RankSummary,
+    StepStat,
+    decode_summary,
+    encode_summary,
+)
+from ccld_plugin.topology import GroupInfo, group_id_of
+
+TP, PP = 8, 4
+STEP_NS = 1_000_000_000
+OPS_PER_STEP = 16
+CHUNK = 256  # control.chunk_keys default
+
+
+def layout(world: int) -> dict[int, list[GroupInfo]]:
+    """Every rank's group table: world, tp, pp, dp (Megatron order: tp fastest)."""
+    dp = world // (TP * PP)
+    world_g = GroupInfo(group_id_of(range(world)), "world", tuple(range(world)))
+    tables = {}
+    for r in range(world):
+        t, p, d = r % TP, (r // TP) % PP, r // (TP * PP)
+        tp = [d * TP * PP + p * TP + i for i in range(TP)]
+        pp = [d * TP * PP + i * TP + t for i in range(PP)]
+        dpg = [i * TP * PP + p * TP + t for i in range(dp)]
+        tables[r] = [world_g, *(GroupInfo(group_id_of(g), role, tuple(g))
+                                for role, g in (("tp", tp), ("pp", pp), ("dp", dpg)))]
+    return tables
+
+
+def summary(rank: int, step: int, now: int) -> bytes:
+    seq = (step + 1) * OPS_PER_STEP
+    start = now - STEP_NS
+    groups = [GroupProgress(slot, seq, seq, OPS_PER_STEP, 20_000, 1 << 22, 3_000)
+              for slot in range(4)]
+    samples = [ArrivalSample(slot, seq - 2 * i, start + i * 50_000_000 + rank % 7 * 1000,
+                             2_000, 1 << 20) for slot in range(4) for i in range(8)]
+    peers = [(rank + k) % 64 for k in (1, 8, 32)]
+    channels = encode_channels([PeerChannel(p, "none", "send", 2, 0, 1 << 20, 1 << 20, 0, 120,
+                                            40, 0, 0.0, 0.0, 0.1, 0.0) for p in peers], 1.0, 6)
+    s = RankSummary(rank=rank, pid=1000 + rank, host=f"node{rank // 8}", time_ns=now,
+                    heartbeat_ns=now, step=step, last_progress_ns=now - 1000,
+                    groups_version=1, groups=groups,
+                    steps=[StepStat(step - 1, start, 1_000_000, 700_000 + rank % 13 * 100)],
+                    samples=samples, channels=channels)
+    return encode_summary(s)
+
+
+def bench(world: int, rounds: int, store: dist.Store) -> dict[str, float]:
+    tables = layout(world)
+    diag = Diagnoser(DiagnoserConfig(), interval_s=1.0)
+    times: dict[str, list[float]] = {k: [] for k in ("read", "decode", "view", "analyze")}
+    size = 0
+    for step in range(1, rounds + 1):
+        now = step * STEP_NS
+        for r in range(world):  # the ranks publish (not timed)
+            data = summary(r, step, now)
+            size = len(data)
+            store.set(f"s/{r}", data)
+        t0 = time.perf_counter()
+        raw = {}
+        for i in range(0, world, CHUNK):
+            keys = [f"s/{r}" for r in range(i, min(world, i + CHUNK))]
+            for k, v in zip(keys, store.multi_get(keys), strict=True):
+                raw[int(k[2:])] = bytes(v)
+        t1 = time.perf_counter()
+        summaries = {r: decode_summary(b) for r, b in raw.items()}
+        t2 = time.perf_counter()
+        view = JobView(summaries=summaries, tables=tables, now_ns=now, job_start_ns=0,
+                       world=world)
+        t3 = time.perf_counter()
+        verdicts = diag.round(view)
+        t4 = time.perf_counter()
+        assert not verdicts, [v.to_dict() for v in verdicts]  # a healthy job: no verdict
+        for k, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            times[k].append(dt * 1000)
+    out = {k: statistics.median(v[1:] if len(v) > 2 else v) for k, v in times.items()}
+    rounds_ms = [sum(x) for x in zip(*times.values(), strict=True)][1:]
+    out["round"], out["worst"] = statistics.median(rounds_ms), max(rounds_ms)
+    out["bytes"] = size
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worlds", default="512,2048,16384")
+    ap.add_argument("--rounds", type=int, default=12)
+    args = ap.parse_args()
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30),
+                          wait_for_workers=False)
+    print("medians over the rounds; 'worst' is the slowest round (one that closes a "
+          "slow-detector window)")
+    print(f"{'ranks':>7} {'summary B':>9} {'read ms':>8} {'decode ms':>9} {'view ms':>8} "
+          f"{'analyze ms':>10} {'round ms':>9} {'worst ms':>9}")
+    for world in (int(w) for w in args.worlds.split(",")):
+        r = bench(world, args.rounds, store)
+        print(f"{world:>7} {r['bytes']:>9} {r['read']:>8.1f} {r['decode']:>9.1f} "
+              f"{r['view']:>8.1f} {r['analyze']:>10.1f} {r['round']:>9.1f} "
+              f"{r['worst']:>9.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
