@@ -27,6 +27,8 @@ import torch.distributed as dist
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose import Diagnoser, JobView
 from ccld_plugin.diagnose.channels import PeerChannel, encode_channels
+from ccld_plugin.diagnose.view import topology_of
+from ccld_plugin.services import gc_paused
 from ccld_plugin.summary import (
     ArrivalSample,
     GroupProgress,
@@ -58,14 +60,17 @@ def layout(world: int) -> dict[int, list[GroupInfo]]:
     return tables
 
 
-def summary(rank: int, step: int, now: int) -> bytes:
+def summary(rank: int, world: int, step: int, now: int) -> bytes:
     seq = (step + 1) * OPS_PER_STEP
     start = now - STEP_NS
     groups = [GroupProgress(slot, seq, seq, OPS_PER_STEP, 20_000, 1 << 22, 3_000)
               for slot in range(4)]
     samples = [ArrivalSample(slot, seq - 2 * i, start + i * 50_000_000 + rank % 7 * 1000,
                              2_000, 1 << 20) for slot in range(4) for i in range(8)]
-    peers = [(rank + k) % 64 for k in (1, 8, 32)]
+    # the next rank of its TP, PP and DP rings
+    block = rank - rank % (TP * PP)
+    peers = [rank - rank % TP + (rank + 1) % TP, block + (rank - block + TP) % (TP * PP),
+             (rank + TP * PP) % world]
     channels = encode_channels([PeerChannel(p, "none", "send", 2, 0, 1 << 20, 1 << 20, 0, 120,
                                             40, 0, 0.0, 0.0, 0.1, 0.0) for p in peers], 1.0, 6)
     s = RankSummary(rank=rank, pid=1000 + rank, host=f"node{rank // 8}", time_ns=now,
@@ -78,13 +83,14 @@ def summary(rank: int, step: int, now: int) -> bytes:
 
 def bench(world: int, rounds: int, store: dist.Store) -> dict[str, float]:
     tables = layout(world)
+    topology = topology_of(tables)
     diag = Diagnoser(DiagnoserConfig(), interval_s=1.0)
     times: dict[str, list[float]] = {k: [] for k in ("read", "decode", "view", "analyze")}
     size = 0
     for step in range(1, rounds + 1):
         now = step * STEP_NS
         for r in range(world):  # the ranks publish (not timed)
-            data = summary(r, step, now)
+            data = summary(r, world, step, now)
             size = len(data)
             store.set(f"s/{r}", data)
         t0 = time.perf_counter()
@@ -94,13 +100,15 @@ def bench(world: int, rounds: int, store: dist.Store) -> dict[str, float]:
             for k, v in zip(keys, store.multi_get(keys), strict=True):
                 raw[int(k[2:])] = bytes(v)
         t1 = time.perf_counter()
-        summaries = {r: decode_summary(b) for r, b in raw.items()}
-        t2 = time.perf_counter()
-        view = JobView(summaries=summaries, tables=tables, now_ns=now, job_start_ns=0,
-                       world=world)
-        t3 = time.perf_counter()
-        verdicts = diag.round(view)
-        t4 = time.perf_counter()
+        with gc_paused():  # as the diagnoser service runs a round
+            summaries = {r: decode_summary(b) for r, b in raw.items()}
+            t2 = time.perf_counter()
+            # the diagnoser service rebuilds the topology only when a table changes
+            view = JobView(summaries=summaries, tables=tables, now_ns=now, job_start_ns=0,
+                           world=world, topology=topology)
+            t3 = time.perf_counter()
+            verdicts = diag.round(view)
+            t4 = time.perf_counter()
         assert not verdicts, [v.to_dict() for v in verdicts]  # a healthy job: no verdict
         for k, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
             times[k].append(dt * 1000)

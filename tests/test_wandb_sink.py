@@ -39,7 +39,7 @@ from ccld_plugin.sinks.wandb import (
     heatmap_rgb,
     verdict_row,
 )
-from ccld_plugin.summary import GroupProgress, InFlightOp, RankSummary, StepStat
+from ccld_plugin.summary import ArrivalSample, GroupProgress, InFlightOp, RankSummary, StepStat
 from ccld_plugin.topology import GroupInfo, group_id_of
 from ccld_plugin.wandb_summary import find_run_files, iter_records, wait_for_run
 
@@ -227,10 +227,17 @@ def _job_views(steps: int, first: int = 0, slow_rank: int = 2) -> list[JobView]:
 
 
 def _joined(view: JobView, step: int, last: int = 2) -> list[Joined]:
+    """Two joined samples: DP ranks waited 30 ms for ``last``; TP rank 1 waited 1 ms."""
     t = step * STEP_NS + 50 * MS
-    return [Joined(DP, 4 * step, t, last, {r: (0 if r == last else 30 * MS) for r in range(4)},
+
+    def arrivals(waits: dict[int, int], t_last: int) -> dict[int, ArrivalSample]:
+        return {r: ArrivalSample(0, 4 * step, t_last - w, 1000, 0) for r, w in waits.items()}
+
+    return [Joined(DP, 4 * step, t, last,
+                   arrivals({r: (0 if r == last else 30 * MS) for r in range(4)}, t),
                    2 * MS, 4_000_000),
-            Joined(TP[0], 4 * step, t - MS, 0, {0: 0, 1: 1 * MS}, 1 * MS, 1_000_000)]
+            Joined(TP[0], 4 * step, t - MS, 0, arrivals({0: 0, 1: 1 * MS}, t - MS), 1 * MS,
+                   1_000_000)]
 
 
 def test_step_rows_wait_for_every_rank_and_decompose_the_step():

@@ -38,6 +38,7 @@ class Diagnoser:
         self.slow = SlowDetector(cfg)
         self._durations: dict[int, deque[int]] = defaultdict(lambda: deque(maxlen=HISTORY))
         self._reported: set[tuple] = set()
+        self._seen_ns: dict[int, int] = {}  # per rank: time of the summary last counted
 
     def threshold_s(self, group_id: int) -> float:
         """max(hang_min_s, hang_k x p99 duration of ops on the group). Before any op of the
@@ -51,6 +52,9 @@ class Diagnoser:
 
     def round(self, view: JobView) -> list[Verdict]:
         for rank, s in view.summaries.items():
+            if self._seen_ns.get(rank, -1) >= s.time_ns:
+                continue  # read again before the rank's next tick
+            self._seen_ns[rank] = s.time_ns
             for gp in s.groups:
                 g = view.group(rank, gp.slot)
                 if g is not None and gp.ops:

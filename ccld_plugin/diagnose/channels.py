@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ccld_plugin.diagnose.records import Cause
+from ccld_plugin.diagnose.robust import RankedValues
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.topology import GroupInfo
 
@@ -428,7 +429,8 @@ def _link_stats(src: int, dst: int, got: list[tuple[float, PeerChannel]]) -> Lin
 
 def link_role(view: JobView, a: int, b: int) -> GroupInfo | None:
     """The smallest group holding both ranks (world only when no other does)."""
-    groups = [g for g in view.topology.groups_of(a) if b in g.ranks]
+    of_b = {g.group_id for g in view.topology.groups_of(b)}  # not `b in g.ranks`: O(world)
+    groups = [g for g in view.topology.groups_of(a) if g.group_id in of_b]
     if not groups:
         return None
     return min(groups, key=lambda g: (g.role == "world", g.size))
@@ -439,29 +441,6 @@ def _fmt_link(st: LinkStats) -> str:
             f"{st.floor_us / 1000:.2f} ms), send queue busy {st.busy:.0%}, "
             f"{st.s_per_mb * 1000:.0f} ms per MB ({1 / st.s_per_mb:.1f} MB/s while busy), "
             f"up to {fmt_bytes(st.queued)} queued, {st.retrans} retransmits")
-
-
-class _Ranked:
-    """Values sorted once, for medians that leave a few of them out."""
-
-    def __init__(self, values: dict[tuple[int, int], float]) -> None:
-        order = sorted(values, key=values.__getitem__)
-        self.values = [values[k] for k in order]
-        self.pos = {k: i for i, k in enumerate(order)}
-
-    def median_without(self, left_out: Iterable[tuple[int, int]]) -> float:
-        skip = sorted(self.pos[k] for k in left_out)
-        n = len(self.values) - len(skip)
-
-        def nth(t: int) -> float:  # the t-th value (from 0) of those not left out
-            i = t
-            for e in skip:
-                if e > i:
-                    break
-                i += 1
-            return self.values[i]
-
-        return (nth((n - 1) // 2) + nth(n // 2)) / 2
 
 
 class _SiblingMedians:
@@ -475,8 +454,8 @@ class _SiblingMedians:
             self.touching[k[0]].add(k)
             self.touching[k[1]].add(k)
         self.count = len(links)
-        self.rtt = _Ranked({k: st.rtt_us for k, st in links.items()})
-        self.spm = _Ranked({k: st.s_per_mb for k, st in links.items()})
+        self.rtt = RankedValues({k: st.rtt_us for k, st in links.items()})
+        self.spm = RankedValues({k: st.s_per_mb for k, st in links.items()})
 
     def without(self, k: tuple[int, int]) -> tuple[float, float] | None:
         """(median RTT, median s per MB) of the links sharing no rank with ``k``; None

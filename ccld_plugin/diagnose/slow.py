@@ -15,10 +15,12 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict, deque
 from dataclasses import dataclass
+from functools import cached_property
 
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose.channels import ChannelHistory, LinkFinding
 from ccld_plugin.diagnose.records import Cause, Kind, Verdict
+from ccld_plugin.diagnose.robust import RankedValues
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.errors import log
 from ccld_plugin.summary import ArrivalSample, StepStat
@@ -49,9 +51,15 @@ class Joined:
     seq: int
     time_ns: int
     last: int  # the last arriver
-    waits_ns: dict[int, int]  # per member: how long it waited for the last arriver
+    arrivals: dict[int, ArrivalSample]  # per member
     transfer_ns: int
     bytes: int
+
+    @cached_property
+    def waits_ns(self) -> dict[int, int]:
+        """Per member: how long it waited for the last arriver (built when asked: only
+        verdicts and metrics read it)."""
+        return {r: self.time_ns - a.enter_ns for r, a in self.arrivals.items()}
 
 
 class SlowDetector:
@@ -59,7 +67,8 @@ class SlowDetector:
         self.cfg = cfg
         self.steps: dict[int, dict[int, StepStat]] = defaultdict(dict)
         self.pending: dict[tuple[int, int], dict[int, ArrivalSample]] = {}
-        self.pending_group: dict[tuple[int, int], GroupInfo] = {}
+        # per pending sample: its group, and when the first member's sample came in
+        self.pending_group: dict[tuple[int, int], tuple[GroupInfo, int]] = {}
         self.joined: deque[Joined] = deque(maxlen=MAX_JOINED)
         self.next_window = 0
         self.streak: dict[tuple, int] = defaultdict(int)
@@ -67,42 +76,52 @@ class SlowDetector:
         self.bw_history: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=20))
         self.channels = ChannelHistory()  # per-peer TCP evidence: names the slow link's rank
         self._channel_found: LinkFinding | None = None  # of the current streak
+        self._ingested_ns: dict[int, int] = {}  # per rank: time of the summary last taken in
         self._cohort_key = -1
         self._cohort_cache: dict[int, list[int]] = {}
 
     # ------------------------------------------------------------------ ingest
     def ingest(self, view: JobView) -> None:
         self.channels.ingest(view)
+        horizon = self.next_window_start() - 4 * self.cfg.window_steps
+        pending, groups = self.pending, self.pending_group
         for rank, s in view.summaries.items():
+            if self._ingested_ns.get(rank, -1) >= s.time_ns:
+                continue  # read again before the rank's next tick: nothing new in it
+            self._ingested_ns[rank] = s.time_ns
             mine = self.steps[rank]
             for st in s.steps:
                 mine[st.step] = st
-            horizon = self.next_window_start() - 4 * self.cfg.window_steps
-            for old in [k for k in mine if k < horizon]:
-                del mine[old]
-            for a in s.samples:
-                g = view.group(rank, a.slot)
-                if g is None:
+            if mine and min(mine) < horizon:
+                for old in [k for k in mine if k < horizon]:
+                    del mine[old]
+            table = view.groups_at(rank)
+            for a in s.samples:  # the hot loop at scale: tens of samples per rank
+                if not 0 <= a.slot < len(table):
                     continue
+                g = table[a.slot]
                 key = (g.group_id, a.seq)
-                self.pending.setdefault(key, {})[rank] = a
-                self.pending_group[key] = g
-        for key in list(self.pending):
-            got, g = self.pending[key], self.pending_group[key]
+                got = pending.get(key)
+                if got is None:
+                    got = pending[key] = {}
+                    groups[key] = (g, view.now_ns)
+                got[rank] = a
+        for key in list(pending):
+            got, (g, since) = pending[key], groups[key]
             if len(got) == g.size:
                 self._join(g, key[1], got)
-            elif got and view.now_ns - max(a.enter_ns for a in got.values()) < PENDING_TTL_NS:
+            elif view.now_ns - since < PENDING_TTL_NS:
                 continue
-            del self.pending[key]
-            del self.pending_group[key]
+            del pending[key]
+            del groups[key]
 
     def _join(self, g: GroupInfo, seq: int, got: dict[int, ArrivalSample]) -> None:
-        last = max(got, key=lambda r: got[r].enter_ns)
-        t_last = got[last].enter_ns
+        enters = [a.enter_ns for a in got.values()]
+        t_last = max(enters)
+        last = list(got)[enters.index(t_last)]
         first_exit = min(a.enter_ns + a.dur_us * 1000 for a in got.values())
         self.joined.append(Joined(
-            group=g, seq=seq, time_ns=t_last, last=last,
-            waits_ns={r: t_last - a.enter_ns for r, a in got.items()},
+            group=g, seq=seq, time_ns=t_last, last=last, arrivals=got,
             transfer_ns=max(0, first_exit - t_last), bytes=max(a.bytes for a in got.values())))
 
     def next_window_start(self) -> int:
@@ -155,18 +174,29 @@ class SlowDetector:
             if j.group.size > 1:
                 for m in j.group.ranks:
                     by_rank[m].append(j)
+        # Per cohort, once: its members in this window, their compute times sorted (each
+        # member is judged against the median of the others) and the median step time.
+        per_cohort: dict[tuple[int, ...], tuple[list[int], RankedValues, float]] = {}
         for r, x in compute.items():
-            cohort = [c for c in cohorts.get(r, [r]) if c in compute]
-            others = [compute[c] for c in cohort if c != r]
-            if not others:
+            ck = tuple(cohorts.get(r, (r,)))
+            entry = per_cohort.get(ck)
+            if entry is None:
+                members = [c for c in ck if c in compute]
+                entry = per_cohort[ck] = (
+                    members, RankedValues({c: compute[c] for c in members}),
+                    statistics.median(step_us[c] for c in members) if members else 0.0)
+            cohort, ranked, cohort_step_us = entry
+            me = [r] if r in ranked.pos else []
+            if len(ranked) - len(me) == 0:
                 continue
-            med = statistics.median(others)
+            med = ranked.median_without(me)
             if med <= 0 or x < self.cfg.slow_ratio * med:
                 continue
             # A straggler worth a verdict costs the job a real share of its step time.
-            if x - med < MIN_STEP_SHARE * statistics.median(step_us[c] for c in cohort):
+            if x - med < MIN_STEP_SHARE * cohort_step_us:
                 continue
             if len(cohort) >= 3:  # robust margin against the spread of the others
+                others = [compute[c] for c in cohort if c != r]
                 mad = statistics.median(abs(v - med) for v in others)
                 if x - med < self.cfg.mad_k * max(mad, 0.01 * med):
                     continue
@@ -247,17 +277,22 @@ class SlowDetector:
               for gid, js in per_group.items() if len(js) >= MIN_ARRIVAL_SAMPLES
               and sum(j.transfer_ns for j in js) >= MIN_TRANSFER_NS * len(js)}
         groups = {gid: js[0].group for gid, js in per_group.items()}
+        by_role: dict[str, dict[int, float]] = defaultdict(dict)
+        for gid, b in bw.items():
+            by_role[groups[gid].role][gid] = b
+        ranked = {role: RankedValues(v) for role, v in by_role.items()}
         slow: list[tuple[GroupInfo, float, float]] = []
         for gid, b in bw.items():
             g = groups[gid]
             # Bandwidth alone is compared against siblings only: a lone group's drop has
             # many causes (a busy host); naming a link then needs channel evidence.
-            siblings = [bw[o] for o in bw if o != gid and groups[o].role == g.role]
+            siblings = ranked[g.role]
+            sib = siblings.median_without([gid]) if len(siblings) > 1 else None
             history = list(self.bw_history[gid])
             ref = None
-            if siblings and b * COMM_RATIO < statistics.median(siblings) and (
+            if sib is not None and b * COMM_RATIO < sib and (
                     len(history) < 2 or b * COMM_RATIO < statistics.median(history)):
-                ref = statistics.median(siblings)
+                ref = sib
             if ref is None:
                 self.bw_history[gid].append(b)
             else:
