@@ -13,7 +13,6 @@ from ccld_plugin import _native
 from ccld_plugin.channels import ChannelSampler
 from ccld_plugin.diagnose import channels as chan
 from ccld_plugin.diagnose.channels import (
-    ChannelHistory,
     PeerChannel,
     channel_evidence,
     cut_off_rank,
@@ -21,6 +20,7 @@ from ccld_plugin.diagnose.channels import (
     encode_channels,
     toward_lines,
 )
+from ccld_plugin.diagnose.slow_links import ChannelHistory
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.probe import BoardReader
 from ccld_plugin.summary import RankSummary
@@ -298,7 +298,7 @@ def test_sibling_medians_match_the_direct_computation() -> None:
     import random
     import statistics
 
-    from ccld_plugin.diagnose.channels import LinkStats, _SiblingMedians
+    from ccld_plugin.diagnose.slow_links import LinkStats, _SiblingMedians
 
     rng = random.Random(7)
     for n_ranks in (3, 4, 5, 8, 16, 40):

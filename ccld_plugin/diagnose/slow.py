@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from ccld_plugin.config import DiagnoserConfig
-from ccld_plugin.diagnose.channels import ChannelHistory, LinkFinding
 from ccld_plugin.diagnose.records import Cause, Kind, Verdict
 from ccld_plugin.diagnose.robust import RankedValues
+from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkFinding
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.errors import log
 from ccld_plugin.summary import ArrivalSample, StepStat

@@ -1,0 +1,238 @@
+"""Slow links: which TCP links were slow over a window of time, and the rank they share.
+
+Every rank's channel reports (``diagnose.channels``) are kept for a few minutes; per slow
+detector window each directed link's intervals that moved data are summarized (RTT, time
+of non-empty send queue per byte) and compared with its sibling links of the same role
+that share no rank with it, or, without siblings, with its own history. NCCL entries carry
+no RTT and are left out.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict, deque
+from dataclasses import dataclass
+
+from ccld_plugin.diagnose.channels import (
+    ChannelReport,
+    PeerChannel,
+    common_culprit,
+    fmt_bytes,
+    report_of,
+)
+from ccld_plugin.diagnose.robust import RankedValues
+from ccld_plugin.diagnose.view import JobView
+from ccld_plugin.topology import GroupInfo
+
+__all__ = ["ChannelHistory", "LinkFinding", "LinkStats", "link_role"]
+
+# Slow links (see ChannelHistory). Only intervals in which a link moved SLOW_MIN_BYTES
+# count, at least SLOW_MIN_TICKS of them per window. Absolute RTTs do not separate a slow
+# link from a healthy one: on a loaded host a one-way flow's smoothed RTT reaches several
+# ms from delayed ACKs alone (measured 3-11 ms on healthy veth links), as much as a link
+# shaped to 50 Mbit/s shows. Against its sibling links (same traffic pattern), a shaped
+# link's send-queue time per byte was 8-100x higher here (50 Mbit/s on a TP link: 8-27x;
+# on a DP ring: ~100x), a healthy link's at most 5.2x (median 1.0x) over ~120 windows of
+# six healthy runs: SLOW_RATIO. The RTT must agree (RTT_RATIO; healthy siblings differ
+# up to 8x in RTT alone, a shaped link's RTT was 3-250x its siblings'), and the link must
+# be busy SLOW_BUSY_SHARE of the time (it costs the job; the 5.2x healthy case was 11%).
+SLOW_MIN_BYTES = 32 * 1024
+SLOW_MIN_TICKS = 3
+SLOW_RATIO = 6.0
+RTT_RATIO = 3.0
+SLOW_RTT_EXCESS_US = 1_000
+SLOW_BUSY_SHARE = 0.2
+# Once one link is slow, its two ends are told apart with softer evidence: the end whose
+# other links are slow by LOCATE_RATIO in time per byte (and RTT_RATIO in RTT) while the
+# other end's are not is named, however little those links are used (a PP link of a
+# TP-heavy job is busy ~10%).
+LOCATE_RATIO = 3.0
+JIFFY_S = 0.004  # the coarsest kernel timer resolution in use (HZ=250)
+HISTORY_TICKS = 600  # per rank; ~10 minutes at the default interval
+FORGET_S = 60.0  # reports this much older than the window being evaluated are dropped
+
+
+@dataclass(frozen=True)
+class LinkFinding:
+    """Communication-bound slowness located by channel evidence over a window."""
+
+    ranks: list[int]
+    link: list[int] | None
+    group: GroupInfo | None  # the group the slowest link belongs to
+    severity: float  # the slow links' time per byte over their references'
+    lines: list[str]
+
+
+@dataclass(frozen=True)
+class LinkStats:
+    """One directed link (a sends to b) over a window: what a reported about it."""
+
+    src: int
+    dst: int
+    ticks: int  # intervals in which it moved at least SLOW_MIN_BYTES
+    rtt_us: float  # median smoothed RTT over those intervals
+    floor_us: int
+    s_per_mb: float  # seconds of non-empty send queue per MB acknowledged
+    busy: float  # mean share of the intervals with a non-empty send queue
+    queued: int  # most bytes queued at a sample
+    retrans: int
+    sent: int
+
+    @property
+    def pair(self) -> tuple[int, int]:
+        return (min(self.src, self.dst), max(self.src, self.dst))
+
+
+def _link_stats(src: int, dst: int, got: list[tuple[float, PeerChannel]]) -> LinkStats:
+    # The kernel counts busy time in jiffies: an interval that moved data was busy for at
+    # least about one, however little it shows.
+    busy_s = sum(max(dt * e.busy_share, JIFFY_S) for dt, e in got)
+    sent = sum(e.sent for _, e in got)
+    return LinkStats(src, dst, len(got), statistics.median(e.rtt_us for _, e in got),
+                     min(e.min_rtt_us for _, e in got), busy_s / (sent / 1e6),
+                     statistics.fmean(e.busy_share for _, e in got),
+                     max(e.queued for _, e in got), sum(e.retrans for _, e in got), sent)
+
+
+def link_role(view: JobView, a: int, b: int) -> GroupInfo | None:
+    """The smallest group holding both ranks (world only when no other does)."""
+    of_b = {g.group_id for g in view.topology.groups_of(b)}  # not `b in g.ranks`: O(world)
+    groups = [g for g in view.topology.groups_of(a) if g.group_id in of_b]
+    if not groups:
+        return None
+    return min(groups, key=lambda g: (g.role == "world", g.size))
+
+
+def _fmt_link(st: LinkStats) -> str:
+    return (f"rank {st.src} -> {st.dst}: RTT {st.rtt_us / 1000:.1f} ms (floor "
+            f"{st.floor_us / 1000:.2f} ms), send queue busy {st.busy:.0%}, "
+            f"{st.s_per_mb * 1000:.0f} ms per MB ({1 / st.s_per_mb:.1f} MB/s while busy), "
+            f"up to {fmt_bytes(st.queued)} queued, {st.retrans} retransmits")
+
+
+class _SiblingMedians:
+    """Median RTT and time per byte of a role's links, leaving out the links that share a
+    rank with the one being judged: a few lookups per link instead of a pass over all of
+    them (a pass per link made a window quadratic in the links: ~50 s at 2,048 ranks)."""
+
+    def __init__(self, links: dict[tuple[int, int], LinkStats]) -> None:
+        self.touching: dict[int, set[tuple[int, int]]] = defaultdict(set)
+        for k in links:
+            self.touching[k[0]].add(k)
+            self.touching[k[1]].add(k)
+        self.count = len(links)
+        self.rtt = RankedValues({k: st.rtt_us for k, st in links.items()})
+        self.spm = RankedValues({k: st.s_per_mb for k, st in links.items()})
+
+    def without(self, k: tuple[int, int]) -> tuple[float, float] | None:
+        """(median RTT, median s per MB) of the links sharing no rank with ``k``; None
+        when every link does."""
+        left_out = self.touching[k[0]] | self.touching[k[1]]
+        if len(left_out) >= self.count:
+            return None
+        return self.rtt.median_without(left_out), self.spm.median_without(left_out)
+
+
+class ChannelHistory:
+    """Every rank's channel reports over time, for the slow detector's windows.
+
+    A directed link is slow in a window when, against the links of the same role that
+    share no rank with it (they carry the same traffic pattern, so protocol effects such
+    as delayed ACKs on one-way flows are in the reference too) or, without such siblings,
+    against its own history, its send-queue time per byte is SLOW_RATIO times higher and
+    its RTT RTT_RATIO times (by at least SLOW_RTT_EXCESS_US), and its send queue is busy
+    SLOW_BUSY_SHARE of the time. The rank common to the slow links is named; a single
+    slow link is named as a link unless one end's other links are slow too.
+    """
+
+    def __init__(self) -> None:
+        self.reports: dict[int, deque[ChannelReport]] = defaultdict(
+            lambda: deque(maxlen=HISTORY_TICKS))
+        self.history: dict[tuple[int, int], deque[LinkStats]] = defaultdict(
+            lambda: deque(maxlen=8))
+
+    def ingest(self, view: JobView) -> None:
+        for rank in view.summaries:
+            rep = report_of(view, rank)
+            mine = self.reports[rank]
+            if rep is not None and (not mine or rep.time_ns > mine[-1].time_ns):
+                mine.append(rep)
+
+    def between(self, t0: int, t1: int) -> list[ChannelReport]:
+        # A report covers the interval that ends at its time: keep those mostly in [t0, t1].
+        return [rep for reps in self.reports.values() for rep in reps
+                if t0 < rep.time_ns - rep.interval_s * 5e8 <= t1]
+
+    def forget_before(self, t_ns: int) -> None:
+        """Drop reports older than ``t_ns`` (windows only go forward)."""
+        for reps in self.reports.values():
+            while reps and reps[0].time_ns < t_ns:
+                reps.popleft()
+
+    def window_links(self, t0: int, t1: int) -> dict[tuple[int, int], LinkStats]:
+        got: dict[tuple[int, int], list[tuple[float, PeerChannel]]] = defaultdict(list)
+        for rep in self.between(t0, t1):
+            for e in rep.entries:
+                if e.sent >= SLOW_MIN_BYTES and e.rtt_us > 0:
+                    got[(rep.rank, e.peer)].append((rep.interval_s, e))
+        return {k: _link_stats(*k, v) for k, v in got.items() if len(v) >= SLOW_MIN_TICKS}
+
+    def slow_links(self, view: JobView, t0: int, t1: int) -> LinkFinding | None:
+        """Links that were slow on the network during [t0, t1] (diagnoser clock) and the
+        rank or link they have in common; None when every link is healthy."""
+        links = self.window_links(t0, t1)
+        self.forget_before(t0 - int(FORGET_S * 1e9))
+        roles = {k: link_role(view, *k) for k in links}
+        by_role: dict[str | None, dict[tuple[int, int], LinkStats]] = defaultdict(dict)
+        for k, st in links.items():
+            by_role[roles[k].role if roles[k] is not None else None][k] = st
+        siblings = {role: _SiblingMedians(ls) for role, ls in by_role.items()}
+        slow: list[tuple[LinkStats, float, float, str]] = []
+        softer: list[tuple[LinkStats, float, float, str]] = []
+        for k, st in links.items():
+            role = roles[k].role if roles[k] is not None else None
+            ref = siblings[role].without(k)
+            source = "links of the same role that share no rank with it"
+            if ref is None and self.history[k]:
+                hist = self.history[k]
+                ref = (statistics.median(o.rtt_us for o in hist),
+                       statistics.median(o.s_per_mb for o in hist))
+                source = "its own history"
+            if ref is None:
+                continue
+            ref_rtt, ref_spm = ref
+            if (st.rtt_us < RTT_RATIO * ref_rtt
+                    or st.rtt_us - ref_rtt < SLOW_RTT_EXCESS_US):
+                continue
+            if st.s_per_mb >= SLOW_RATIO * ref_spm and st.busy >= SLOW_BUSY_SHARE:
+                slow.append((st, ref_rtt, ref_spm, source))
+            if st.s_per_mb >= LOCATE_RATIO * ref_spm:
+                softer.append((st, ref_rtt, ref_spm, source))
+        slow_keys = {(st.src, st.dst) for st, *_ in softer}
+        for k, st in links.items():
+            if k not in slow_keys:
+                self.history[k].append(st)
+        if not slow:
+            return None
+        ranks, link = common_culprit([(st.src, st.dst) for st, *_ in slow], set())
+        shown = list(slow)
+        if link is not None:
+            # One slow link: is one end slow on its other links too (its NIC)?
+            other = {r: [x for x in softer if r in x[0].pair and x[0].pair != tuple(link)]
+                     for r in link}
+            ends = [r for r in link if other[r]]
+            if len(ends) == 1:
+                ranks, link = ends, None
+                shown += other[ends[0]]
+        worst, ref_rtt, ref_spm, source = max(slow, key=lambda x: x[0].s_per_mb / x[2])
+        lines = [_fmt_link(st) + f"; {st.rtt_us / r_rtt:.0f}x the RTT and "
+                 f"{st.s_per_mb / r_spm:.0f}x the time per byte of {src}"
+                 for st, r_rtt, r_spm, src in sorted(shown, key=lambda x: (x[0].src,
+                                                                           x[0].dst))[:4]]
+        if link is None and len(ranks) == 1:
+            lines.append(f"every slow link has rank {ranks[0]} at one end: its NIC or link")
+        elif link is not None:
+            lines.append(f"one link is slow ({link[0]}<->{link[1]}); the other links of "
+                         f"both ranks are not")
+        severity = round(worst.s_per_mb / ref_spm, 2) if ref_spm > 0 else 0.0
+        return LinkFinding(ranks, link, roles.get((worst.src, worst.dst)), severity, lines)
