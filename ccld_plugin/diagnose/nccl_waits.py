@@ -147,21 +147,31 @@ def nccl_evidence(view: JobView, group: GroupInfo, members: list[int]) -> Locate
                 if r != root and e.peer == root and (e.wait, e.direction) != ("local", "send")]
         theirs = [_wait_line(r, e) for r, e in into[:2]]
         count = (f"{len(waiters)} of {len(members)} ranks of {group.role}{list(group.ranks)} "
-                 f"wait on rank {root}, directly or along the ring")
+                 f"wait on rank {root}, directly or through other ranks")
         rep = report_of(view, root)
         if rep is None or is_silent(view, root, rep.interval_s):
             return Located([root], None, [*theirs, count, (
                 f"rank {root} sends no summaries: what its own channels wait on is not "
                 f"known")], Cause.UNKNOWN)
-        if any(e.wait == "local" and e.direction == "recv" for e in stalls.get(root, [])):
+        own = stalls.get(root, [])
+        credit = sorted({r for r, e in into if e.wait == "peer"})
+        if any(e.wait == "local" and e.direction == "recv" for e in own):
             return Located([root], None, [*mine, *theirs, count, (
                 f"data reached rank {root} and its GPU does not take it: the GPU is busy or "
                 f"stuck outside this collective (compute-bound)")], Cause.COMPUTE)
-        credit = sorted({r for r, e in into if e.wait == "peer"})
-        return Located([root], None, [*theirs, *mine, count, (
-            f"rank {root} grants no credit{f' to ranks {credit}' if credit else ''} and none "
-            f"of its receives waits (it posts none): its receive side (NCCL proxy or "
-            f"transport) is stuck, while its GPU only waits for input")])
+        if credit:
+            return Located([root], None, [*theirs, *mine, count, (
+                f"rank {root} grants no credit to ranks {credit} and none of its receives "
+                f"waits (it posts none): its receive side (NCCL proxy or transport) is "
+                f"stuck, while its GPU only waits for input")])
+        if any(e.wait == "local" for e in own):
+            return Located([root], None, [*mine, *theirs, count, (
+                f"rank {root}'s GPU does not produce the data its peers wait for, and "
+                f"nothing is owed to it: the GPU is busy or stuck outside this collective "
+                f"(compute-bound)")], Cause.COMPUTE)
+        return Located([root], None, [*theirs, count, (
+            f"rank {root} shows no pending transfer step of this collective: its NCCL "
+            f"work for it has not started")], Cause.UNKNOWN)
     if len(culprits) == 1 and len(culprits[0]) == 2:
         a, b = culprits[0]
         pair = [(r, e) for r in (a, b) for e in stalls.get(r, []) if e.peer in (a, b)
