@@ -514,6 +514,28 @@ static void* drop_channel(ccld_board* b) {
 }
 
 /* ---------------------------------------------------------------- proxy and kernel events */
+/* The tracker (and board record) of a proxy op or kernel channel event e: a new record
+ * for key k, or the shared one of its task. NULL, with e freed, when a table is full. */
+static struct tracker* track(ccld_board* b, const struct chan_key* k, struct event* e,
+                             int32_t peer, uint32_t pid, uint64_t group_id, uint64_t seq) {
+  int64_t now = ccld_now_ns();
+  ccld_channel fresh = {
+      .source = CCLD_SRC_NCCL,
+      .direction = k->direction,
+      .wait = CCLD_WAIT_NONE,
+      .channel_id = k->channel,
+      .peer = peer,
+      .pid = pid,
+      .group_id = group_id,
+      .seq = seq,
+      .first_ns = now,
+      .last_progress_ns = now,
+  };
+  struct tracker* t = tracker_acquire(b, k, &fresh);
+  if (!t) event_free(e);
+  return t;
+}
+
 static void* proxy_op_start(struct comm* c, const void* parent,
                             const struct ccld_nccl_proxy_op* d) {
   ccld_board* b = ccld_process_board();
@@ -536,24 +558,9 @@ static void* proxy_op_start(struct comm* c, const void* parent,
     COUNT(dropped);
     return NULL;
   }
-  int64_t now = ccld_now_ns();
-  ccld_channel fresh = {
-      .source = CCLD_SRC_NCCL,
-      .direction = k.direction,
-      .wait = CCLD_WAIT_NONE,
-      .channel_id = d->channelId,
-      .peer = global_rank(c, b, d->peer),
-      .pid = (uint32_t)d->pid,
-      .group_id = group_id,
-      .seq = seq,
-      .first_ns = now,
-      .last_progress_ns = now,
-  };
-  struct tracker* t = tracker_acquire(b, &k, &fresh);
-  if (!t) {
-    event_free(e);
-    return drop_channel(b);
-  }
+  struct tracker* t = track(b, &k, e, global_rank(c, b, d->peer), (uint32_t)d->pid, group_id,
+                            seq);
+  if (!t) return drop_channel(b);
   e->u.op.tracker = (uint32_t)(t - g_trk);
   return e;
 }
@@ -639,25 +646,9 @@ static void* kernel_ch_start(struct comm* c, const void* parent,
     COUNT(dropped);
     return NULL;
   }
-  int64_t now = ccld_now_ns();
   struct chan_key k = {0, c, CCLD_NO_RANK, d->channelId, CCLD_DIR_SEND};
-  ccld_channel fresh = {
-      .source = CCLD_SRC_NCCL,
-      .direction = CCLD_DIR_SEND,
-      .wait = CCLD_WAIT_NONE,
-      .channel_id = d->channelId,
-      .peer = CCLD_NO_RANK,
-      .pid = (uint32_t)RLOAD(&g_pid),
-      .group_id = group_id,
-      .seq = seq,
-      .first_ns = now,
-      .last_progress_ns = now,
-  };
-  struct tracker* t = tracker_acquire(b, &k, &fresh);
-  if (!t) {
-    event_free(e);
-    return drop_channel(b);
-  }
+  struct tracker* t = track(b, &k, e, CCLD_NO_RANK, (uint32_t)RLOAD(&g_pid), group_id, seq);
+  if (!t) return drop_channel(b);
   e->u.kernel.tracker = (uint32_t)(t - g_trk);
   return e;
 }
