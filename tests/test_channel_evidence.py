@@ -80,8 +80,10 @@ def test_codec_round_trip_and_budget() -> None:
     assert e.busy_share == pytest.approx(0.9, abs=0.01)
     assert e.stalled_s == pytest.approx(3.21)
     assert {x.source for x in rep.entries} == {"tcp"}
-    nccl = decode_channels(0, 0, encode_channels([entry(1, source="nccl", wait="local")], 1, 2))
-    assert nccl is not None and (nccl.entries[0].source, nccl.entries[0].wait) == ("nccl", "local")
+    mixed = [entry(1, source="nccl", wait="local", net_wait_us=7, peer_wait_us=8,
+                   local_wait_us=9), entry(2)]
+    nccl = decode_channels(0, 0, encode_channels(mixed, 1, 2))
+    assert nccl is not None and nccl.entries == tuple(mixed)  # NCCL waits travel too
     assert decode_channels(0, 0, b"") is None and decode_channels(0, 0, b"\x09xx") is None
     assert decode_channels(0, 0, data[:-1]) is None
 

@@ -39,6 +39,7 @@ SRC_NCCL = 1
 SEND, RECV = 0, 1
 NONE, LOCAL, PEER, NETWORK = 0, 1, 2, 3
 NO_RANK = -1
+TOTAL = 0xFF  # CCLD_CHANNEL_TOTAL
 
 # ccld_channel, from board.h; test_board_layout_matches_header checks it against the C.
 CHANNEL_DTYPE = np.dtype({
@@ -70,7 +71,7 @@ def build(tmp_path_factory: pytest.TempPathFactory) -> Build:
     warn = ["-Wall", "-Wextra"]
     commands = [
         [gcc, "-shared", "-fPIC", "-O2", "-std=c11", *warn, str(CSRC / "board.c"),
-         str(CSRC / "nccl_profiler.c"), "-o", str(lib)],
+         str(CSRC / "nccl_profiler.c"), str(CSRC / "nccl_links.c"), "-o", str(lib)],
         [gcc, "-O2", "-std=c11", *warn, f"-I{CSRC}", str(HARNESS_SRC), "-o", str(harness),
          "-ldl", "-pthread"],
     ]
@@ -96,14 +97,15 @@ def run(build: Build, scenario: str, board: Path | str = "-", version: int = 0,
     return out
 
 
-def channels(path: Path) -> list[dict[str, int]]:
-    """Channel records in use, read from the board file."""
+def channels(path: Path, totals: bool = False) -> list[dict[str, int]]:
+    """Channel records in use, read from the board file: those of in-flight collectives,
+    or (``totals``) the per-link totals records."""
     buf = path.read_bytes()
     assert struct.unpack_from("<Q", buf, HEADER_OFFSETS["magic"])[0] == BOARD_MAGIC
     (count,) = struct.unpack_from("<I", buf, HEADER_OFFSETS["max_channels"])
     (offset,) = struct.unpack_from("<I", buf, HEADER_OFFSETS["channels_off"])
     table = np.frombuffer(buf, CHANNEL_DTYPE, count=count, offset=offset)
-    used = table[table["source"] != 0]
+    used = table[(table["source"] != 0) & ((table["channel_id"] == TOTAL) == totals)]
     assert (used["lock"] % 2 == 0).all(), "a record was left mid-write"
     return [{name: int(rec[name]) for name in CHANNEL_DTYPE.names} for rec in used]
 
@@ -192,6 +194,17 @@ def test_ring_all_reduce_stalls(build: Build, tmp_path: Path, version: int) -> N
             assert 0 < r["first_ns"] <= r["last_progress_ns"]
         assert board_errors(board) == 0
         boards[2 * rank + 1] = recs
+        # Per-link totals: the steps of every completed proxy op (both channels), op 1
+        # everywhere and op 2 where it did not stall.
+        g = [2 * i + 1 for i in range(8)]
+        stalled_dirs = {d for d, *_ in {3: [(SEND,), (RECV,)], 2: [(SEND,)], 6: [(SEND,)],
+                                        7: [(RECV,)]}.get(rank, [])}
+        want = {(SEND, g[(rank + 1) % 8]): 16 if SEND in stalled_dirs else 32,
+                (RECV, g[(rank + 7) % 8]): 16 if RECV in stalled_dirs else 32}
+        tot = channels(board, totals=True)
+        assert {(r["direction"], r["peer"]): r["steps_done"] for r in tot} == want
+        assert all(r["bytes_done"] == r["steps_done"] * RING_CHUNK and
+                   r["group_id"] == RING_GROUP for r in tot)
 
     # What the diagnoser reads from these boards: the GPU-bound rank is the one whose own
     # connections wait locally, and the peer others wait for; the dead link is the pair
@@ -347,6 +360,31 @@ def test_live_job_names_the_fault_from_nccl_channels(harness_lib: Path, tmp_path
     assert any("channel" in line and "no progress for" in line for line in v["evidence"])
     if cause == "compute":  # where the culprit's host thread is
         assert v["stack"] and any("nccl_ring_fault.py" in f for f in v["stack"])
+
+
+@pytest.mark.parametrize("slow_rank", [1, -1])
+def test_live_job_names_a_slow_nccl_link(harness_lib: Path, tmp_path: Path,
+                                        slow_rank: int) -> None:
+    """A real 4-rank gloo job running one NCCL-shaped ring all-reduce per step: when rank
+    1's send steps spend 25x longer handed to the network, the plugin's per-link totals
+    make the running diagnoser name the link 1 -> 2; a fault-free run has no verdict."""
+    from jobs import run_job
+
+    from ccld_plugin.sinks.jsonl import read_verdicts
+
+    out = tmp_path / "job"
+    run_job("nccl_ring_slow.py", 4, out, (str(harness_lib), str(slow_rank), str(out)),
+            timeout_s=180).check()
+    verdicts = read_verdicts(out / "verdicts.jsonl")
+    if slow_rank < 0:
+        assert verdicts == []
+        return
+    assert len(verdicts) == 1, verdicts
+    v = verdicts[0]
+    assert (v["kind"], v["cause"], v["ranks"], v["link"]) == (
+        "slow", "communication", [1, 2], [1, 2]), v["evidence"]
+    assert v["group"]["ranks"] == [0, 1, 2, 3]
+    assert any("rank 1 -> 2 (NCCL)" in line for line in v["evidence"])
 
 
 # ----------------------------------------------------------------------------- p2p

@@ -22,6 +22,8 @@ extern "C" {
 #define CCLD_BOARD_MAGIC 0x445241424C444343ULL /* "CCLDBARD" little-endian */
 #define CCLD_BOARD_VERSION 1u
 #define CCLD_NO_RANK (-1)
+/* channel_id of an NCCL record that totals one (comm, peer, direction) since it began */
+#define CCLD_CHANNEL_TOTAL 0xFF
 
 /* Op codes of the collective tracer. Stable: they are written to board files. */
 enum ccld_op {
@@ -162,6 +164,8 @@ typedef struct ccld_channel {
   int64_t last_progress_ns;
   uint32_t rtt_us;
   uint32_t retrans;
+  /* TCP: from tcp_info. NCCL totals records (channel_id CCLD_CHANNEL_TOTAL): the time the
+   * link's steps spent waiting on the peer's credit, on the local GPU, on the network. */
   uint64_t rwnd_limited_us;
   uint64_t sndbuf_limited_us;
   uint64_t busy_us;

@@ -41,6 +41,7 @@
 #include <unistd.h>
 
 #include "board.h"
+#include "nccl_links.h"
 
 #define MAX_COMMS 1024u
 #define TASK_RING 16384u /* power of two */
@@ -151,6 +152,7 @@ struct event {
       uint8_t live; /* bit i: step[i] is started and not stopped */
       uint8_t wait[STEP_WINDOW];
       int32_t step[STEP_WINDOW];
+      int64_t since[STEP_WINDOW]; /* when step[i] entered its current wait */
     } op;
     struct {
       uint32_t op, op_gen;
@@ -179,6 +181,8 @@ struct tracker {
   ccld_board* board; /* the board the record lives on */
   int32_t slot;
   ccld_channel rec; /* what we last wrote there */
+  uint64_t wait_ns[4]; /* time its steps spent in each enum ccld_wait, for the link totals */
+  uint32_t comm_gen;   /* of key.comm when acquired */
 };
 
 static struct comm g_comms[MAX_COMMS];
@@ -433,6 +437,8 @@ static struct tracker* tracker_acquire(ccld_board* b, const struct chan_key* k,
   t->board = b;
   t->slot = slot;
   t->rec = *fresh;
+  memset(t->wait_ns, 0, sizeof t->wait_ns);
+  t->comm_gen = k->comm ? LOAD(&k->comm->gen) : 0;
   t->bucket = bucket;
   t->next = 0;
   if (k->ticket) {
@@ -456,7 +462,13 @@ static void tracker_release(struct tracker* t) {
       if (*link) *link = t->next;
     }
     /* The board may have been closed (or replaced) since: then the slot is not ours. */
-    if (ccld_process_board() == t->board) ccld_channel_release(t->board, t->slot);
+    if (ccld_process_board() == t->board) {
+      ccld_channel_release(t->board, t->slot); /* first: the totals may need a slot */
+      if (t->key.comm && t->rec.peer != CCLD_NO_RANK &&
+          ccld_link_add(t->board, t->key.comm, t->comm_gen, t->key.peer, &t->rec,
+                        t->wait_ns) != 0)
+        COUNT(dropped);
+    }
     t->next = g_trk_free;
     g_trk_free = (uint32_t)(t - g_trk) + 1;
     g_trk_live--;
@@ -591,13 +603,15 @@ static void* proxy_step_start(void* parent, int step) {
   e->u.step.step = step;
   unsigned i = (uint32_t)step % STEP_WINDOW;
   struct tracker* t = &g_trk[op->u.op.tracker];
+  int64_t now = ccld_now_ns();
   spin_lock(&t->lock);
   op->u.op.step[i] = step;
   op->u.op.wait[i] = CCLD_WAIT_NONE;
+  op->u.op.since[i] = now;
   op->u.op.live |= (uint8_t)(1u << i);
   t->rec.steps_posted++;
   t->rec.wait = oldest_wait(op);
-  tracker_publish(t, ccld_now_ns());
+  tracker_publish(t, now);
   spin_unlock(&t->lock);
   return e;
 }
@@ -614,8 +628,13 @@ static void proxy_step_update(struct event* e, uint8_t wait, int stopped) {
   unsigned i = (uint32_t)e->u.step.step % STEP_WINDOW;
   uint8_t bit = (uint8_t)(1u << i);
   struct tracker* t = &g_trk[op->u.op.tracker];
+  int64_t now = ccld_now_ns();
   spin_lock(&t->lock);
   int mine = (op->u.op.live & bit) && op->u.op.step[i] == e->u.step.step;
+  if (mine) { /* the time it spent in the wait it leaves */
+    t->wait_ns[op->u.op.wait[i] & 3u] += (uint64_t)(now - op->u.op.since[i]);
+    op->u.op.since[i] = now;
+  }
   if (mine && stopped) {
     op->u.op.live &= (uint8_t)~bit;
     t->rec.steps_done++;
@@ -624,7 +643,7 @@ static void proxy_step_update(struct event* e, uint8_t wait, int stopped) {
     op->u.op.wait[i] = wait;
   }
   t->rec.wait = oldest_wait(op);
-  tracker_publish(t, ccld_now_ns());
+  tracker_publish(t, now);
   spin_unlock(&t->lock);
 }
 
@@ -828,6 +847,7 @@ static ccld_nccl_result_t finalize_comm(void* ctx) {
   struct comm* c = comm_of(ctx);
   if (c) {
     detach_comm_records(c);
+    ccld_link_drop_comm(c);
     __atomic_add_fetch(&c->gen, 1u, __ATOMIC_RELEASE);
     STORE(&c->state, COMM_FREE);
   }

@@ -56,8 +56,10 @@ SOURCES = ("tcp", "nccl")
 
 _HEAD = struct.Struct("<BBHH")  # version, entries, interval ms, connections mapped to ranks
 # peer, wait, direction, conns, rtos, sent, received, queued, rtt, min rtt, retrans,
-# rwnd share, sndbuf share, busy share (x/255), stalled (10 ms units), source
+# rwnd share, sndbuf share, busy share (x/255), stalled (10 ms units), source; then for
+# NCCL entries only: local, peer and network wait (us)
 _ENTRY = struct.Struct("<iBBBBIIIIIHBBBHB")
+_NCCL_WAITS = struct.Struct("<III")
 MAX_ENTRIES = 12  # keeps a rank's channel evidence under ~450 bytes per tick
 
 # --- thresholds of the diagnoser ----------------------------------------------------------
@@ -95,6 +97,11 @@ class PeerChannel:
     busy_share: float  # ... with a non-empty send queue
     stalled_s: float  # how long queued bytes have not moved (0: nothing queued)
     source: str = "tcp"
+    # NCCL only: time the steps of this direction spent waiting in the interval, summed
+    # over steps (pipelined steps overlap), from the plugin's per-link totals.
+    local_wait_us: int = 0  # on this rank's GPU
+    peer_wait_us: int = 0  # on the peer's credit
+    net_wait_us: int = 0  # handed to the network (send) / for data (recv)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +155,9 @@ def encode_channels(entries: Iterable[PeerChannel], interval_s: float, conns: in
             _u32(e.min_rtt_us), min(e.retrans, 0xFFFF), _share(e.rwnd_share),
             _share(e.sndbuf_share), _share(e.busy_share),
             min(round(e.stalled_s * 100), 0xFFFF), SOURCES.index(e.source)))
+        if e.source == "nccl":
+            parts.append(_NCCL_WAITS.pack(_u32(e.local_wait_us), _u32(e.peer_wait_us),
+                                          _u32(e.net_wait_us)))
     return b"".join(parts)
 
 
@@ -156,17 +166,29 @@ def decode_channels(rank: int, time_ns: int, data: bytes) -> ChannelReport | Non
     if len(data) < _HEAD.size or data[0] != CHANNELS_VERSION:
         return None
     _, n, interval_ms, conns = _HEAD.unpack_from(data)
-    if len(data) != _HEAD.size + n * _ENTRY.size:
-        return None
-    entries = []
-    for (peer, wait, direction, nconn, rtos, sent, received, queued, rtt, min_rtt, retrans,
-         rwnd, sndbuf, busy, stalled, source) in _ENTRY.iter_unpack(data[_HEAD.size:]):
+    entries, off = [], _HEAD.size
+    for _ in range(n):
+        if off + _ENTRY.size > len(data):
+            return None
+        (peer, wait, direction, nconn, rtos, sent, received, queued, rtt, min_rtt, retrans,
+         rwnd, sndbuf, busy, stalled, source) = _ENTRY.unpack_from(data, off)
+        off += _ENTRY.size
+        waits = (0, 0, 0)
+        src = SOURCES[source] if source < len(SOURCES) else "tcp"
+        if src == "nccl":
+            if off + _NCCL_WAITS.size > len(data):
+                return None
+            waits = _NCCL_WAITS.unpack_from(data, off)
+            off += _NCCL_WAITS.size
         entries.append(PeerChannel(
             peer=peer, wait=WAIT_NAMES[wait] if wait < len(WAIT_NAMES) else "none",
             direction=DIRECTIONS[direction & 1], conns=nconn, rtos=rtos, sent=sent,
             received=received, queued=queued, rtt_us=rtt, min_rtt_us=min_rtt, retrans=retrans,
             rwnd_share=rwnd / 255, sndbuf_share=sndbuf / 255, busy_share=busy / 255,
-            stalled_s=stalled / 100, source=SOURCES[source] if source < len(SOURCES) else "tcp"))
+            stalled_s=stalled / 100, source=src, local_wait_us=waits[0],
+            peer_wait_us=waits[1], net_wait_us=waits[2]))
+    if off != len(data):
+        return None
     return ChannelReport(rank, time_ns, interval_ms / 1000, conns, tuple(entries))
 
 

@@ -1,16 +1,18 @@
-"""Slow links: which TCP links were slow over a window of time, and the rank they share.
+"""Slow links: which links were slow over a window of time, and the rank they share.
 
 Every rank's channel reports (``diagnose.channels``) are kept for a few minutes; per slow
-detector window each directed link's intervals that moved data are summarized (RTT, time
-of non-empty send queue per byte) and compared with its sibling links of the same role
-that share no rank with it, or, without siblings, with its own history. NCCL entries carry
-no RTT and are left out.
+detector window each directed link's intervals that moved data are summarized and
+compared with its sibling links of the same role that share no rank with it, or, without
+siblings, with its own history. TCP links by their RTT and time of non-empty send queue
+per byte; NCCL links by the time their send steps spent handed to the network per byte
+(the plugin's per-link totals).
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ccld_plugin.diagnose.channels import (
@@ -50,6 +52,12 @@ LOCATE_RATIO = 3.0
 JIFFY_S = 0.004  # the coarsest kernel timer resolution in use (HZ=250)
 HISTORY_TICKS = 600  # per rank; ~10 minutes at the default interval
 FORGET_S = 60.0  # reports this much older than the window being evaluated are dropped
+# NCCL links: a link whose send steps spend NCCL_SLOW_RATIO times longer per byte handed to
+# the network than its siblings' (or its own history's), adding up to NCCL_MIN_WAIT_SHARE
+# of the window, is slow. Not calibrated on real NCCL yet (no GPU machine): the ratio is
+# below TCP's because step times carry no delayed-ACK noise.
+NCCL_SLOW_RATIO = 4.0
+NCCL_MIN_WAIT_SHARE = 0.02
 
 
 @dataclass(frozen=True)
@@ -150,6 +158,8 @@ class ChannelHistory:
             lambda: deque(maxlen=HISTORY_TICKS))
         self.history: dict[tuple[int, int], deque[LinkStats]] = defaultdict(
             lambda: deque(maxlen=8))
+        self.nccl_history: dict[tuple[int, int], deque[LinkStats]] = defaultdict(
+            lambda: deque(maxlen=8))
 
     def ingest(self, view: JobView) -> None:
         for rank in view.summaries:
@@ -179,60 +189,116 @@ class ChannelHistory:
 
     def slow_links(self, view: JobView, t0: int, t1: int) -> LinkFinding | None:
         """Links that were slow on the network during [t0, t1] (diagnoser clock) and the
-        rank or link they have in common; None when every link is healthy."""
-        links = self.window_links(t0, t1)
+        rank or link they have in common; None when every link is healthy. TCP links
+        first; NCCL links where no TCP link is slow."""
+        found = _locate(view, self.window_links(t0, t1), self.history, _TCP)
+        if found is None:
+            found = _locate(view, self.nccl_window_links(t0, t1), self.nccl_history, _NCCL)
         self.forget_before(t0 - int(FORGET_S * 1e9))
-        roles = {k: link_role(view, *k) for k in links}
-        by_role: dict[str | None, dict[tuple[int, int], LinkStats]] = defaultdict(dict)
-        for k, st in links.items():
-            by_role[roles[k].role if roles[k] is not None else None][k] = st
-        siblings = {role: _SiblingMedians(ls) for role, ls in by_role.items()}
-        slow: list[tuple[LinkStats, float, float, str]] = []
-        softer: list[tuple[LinkStats, float, float, str]] = []
-        for k, st in links.items():
-            role = roles[k].role if roles[k] is not None else None
-            ref = siblings[role].without(k)
-            source = "links of the same role that share no rank with it"
-            if ref is None and self.history[k]:
-                hist = self.history[k]
-                ref = (statistics.median(o.rtt_us for o in hist),
-                       statistics.median(o.s_per_mb for o in hist))
-                source = "its own history"
-            if ref is None:
+        return found
+
+    def nccl_window_links(self, t0: int, t1: int) -> dict[tuple[int, int], LinkStats]:
+        """NCCL send links over the window: ``s_per_mb`` is the time their steps spent
+        handed to the network per MB sent, ``busy`` that time over the window."""
+        got: dict[tuple[int, int], list[tuple[float, PeerChannel]]] = defaultdict(list)
+        for rep in self.between(t0, t1):
+            for e in rep.entries:
+                if e.source == "nccl" and e.direction == "send" and e.sent >= SLOW_MIN_BYTES:
+                    got[(rep.rank, e.peer)].append((rep.interval_s, e))
+        out = {}
+        for (src, dst), v in got.items():
+            if len(v) < SLOW_MIN_TICKS:
                 continue
-            ref_rtt, ref_spm = ref
-            if (st.rtt_us < RTT_RATIO * ref_rtt
-                    or st.rtt_us - ref_rtt < SLOW_RTT_EXCESS_US):
-                continue
-            if st.s_per_mb >= SLOW_RATIO * ref_spm and st.busy >= SLOW_BUSY_SHARE:
-                slow.append((st, ref_rtt, ref_spm, source))
-            if st.s_per_mb >= LOCATE_RATIO * ref_spm:
-                softer.append((st, ref_rtt, ref_spm, source))
-        slow_keys = {(st.src, st.dst) for st, *_ in softer}
-        for k, st in links.items():
-            if k not in slow_keys:
-                self.history[k].append(st)
-        if not slow:
-            return None
-        ranks, link = common_culprit([(st.src, st.dst) for st, *_ in slow], set())
-        shown = list(slow)
-        if link is not None:
-            # One slow link: is one end slow on its other links too (its NIC)?
-            other = {r: [x for x in softer if r in x[0].pair and x[0].pair != tuple(link)]
-                     for r in link}
-            ends = [r for r in link if other[r]]
-            if len(ends) == 1:
-                ranks, link = ends, None
-                shown += other[ends[0]]
-        worst, ref_rtt, ref_spm, source = max(slow, key=lambda x: x[0].s_per_mb / x[2])
-        lines = [_fmt_link(st) + f"; {st.rtt_us / r_rtt:.0f}x the RTT and "
-                 f"{st.s_per_mb / r_spm:.0f}x the time per byte of {src}"
-                 for st, r_rtt, r_spm, src in sorted(shown, key=lambda x: (x[0].src,
-                                                                           x[0].dst))[:4]]
-        if link is None and len(ranks) == 1:
-            lines.append(f"every slow link has rank {ranks[0]} at one end: its NIC or link")
-        elif link is not None:
-            lines.append(f"one link is slow ({link[0]}<->{link[1]}); the other links of "
-                         f"both ranks are not")
-        severity = round(worst.s_per_mb / ref_spm, 2) if ref_spm > 0 else 0.0
-        return LinkFinding(ranks, link, roles.get((worst.src, worst.dst)), severity, lines)
+            sent = sum(e.sent for _, e in v)
+            wait_s = sum(e.net_wait_us for _, e in v) / 1e6
+            out[(src, dst)] = LinkStats(src, dst, len(v), 0.0, 0, wait_s / (sent / 1e6),
+                                        wait_s / max(1e-9, sum(dt for dt, _ in v)), 0, 0, sent)
+        return out
+
+
+@dataclass(frozen=True)
+class _Rules:
+    """How one transport's links are judged against their reference (siblings or own
+    history), and how a finding reads."""
+
+    eligible: Callable[[LinkStats, float], bool]  # (link, reference RTT)
+    slow: Callable[[LinkStats, float], bool]  # (link, reference time per MB)
+    line: Callable[[LinkStats, float, float, str], str]
+
+
+def _tcp_line(st: LinkStats, r_rtt: float, r_spm: float, src: str) -> str:
+    return (_fmt_link(st) + f"; {st.rtt_us / r_rtt:.0f}x the RTT and "
+            f"{st.s_per_mb / r_spm:.0f}x the time per byte of {src}")
+
+
+def _nccl_line(st: LinkStats, r_rtt: float, r_spm: float, src: str) -> str:
+    return (f"rank {st.src} -> {st.dst} (NCCL): send steps wait {st.s_per_mb * 1000:.1f} ms "
+            f"per MB handed to the network, {st.s_per_mb / r_spm:.0f}x {src} "
+            f"({r_spm * 1000:.2f} ms); {fmt_bytes(st.sent)} sent in {st.ticks} intervals")
+
+
+_TCP = _Rules(
+    eligible=lambda st, r_rtt: (st.rtt_us >= RTT_RATIO * r_rtt
+                                and st.rtt_us - r_rtt >= SLOW_RTT_EXCESS_US),
+    slow=lambda st, r_spm: st.s_per_mb >= SLOW_RATIO * r_spm and st.busy >= SLOW_BUSY_SHARE,
+    line=_tcp_line)
+_NCCL = _Rules(
+    eligible=lambda st, r_rtt: True,  # no RTT: the plugin sees steps, not packets
+    slow=lambda st, r_spm: (st.s_per_mb >= NCCL_SLOW_RATIO * r_spm
+                            and st.busy >= NCCL_MIN_WAIT_SHARE),
+    line=_nccl_line)
+
+
+def _locate(view: JobView, links: dict[tuple[int, int], LinkStats],
+            history: dict[tuple[int, int], deque[LinkStats]], rules: _Rules
+            ) -> LinkFinding | None:
+    """The slow links among ``links`` and the rank or link they have in common."""
+    roles = {k: link_role(view, *k) for k in links}
+    by_role: dict[str | None, dict[tuple[int, int], LinkStats]] = defaultdict(dict)
+    for k, st in links.items():
+        by_role[roles[k].role if roles[k] is not None else None][k] = st
+    siblings = {role: _SiblingMedians(ls) for role, ls in by_role.items()}
+    slow: list[tuple[LinkStats, float, float, str]] = []
+    softer: list[tuple[LinkStats, float, float, str]] = []
+    for k, st in links.items():
+        role = roles[k].role if roles[k] is not None else None
+        ref = siblings[role].without(k)
+        source = "links of the same role that share no rank with it"
+        if ref is None and history[k]:
+            ref = (statistics.median(o.rtt_us for o in history[k]),
+                   statistics.median(o.s_per_mb for o in history[k]))
+            source = "its own history"
+        if ref is None or not rules.eligible(st, ref[0]):
+            continue
+        ref_rtt, ref_spm = ref
+        if rules.slow(st, ref_spm):
+            slow.append((st, ref_rtt, ref_spm, source))
+        if st.s_per_mb >= LOCATE_RATIO * ref_spm:
+            softer.append((st, ref_rtt, ref_spm, source))
+    slow_keys = {(st.src, st.dst) for st, *_ in softer}
+    for k, st in links.items():
+        if k not in slow_keys:
+            history[k].append(st)
+    if not slow:
+        return None
+    ranks, link = common_culprit([(st.src, st.dst) for st, *_ in slow], set())
+    shown = list(slow)
+    if link is not None:
+        # One slow link: is one end slow on its other links too (its NIC)?
+        other = {r: [x for x in softer if r in x[0].pair and x[0].pair != tuple(link)]
+                 for r in link}
+        ends = [r for r in link if other[r]]
+        if len(ends) == 1:
+            ranks, link = ends, None
+            shown += other[ends[0]]
+    worst, ref_rtt, ref_spm, source = max(slow, key=lambda x: x[0].s_per_mb / x[2])
+    lines = [rules.line(st, r_rtt, r_spm, src)
+             for st, r_rtt, r_spm, src in sorted(shown, key=lambda x: (x[0].src,
+                                                                       x[0].dst))[:4]]
+    if link is None and len(ranks) == 1:
+        lines.append(f"every slow link has rank {ranks[0]} at one end: its NIC or link")
+    elif link is not None:
+        lines.append(f"one link is slow ({link[0]}<->{link[1]}); the other links of "
+                     f"both ranks are not")
+    severity = round(worst.s_per_mb / ref_spm, 2) if ref_spm > 0 else 0.0
+    return LinkFinding(ranks, link, roles.get((worst.src, worst.dst)), severity, lines)
