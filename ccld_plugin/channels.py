@@ -30,7 +30,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -306,7 +306,7 @@ class ChannelSampler:
     def _write_trace(self, entries: list[PeerChannel], interval: float) -> None:
         assert self._trace is not None
         line = {"rank": self.rank, "t_ns": time.monotonic_ns(), "interval_s": interval,
-                "conns": len(self._conns), "entries": [asdict(e) for e in entries],
+                "conns": len(self._conns), "entries": [e._asdict() for e in entries],
                 "prev_tick_us": self.costs_ns[-1] / 1e3 if self.costs_ns else None}
         try:
             self._trace.parent.mkdir(parents=True, exist_ok=True)

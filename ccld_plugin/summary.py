@@ -14,8 +14,10 @@ import struct
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-__all__ = ["ArrivalSample", "GroupProgress", "InFlightOp", "RankSummary", "StepStat",
-           "decode_summary", "encode_summary"]
+import numpy as np
+
+__all__ = ["SAMPLE_DTYPE", "ArrivalSample", "GroupProgress", "InFlightOp", "RankSummary",
+           "StepStat", "arrival_samples", "decode_summary", "encode_summary", "encoded_samples"]
 
 SUMMARY_VERSION = 1
 FLAG_EXITED = 1  # the rank left through the plugin's exit path
@@ -78,6 +80,11 @@ class RankSummary:
     samples: list[ArrivalSample] = field(default_factory=list)
     stack: list[str] = field(default_factory=list)
     channels: bytes = b""  # channel evidence (per-peer progress), encoded by its source
+    # A decoded summary keeps its arrival samples encoded here (``samples`` stays empty):
+    # the diagnoser joins the samples of all ranks at once (diagnose.arrivals), tens per
+    # rank, and objects for each would cost more than the rest of the round.
+    # ``arrival_samples`` decodes them.
+    sample_rows: bytes = b""
 
     @property
     def exited(self) -> bool:
@@ -92,6 +99,9 @@ _FLIGHT = struct.Struct("<HBBiQQqB")
 # summary under 1 KB.
 _STEP = struct.Struct("<iiII")
 _SAMPLE = struct.Struct("<HIiII")
+SAMPLE_DTYPE = np.dtype([("slot", "<u2"), ("back", "<u4"), ("rel_us", "<i4"),
+                         ("dur_us", "<u4"), ("bytes", "<u4")])  # _SAMPLE's rows, packed
+assert SAMPLE_DTYPE.itemsize == _SAMPLE.size
 
 
 def _clip32(v: int) -> int:
@@ -105,9 +115,10 @@ def _rel_us(t_ns: int, base_ns: int) -> int:
 def encode_summary(s: RankSummary) -> bytes:
     host = s.host.encode()[:255]
     stack = [f.encode()[:400] for f in s.stack[:32]]
+    n_samples = len(s.samples) if s.samples else len(s.sample_rows) // _SAMPLE.size
     parts = [_HEAD.pack(SUMMARY_VERSION, s.flags, s.rank, s.pid, s.time_ns, s.heartbeat_ns,
                         s.last_progress_ns, s.step, s.groups_version, _clip32(s.errors),
-                        len(s.groups), len(s.in_flight), len(s.steps), len(s.samples),
+                        len(s.groups), len(s.in_flight), len(s.steps), n_samples,
                         len(stack), len(host), len(s.channels)), host]
     parts += [_GROUP.pack(g.slot, g.entered_seq, g.completed_seq, _clip32(g.ops),
                           _clip32(g.blocked_us), g.bytes, _clip32(g.max_dur_us))
@@ -116,10 +127,7 @@ def encode_summary(s: RankSummary) -> bytes:
               for o in s.in_flight]
     parts += [_STEP.pack(t.step, _rel_us(t.start_ns, s.time_ns), _clip32(t.step_us),
                          _clip32(t.compute_us)) for t in s.steps]
-    completed = {g.slot: g.completed_seq for g in s.groups}
-    parts += [_SAMPLE.pack(a.slot, _clip32(completed.get(a.slot, a.seq) - a.seq),
-                           _rel_us(a.enter_ns, s.time_ns), _clip32(a.dur_us), _clip32(a.bytes))
-              for a in s.samples]
+    parts.append(encoded_samples(s))
     for f in stack:
         parts += [struct.pack("<H", len(f)), f]
     parts.append(s.channels)
@@ -146,9 +154,8 @@ def decode_summary(data: bytes) -> RankSummary:
     flights = [InFlightOp(*r) for r in table(_FLIGHT, nf)]
     steps = [StepStat(step, time_ns + rel * 1000, st_us, c_us)
              for step, rel, st_us, c_us in table(_STEP, nst)]
-    completed = {g.slot: g.completed_seq for g in groups}
-    samples = [ArrivalSample(slot, completed.get(slot, 0) - back, time_ns + rel * 1000, d, b)
-               for slot, back, rel, d, b in table(_SAMPLE, nsa)]
+    sample_rows = bytes(data[off : off + _SAMPLE.size * nsa])
+    off += _SAMPLE.size * nsa
     stack = []
     for _ in range(nstack):
         (n,) = struct.unpack_from("<H", data, off)
@@ -160,4 +167,25 @@ def decode_summary(data: bytes) -> RankSummary:
     return RankSummary(rank=rank, pid=pid, host=host, time_ns=time_ns, heartbeat_ns=hb,
                        step=step, last_progress_ns=progress, groups_version=gver, flags=flags,
                        errors=errors, groups=groups, in_flight=flights, steps=steps,
-                       samples=samples, stack=stack, channels=channels)
+                       stack=stack, channels=channels, sample_rows=sample_rows)
+
+
+def encoded_samples(s: RankSummary) -> bytes:
+    """The summary's arrival samples as encoded rows (SAMPLE_DTYPE): a decoded summary's
+    own, or ``samples`` packed. A sample's seq is stored below its group's completed seq,
+    its time relative to the summary's, in microseconds."""
+    if not s.samples:
+        return s.sample_rows
+    completed = {g.slot: g.completed_seq for g in s.groups}
+    return b"".join(_SAMPLE.pack(a.slot, _clip32(completed.get(a.slot, a.seq) - a.seq),
+                                 _rel_us(a.enter_ns, s.time_ns), _clip32(a.dur_us),
+                                 _clip32(a.bytes)) for a in s.samples)
+
+
+def arrival_samples(s: RankSummary) -> list[ArrivalSample]:
+    """The summary's arrival samples as objects (decoded from ``sample_rows`` if need be)."""
+    if s.samples or not s.sample_rows:
+        return list(s.samples)
+    completed = {g.slot: g.completed_seq for g in s.groups}
+    return [ArrivalSample(slot, completed.get(slot, 0) - back, s.time_ns + rel * 1000, d, b)
+            for slot, back, rel, d, b in _SAMPLE.iter_unpack(s.sample_rows)]

@@ -1,6 +1,8 @@
 """The diagnoser's stages on synthetic summaries (like Flight Recorder's analyzer tests):
 wait-for graph roots, cycles, mismatches, unresponsive ranks, and the summary encoding."""
 
+import dataclasses
+
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose import Diagnoser, JobView
 from ccld_plugin.diagnose.hang import find_hangs, find_mismatches, find_unresponsive
@@ -12,6 +14,7 @@ from ccld_plugin.summary import (
     InFlightOp,
     RankSummary,
     StepStat,
+    arrival_samples,
     decode_summary,
     encode_summary,
 )
@@ -125,7 +128,10 @@ def test_summary_round_trip_and_size_budget():
                  for slot in range(3) for k in range(8)]
     s.stack = ["train.py:10 in main", "model.py:20 in forward"]
     data = encode_summary(s)
-    assert decode_summary(data) == s
+    back = decode_summary(data)
+    assert arrival_samples(back) == s.samples and len(back.sample_rows) == 24 * 18
+    assert dataclasses.replace(back, sample_rows=b"", samples=s.samples) == s
+    assert encode_summary(back) == data  # a decoded summary encodes to the same bytes
     # A steady-state tick: 3 groups, 20 steps, 24 arrival samples, no stack: under 1 KB.
     s.stack = []
     s.in_flight = []

@@ -24,8 +24,8 @@ import pytest
 from ccld_plugin.config import DiagnoserConfig, WandbConfig, load_config
 from ccld_plugin.demo import DemoOptions, run_demo
 from ccld_plugin.diagnose import Diagnoser, JobView
+from ccld_plugin.diagnose.arrivals import Joined
 from ccld_plugin.diagnose.records import Cause, Kind, Verdict
-from ccld_plugin.diagnose.slow import Joined
 from ccld_plugin.errors import contained_errors
 from ccld_plugin.probe import OP_CODES
 from ccld_plugin.sinks import build_sinks
@@ -39,7 +39,7 @@ from ccld_plugin.sinks.wandb import (
     heatmap_rgb,
     verdict_row,
 )
-from ccld_plugin.summary import ArrivalSample, GroupProgress, InFlightOp, RankSummary, StepStat
+from ccld_plugin.summary import GroupProgress, InFlightOp, RankSummary, StepStat
 from ccld_plugin.topology import GroupInfo, group_id_of
 from ccld_plugin.wandb_summary import find_run_files, iter_records, wait_for_run
 
@@ -230,14 +230,14 @@ def _joined(view: JobView, step: int, last: int = 2) -> list[Joined]:
     """Two joined samples: DP ranks waited 30 ms for ``last``; TP rank 1 waited 1 ms."""
     t = step * STEP_NS + 50 * MS
 
-    def arrivals(waits: dict[int, int], t_last: int) -> dict[int, ArrivalSample]:
-        return {r: ArrivalSample(0, 4 * step, t_last - w, 1000, 0) for r, w in waits.items()}
+    def joined(g: GroupInfo, t_last: int, who: int, waits: dict[int, int], transfer: int,
+               nbytes: int) -> Joined:
+        return Joined(g, 4 * step, t_last, who, transfer, nbytes, np.array(list(waits)),
+                      np.array([t_last - w for w in waits.values()]))
 
-    return [Joined(DP, 4 * step, t, last,
-                   arrivals({r: (0 if r == last else 30 * MS) for r in range(4)}, t),
-                   2 * MS, 4_000_000),
-            Joined(TP[0], 4 * step, t - MS, 0, arrivals({0: 0, 1: 1 * MS}, t - MS), 1 * MS,
-                   1_000_000)]
+    return [joined(DP, t, last, {r: (0 if r == last else 30 * MS) for r in range(4)}, 2 * MS,
+                   4_000_000),
+            joined(TP[0], t - MS, 0, {0: 0, 1: 1 * MS}, 1 * MS, 1_000_000)]
 
 
 def test_step_rows_wait_for_every_rank_and_decompose_the_step():

@@ -22,6 +22,7 @@ import struct
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ccld_plugin.diagnose.records import Cause
 from ccld_plugin.diagnose.view import JobView
@@ -73,8 +74,7 @@ STALL_S = 1.0
 SILENT_INTERVALS = 2.5
 
 
-@dataclass(frozen=True, slots=True)
-class PeerChannel:
+class PeerChannel(NamedTuple):
     """One rank's connections to one peer rank over one agent interval.
 
     Source "tcp": the rank's TCP connections to the peer. Source "nccl": the NCCL channels

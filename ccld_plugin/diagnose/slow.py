@@ -14,23 +14,21 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict, deque
-from dataclasses import dataclass
-from functools import cached_property
 
 from ccld_plugin.config import DiagnoserConfig
+from ccld_plugin.diagnose.arrivals import ArrivalJoin, Joined
 from ccld_plugin.diagnose.records import Cause, Kind, Verdict
 from ccld_plugin.diagnose.robust import RankedValues
 from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkFinding
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.errors import log
-from ccld_plugin.summary import ArrivalSample, StepStat
+from ccld_plugin.summary import StepStat
 from ccld_plugin.topology import GroupInfo, Topology
 
 __all__ = ["Joined", "SlowDetector"]
 
 FIRST_STEP = 1  # step 0 is warm-up (allocations, connection setup)
 MAX_JOINED = 20000
-PENDING_TTL_NS = 60_000_000_000
 MIN_ARRIVAL_SAMPLES = 4
 LAST_SHARE = 0.5  # a straggler arrives last in at least this share of its collectives
 LAST_SHARE_SMALL_COHORT = 0.8
@@ -43,32 +41,11 @@ MIN_BANDWIDTH_BYTES = 256 * 1024
 MIN_TRANSFER_NS = 10_000
 
 
-@dataclass(frozen=True)
-class Joined:
-    """One sampled collective seen by all its members."""
-
-    group: GroupInfo
-    seq: int
-    time_ns: int
-    last: int  # the last arriver
-    arrivals: dict[int, ArrivalSample]  # per member
-    transfer_ns: int
-    bytes: int
-
-    @cached_property
-    def waits_ns(self) -> dict[int, int]:
-        """Per member: how long it waited for the last arriver (built when asked: only
-        verdicts and metrics read it)."""
-        return {r: self.time_ns - a.enter_ns for r, a in self.arrivals.items()}
-
-
 class SlowDetector:
     def __init__(self, cfg: DiagnoserConfig) -> None:
         self.cfg = cfg
         self.steps: dict[int, dict[int, StepStat]] = defaultdict(dict)
-        self.pending: dict[tuple[int, int], dict[int, ArrivalSample]] = {}
-        # per pending sample: its group, and when the first member's sample came in
-        self.pending_group: dict[tuple[int, int], tuple[GroupInfo, int]] = {}
+        self.arrivals = ArrivalJoin()
         self.joined: deque[Joined] = deque(maxlen=MAX_JOINED)
         self.next_window = 0
         self.streak: dict[tuple, int] = defaultdict(int)
@@ -84,45 +61,19 @@ class SlowDetector:
     def ingest(self, view: JobView) -> None:
         self.channels.ingest(view)
         horizon = self.next_window_start() - 4 * self.cfg.window_steps
-        pending, groups = self.pending, self.pending_group
+        fresh = []
         for rank, s in view.summaries.items():
             if self._ingested_ns.get(rank, -1) >= s.time_ns:
                 continue  # read again before the rank's next tick: nothing new in it
             self._ingested_ns[rank] = s.time_ns
+            fresh.append(s)
             mine = self.steps[rank]
             for st in s.steps:
                 mine[st.step] = st
             if mine and min(mine) < horizon:
                 for old in [k for k in mine if k < horizon]:
                     del mine[old]
-            table = view.groups_at(rank)
-            for a in s.samples:  # the hot loop at scale: tens of samples per rank
-                if not 0 <= a.slot < len(table):
-                    continue
-                g = table[a.slot]
-                key = (g.group_id, a.seq)
-                got = pending.get(key)
-                if got is None:
-                    got = pending[key] = {}
-                    groups[key] = (g, view.now_ns)
-                got[rank] = a
-        for key in list(pending):
-            got, (g, since) = pending[key], groups[key]
-            if len(got) == g.size:
-                self._join(g, key[1], got)
-            elif view.now_ns - since < PENDING_TTL_NS:
-                continue
-            del pending[key]
-            del groups[key]
-
-    def _join(self, g: GroupInfo, seq: int, got: dict[int, ArrivalSample]) -> None:
-        enters = [a.enter_ns for a in got.values()]
-        t_last = max(enters)
-        last = list(got)[enters.index(t_last)]
-        first_exit = min(a.enter_ns + a.dur_us * 1000 for a in got.values())
-        self.joined.append(Joined(
-            group=g, seq=seq, time_ns=t_last, last=last, arrivals=got,
-            transfer_ns=max(0, first_exit - t_last), bytes=max(a.bytes for a in got.values())))
+        self.joined.extend(self.arrivals.add(view, fresh))
 
     def next_window_start(self) -> int:
         return FIRST_STEP + self.next_window * self.cfg.window_steps

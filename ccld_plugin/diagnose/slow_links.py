@@ -51,7 +51,9 @@ SLOW_BUSY_SHARE = 0.2
 LOCATE_RATIO = 3.0
 JIFFY_S = 0.004  # the coarsest kernel timer resolution in use (HZ=250)
 HISTORY_TICKS = 600  # per rank; ~10 minutes at the default interval
-FORGET_S = 60.0  # reports this much older than the window being evaluated are dropped
+# Reports this much older than the window being evaluated are dropped (windows only go
+# forward; at 16 k ranks each second of reports kept is ~50 k objects).
+FORGET_S = 10.0
 # NCCL links: a link whose send steps spend NCCL_SLOW_RATIO times longer per byte handed to
 # the network than its siblings' (or its own history's), adding up to NCCL_MIN_WAIT_SHARE
 # of the window, is slow. Not calibrated on real NCCL yet (no GPU machine): the ratio is
@@ -162,10 +164,12 @@ class ChannelHistory:
             lambda: deque(maxlen=8))
 
     def ingest(self, view: JobView) -> None:
-        for rank in view.summaries:
-            rep = report_of(view, rank)
+        for rank, s in view.summaries.items():
             mine = self.reports[rank]
-            if rep is not None and (not mine or rep.time_ns > mine[-1].time_ns):
+            if mine and s.time_ns <= mine[-1].time_ns:
+                continue  # read again before the rank's next tick (not decoded again)
+            rep = report_of(view, rank)
+            if rep is not None:
                 mine.append(rep)
 
     def between(self, t0: int, t1: int) -> list[ChannelReport]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ccld_plugin.diagnose.slow import Joined
+from ccld_plugin.diagnose.arrivals import Joined
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.summary import StepStat
 from ccld_plugin.topology import GroupInfo, Topology

@@ -1,0 +1,63 @@
+"""Joining the ranks' arrival samples per collective (diagnose/arrivals.py), on summaries
+encoded and decoded as the control plane carries them."""
+
+from __future__ import annotations
+
+from ccld_plugin.diagnose.arrivals import PENDING_TTL_NS, ArrivalJoin
+from ccld_plugin.diagnose.view import JobView
+from ccld_plugin.summary import (
+    ArrivalSample,
+    GroupProgress,
+    RankSummary,
+    decode_summary,
+    encode_summary,
+)
+from ccld_plugin.topology import GroupInfo, group_id_of
+
+MS = 1_000_000
+DP = GroupInfo(group_id_of([0, 1, 2]), "dp", (0, 1, 2))
+SOLO = GroupInfo(group_id_of([5]), "other", (5,))
+
+
+def summary(rank: int, t: int, samples: list[tuple[int, int, int, int]]) -> RankSummary:
+    """Rank ``rank``'s decoded summary at ``t`` with (slot, seq, enter, dur_us) samples."""
+    s = RankSummary(rank=rank, pid=1, host="h", time_ns=t, heartbeat_ns=t, step=1,
+                    last_progress_ns=t, groups_version=1,
+                    groups=[GroupProgress(0, 40, 40, 1, 0, 0, 0),
+                            GroupProgress(1, 40, 40, 1, 0, 0, 0)],
+                    samples=[ArrivalSample(sl, q, e, d, 1 << 20) for sl, q, e, d in samples])
+    return decode_summary(encode_summary(s))
+
+
+def view(summaries: list[RankSummary], now: int) -> JobView:
+    return JobView({s.rank: s for s in summaries}, {r: [DP, SOLO] for r in (0, 1, 2, 5)}, now,
+                   0, 6)
+
+
+def test_join_across_rounds_duplicates_and_unknown_slots() -> None:
+    j = ArrivalJoin()
+    t = 1000 * MS
+    first = [summary(0, t, [(0, 32, t - 30 * MS, 31_000), (0, 36, t - 9 * MS, 2_000)]),
+             summary(1, t, [(0, 32, t - 29 * MS, 30_000), (7, 32, t, 1)])]  # slot 7: unknown
+    assert j.add(view(first, t), first) == []  # rank 2 has not reported seq 32 yet
+    t2 = t + 500 * MS
+    second = [summary(2, t2, [(0, 32, t - 1 * MS, 2_000)]),
+              summary(1, t2, [(0, 32, t - 29 * MS, 30_000)])]  # the same sample again
+    (got,) = j.add(view(second, t2), second)
+    assert (got.group, got.seq, got.last, got.time_ns) == (DP, 32, 2, t - 1 * MS)
+    assert got.waits_ns == {0: 29 * MS, 1: 28 * MS, 2: 0}
+    assert got.transfer_ns == 2 * MS  # from the last arrival (t - 1 ms) to the first exit
+    assert got.bytes == 1 << 20
+
+
+def test_single_member_groups_join_at_once_and_stale_samples_expire() -> None:
+    j = ArrivalJoin()
+    t = 1000 * MS
+    s = [summary(5, t, [(1, 40, t - 5 * MS, 1_000)]), summary(0, t, [(0, 28, t - 4 * MS, 10)])]
+    (solo,) = j.add(view(s, t), s)
+    assert (solo.group, solo.last, solo.transfer_ns) == (SOLO, 5, 1 * MS)
+    later = t + PENDING_TTL_NS + 1
+    assert j.add(view([], later), []) == []
+    late = [summary(1, later, [(0, 28, t - 4 * MS, 10)]),
+            summary(2, later, [(0, 28, t - 4 * MS, 10)])]
+    assert j.add(view(late, later), late) == []  # rank 0's sample of seq 28 has expired
