@@ -22,7 +22,7 @@ from ccld_plugin.channels import ChannelSampler
 from ccld_plugin.config import AgentConfig
 from ccld_plugin.control import ClockSync, ControlPlane
 from ccld_plugin.diagnose.channels import MAX_ENTRIES, encode_channels, entry_order
-from ccld_plugin.errors import report_error
+from ccld_plugin.errors import log, report_error
 from ccld_plugin.nccl_channels import NcclChannels
 from ccld_plugin.probe import (
     FLAG_ASYNC,
@@ -78,6 +78,8 @@ class Agent:
         self.steps = steps
         self.clock: ClockSync | None = None
         self._clock_timeout_s = clock_timeout_s
+        self._epoch = 0  # the last clock re-sync epoch taken (or skipped)
+        self.resyncs = 0
         self._reader = BoardReader(board_path)
         self._board = tracer.board
         self._stop = threading.Event()
@@ -113,6 +115,7 @@ class Agent:
             report_error("agent.clock", exc)
             self.clock = ClockSync(0, self._reader.header().start_mono_ns)
         self._board.set_clock_offset(self.clock.offset_ns)
+        self._epoch = self._clock_epoch()
         backoff = self.cfg.interval_s
         while not self._stop.is_set():
             try:
@@ -121,7 +124,37 @@ class Agent:
             except Exception as exc:  # noqa: BLE001
                 report_error("agent.tick", exc)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
+            self._resync_clock()
             self._stop.wait(self._until_next_tick(backoff))
+
+    # ------------------------------------------------------------------ clock
+    def _clock_epoch(self) -> int:
+        """How many re-sync periods of the diagnoser's clock have passed."""
+        period = int(self.cfg.clock_resync_s * 1e9)
+        assert self.clock is not None
+        return self.clock.to_diag(time.monotonic_ns()) // period if period else 0
+
+    def _resync_clock(self) -> None:
+        """When the diagnoser's next re-sync falls before our next tick, wait for its
+        timestamps and take the new offset (the clocks of two hosts drift apart)."""
+        period_s = self.cfg.clock_resync_s
+        if not period_s or self.clock is None:
+            return
+        epoch = self._epoch + 1
+        due_s = epoch * period_s - self.clock.to_diag(time.monotonic_ns()) / 1e9
+        if due_s > self.cfg.interval_s:
+            return
+        self._epoch = epoch
+        try:
+            offset = self.control.read_clock_epoch(epoch, max(0.0, due_s) + self.cfg.interval_s)
+        except Exception as exc:  # noqa: BLE001 - keep the old offset until the next one
+            report_error("agent.clock_resync", exc)
+            return
+        log.debug("ccld rank %d: clock re-synced, offset %+d us (was %+d us)", self.rank,
+                  offset // 1000, self.clock.offset_ns // 1000)
+        self.clock.offset_ns = offset
+        self._board.set_clock_offset(offset)
+        self.resyncs += 1
 
     def _until_next_tick(self, period_s: float) -> float:
         """Seconds to the next multiple of the period on the diagnoser's clock."""

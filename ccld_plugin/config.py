@@ -78,10 +78,15 @@ class AgentConfig:
     """Seconds between two summaries a rank publishes."""
     stack_after_s: float = 5.0
     """Capture the main thread's Python stack once an op is in flight this long."""
+    clock_resync_s: float = 60.0
+    """Seconds between two clock handshakes with the diagnoser after the first (monotonic
+    clocks of different hosts drift apart by up to ~10 ms an hour); 0: never."""
 
     def __post_init__(self) -> None:
         _check(0.05 <= self.interval_s <= 60, "agent.interval_s", self.interval_s, "0.05..60")
         _check(self.stack_after_s >= 0, "agent.stack_after_s", self.stack_after_s, ">= 0")
+        _check(self.clock_resync_s == 0 or self.clock_resync_s >= 2 * self.interval_s,
+               "agent.clock_resync_s", self.clock_resync_s, "0 or >= 2 x agent.interval_s")
 
 
 @dataclass(kw_only=True)

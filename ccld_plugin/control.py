@@ -12,6 +12,7 @@ worker), else a dedicated TCPStore hosted by the diagnoser rank. Keys:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -153,13 +154,37 @@ class ControlPlane:
     def sync_clock(self, timeout_s: float) -> ClockSync:
         """Rank side of the handshake (the diagnoser rank runs it too: offset ~0)."""
         self.store.add("clk/ready", 1)
+        offset = self._min_gap("clk/go", timeout_s)
+        job_start = int(bytes(self.store.get("job_start")))
+        return ClockSync(offset, job_start)
+
+    def _min_gap(self, prefix: str, timeout_s: float) -> int:
+        """Our clock minus the diagnoser's: the smallest gap between its posting a
+        timestamp and our reading it (each read waits for the post, so the gap is the
+        offset plus a delivery delay, and the smallest is the closest)."""
         gaps = []
         for k in range(CLOCK_ROUNDS):
-            self.store.wait([f"clk/go/{k}"], timedelta(seconds=timeout_s))
+            self.store.wait([f"{prefix}/{k}"], timedelta(seconds=timeout_s))
             now = time.monotonic_ns()
-            gaps.append(now - int(bytes(self.store.get(f"clk/go/{k}"))))
-        job_start = int(bytes(self.store.get("job_start")))
-        return ClockSync(min(gaps), job_start)
+            gaps.append(now - int(bytes(self.store.get(f"{prefix}/{k}"))))
+        return min(gaps)
+
+    # ---------------------------------------------------------------- re-sync
+    # Later handshakes need no barrier: the diagnoser posts epoch n's timestamps once its
+    # clock passes n x period, and each agent waits for them from its tick before then.
+    def post_clock_epoch(self, epoch: int) -> None:
+        """Diagnoser side: post epoch ``epoch``'s timestamps; drop those of two back."""
+        for k in range(CLOCK_ROUNDS):
+            self.store.set(f"clk/e{epoch}/{k}", str(time.monotonic_ns()))
+            time.sleep(0.01)
+        for k in range(CLOCK_ROUNDS):
+            with contextlib.suppress(Exception):  # gone already, or never posted
+                self.store.delete_key(f"clk/e{epoch - 2}/{k}")
+
+    def read_clock_epoch(self, epoch: int, timeout_s: float) -> int:
+        """Rank side: our clock minus the diagnoser's, from epoch ``epoch``'s timestamps.
+        Raises when they do not come within ``timeout_s``."""
+        return self._min_gap(f"clk/e{epoch}", timeout_s)
 
 
 def _own_client(cfg: ControlConfig) -> Any | None:

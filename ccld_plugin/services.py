@@ -91,6 +91,9 @@ class DiagnoserService:
         self._tables: dict[int, tuple[int, list[GroupInfo]]] = {}
         self._topology: Topology | None = None  # of the tables, until one of them changes
         self._topology_ranks = 0
+        period = cfg.agent.clock_resync_s
+        # the last clock re-sync epoch posted: the current one counts as done
+        self._clock_epoch = int(time.monotonic_ns() // int(period * 1e9)) if period else 0
         self._host = socket.gethostname()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -118,7 +121,8 @@ class DiagnoserService:
             report_error("diagnoser.clock", exc)
         interval = self.cfg.agent.interval_s
         pause = interval / 2
-        while not self._stop.wait(pause):
+        while not self._stop.wait(min(pause, self._until_clock_epoch())):
+            self._post_clock_epoch()
             t0 = time.perf_counter()
             self._round()
             # The rounds run on a training rank and hold the GIL: at thousands of ranks a
@@ -127,6 +131,26 @@ class DiagnoserService:
             # MAX_ROUND_SHARE of the time.
             cost = time.perf_counter() - t0
             pause = max(interval / 2, cost * (1 - MAX_ROUND_SHARE) / MAX_ROUND_SHARE)
+
+    def _until_clock_epoch(self) -> float:
+        """Seconds to the next clock re-sync (the agents wait for its timestamps)."""
+        period = self.cfg.agent.clock_resync_s
+        if not period:
+            return float("inf")
+        return max(0.0, (self._clock_epoch + 1) * period - time.monotonic_ns() / 1e9)
+
+    def _post_clock_epoch(self) -> None:
+        period = self.cfg.agent.clock_resync_s
+        if not period:
+            return
+        epoch = int(time.monotonic_ns() // int(period * 1e9))
+        if epoch <= self._clock_epoch:
+            return
+        self._clock_epoch = epoch
+        try:
+            self.control.post_clock_epoch(epoch)
+        except Exception as exc:  # noqa: BLE001
+            report_error("diagnoser.clock_resync", exc)
 
     def _round(self) -> None:
         with self._lock:
