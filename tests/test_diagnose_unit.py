@@ -109,6 +109,32 @@ def test_mismatch_names_the_minority_and_a_tie_names_both():
     assert find_mismatches(v)[0].ranks == [0, 1]
 
 
+def test_mismatch_tie_in_a_pair_is_broken_by_the_sibling_groups():
+    # Two DP pairs, [0, 2] and [1, 3]: rank 2 runs the odd collective as seq 5. Inside its
+    # pair that is a tie; the sibling pair ran all_reduce as seq 5, so rank 2 is named.
+    dp02, dp13 = group("dp", [0, 2]), group("dp", [1, 3])
+    tables = {0: [dp02], 2: [dp02], 1: [dp13], 3: [dp13]}
+    ops = {0: "all_reduce", 1: "all_reduce", 2: "all_gather_into_tensor", 3: "all_reduce"}
+    v = view([summary(r, {0: 5}, [(0, ops[r], 5, 1, 0, -1)]) for r in range(4)], tables)
+    (m,) = find_mismatches(v)
+    assert m.ranks == [2] and m.group["ranks"] == [0, 2]
+    assert any("sibling dp groups ran all_reduce" in e for e in m.evidence)
+
+
+def test_groups_stalled_behind_a_mismatch_are_not_separate_hangs():
+    # DP pair [0, 1] mismatched at seq 5; TP pair [2, 3] is stuck too (all members in the
+    # op, no channel evidence): an effect, folded into the mismatch verdict.
+    dp, tp = group("dp", [0, 1]), group("tp", [2, 3])
+    tables = {0: [dp], 1: [dp], 2: [tp], 3: [tp]}
+    v = view([summary(0, {0: 5}, [(0, "all_reduce", 5, 12, 0, -1)], idle_s=12),
+              summary(1, {0: 5}, [(0, "broadcast", 5, 12, 0, -1)], idle_s=12),
+              summary(2, {0: 9}, [(0, "all_reduce", 9, 11, 0, -1)], idle_s=11),
+              summary(3, {0: 9}, [(0, "all_reduce", 9, 11, 0, -1)], idle_s=11)], tables)
+    verdicts = Diagnoser(DiagnoserConfig(hang_min_s=3), interval_s=0.5).round(v)
+    assert [x.kind.value for x in verdicts] == ["mismatch"]
+    assert any("stalled behind it: all of tp[2, 3]" in e for e in verdicts[0].evidence)
+
+
 def test_unresponsive_by_heartbeat_or_gone_process_but_not_after_a_clean_exit():
     dp = group("dp", [0, 1, 2])
     tables = {r: [dp] for r in range(3)}

@@ -19,7 +19,7 @@ from ccld_plugin.diagnose.hang import (
     find_mismatches,
     find_unresponsive,
 )
-from ccld_plugin.diagnose.records import Kind, Verdict
+from ccld_plugin.diagnose.records import Cause, Kind, Verdict
 from ccld_plugin.diagnose.slow import SlowDetector
 from ccld_plugin.diagnose.view import JobView
 
@@ -67,6 +67,8 @@ class Diagnoser:
                                        self.channel_evidence)
                  if v.group is None or (v.group["group_id"] not in explained_groups
                                         and not explained & set(v.group["ranks"]))]
+        if mismatches or self.reported(Kind.MISMATCH):
+            hangs = self._fold_into_mismatch(hangs, mismatches)
         self.slow.ingest(view)
         slow = self.slow.evaluate(view) if not hangs else []
         fresh = []
@@ -75,6 +77,20 @@ class Diagnoser:
                 self._reported.add(v.key())
                 fresh.append(v)
         return fresh
+
+    @staticmethod
+    def _fold_into_mismatch(hangs: list[Verdict], mismatches: list[Verdict]) -> list[Verdict]:
+        """Once members of a group have issued different collectives, the job's other
+        groups stall behind it. Communication hangs that no channel evidence located (all
+        members named) are its effects: listed under a fresh mismatch, not reported on
+        their own. Located hangs and compute hangs stand."""
+        effects = [v for v in hangs if v.cause == Cause.COMMUNICATION and v.link is None
+                   and v.group is not None and sorted(v.ranks) == sorted(v.group["ranks"])]
+        for m in mismatches[:1]:
+            m.evidence += [f"stalled behind it: {v.evidence[0]}" for v in effects[:4]]
+            if len(effects) > 4:
+                m.evidence.append(f"... and {len(effects) - 4} more stalled groups")
+        return [v for v in hangs if v not in effects]
 
     def reported(self, kind: Kind) -> bool:
         return any(k[0] == kind for k in self._reported)

@@ -263,10 +263,23 @@ def find_mismatches(view: JobView) -> list[Verdict]:
             continue
         top, top_n = counts.most_common(1)[0]
         tie = list(counts.values()).count(top_n) > 1
-        culprits = sorted(r for r, v in sig.items() if tie or v != top)
         g = groups[gid]
         evidence = [f"rank {r} entered {n} ({b} B) as seq {seq} of {_fmt_group(g)}"
                     for r, (n, b, _) in sorted(entries.items())]
+        if tie:
+            # No majority inside the group (two members): what the sibling groups of the
+            # same role ran as this seq decides, when they agree on one of the members' ops.
+            sibling = Counter(
+                next(iter(other.values()))[0] for (ogid, oseq), other in seen.items()
+                if oseq == seq and ogid != gid and groups[ogid].role == g.role
+                and len({n for n, _, _ in other.values()}) == 1)
+            names = {n for n, _ in sig.values()}
+            agreed = [n for n, _ in sibling.most_common(1) if n in names]
+            if agreed:
+                top, tie = next(v for v in sig.values() if v[0] == agreed[0]), False
+                evidence.append(f"{sum(sibling.values())} sibling {g.role} groups ran "
+                                f"{agreed[0]} as seq {seq}")
+        culprits = sorted(r for r, v in sig.items() if tie or v != top)
         if tie:
             evidence.append("no majority among the members: all are named")
         verdicts.append(Verdict(

@@ -143,22 +143,13 @@ class SlowDetector:
             med = ranked.median_without(me)
             if med <= 0 or x < self.cfg.slow_ratio * med:
                 continue
-            # A straggler worth a verdict costs the job a real share of its step time.
-            if x - med < MIN_STEP_SHARE * cohort_step_us:
-                continue
-            if len(cohort) >= 3:  # robust margin against the spread of the others
-                others = [compute[c] for c in cohort if c != r]
-                mad = statistics.median(abs(v - med) for v in others)
-                if x - med < self.cfg.mad_k * max(mad, 0.01 * med):
-                    continue
             mine = by_rank.get(r, [])
             last_frac = sum(j.last == r for j in mine) / len(mine) if mine else None
-            # Its peers must be waiting for it. With a cohort too small for statistics the
-            # arrival order has to decide, so it must be clear-cut.
-            need = LAST_SHARE if len(cohort) >= 3 else LAST_SHARE_SMALL_COHORT
-            if len(cohort) < 3 and len(mine) < 2 * MIN_ARRIVAL_SAMPLES:
-                continue
-            if mine and len(mine) >= MIN_ARRIVAL_SAMPLES and last_frac < need:
+            why_not = self._not_a_straggler(r, x, med, cohort, compute, cohort_step_us, mine,
+                                            last_frac)
+            if why_not:
+                log.debug("ccld window %d-%d: rank %d computes %.2fx its cohort %s, not a "
+                          "straggler: %s", lo, hi - 1, r, x / med, cohort, why_not)
                 continue
             key = (Kind.SLOW, Cause.COMPUTE, r)
             candidates.add(key)
@@ -174,6 +165,29 @@ class SlowDetector:
                 self.streak.pop(key)
                 self.first_seen.pop(key, None)
         return out
+
+    def _not_a_straggler(self, r: int, x: float, med: float, cohort: list[int],
+                         compute: dict[int, float], cohort_step_us: float, mine: list[Joined],
+                         last_frac: float | None) -> str:
+        """Why rank r, computing x against its cohort's median med, is no straggler
+        (empty when it is one)."""
+        # A straggler worth a verdict costs the job a real share of its step time.
+        if x - med < MIN_STEP_SHARE * cohort_step_us:
+            return f"excess {(x - med) / 1000:.1f} ms < {MIN_STEP_SHARE:.0%} of the step"
+        if len(cohort) >= 3:  # robust margin against the spread of the others
+            others = [compute[c] for c in cohort if c != r]
+            mad = statistics.median(abs(v - med) for v in others)
+            if x - med < self.cfg.mad_k * max(mad, 0.01 * med):
+                return f"within {self.cfg.mad_k} MAD of the others ({mad / 1000:.1f} ms)"
+        # Its peers must be waiting for it. With a cohort too small for statistics the
+        # arrival order has to decide, so it must be clear-cut.
+        need = LAST_SHARE if len(cohort) >= 3 else LAST_SHARE_SMALL_COHORT
+        if len(cohort) < 3 and len(mine) < 2 * MIN_ARRIVAL_SAMPLES:
+            return f"{len(mine)} arrival samples for a cohort of {len(cohort)}"
+        if mine and len(mine) >= MIN_ARRIVAL_SAMPLES and last_frac is not None \
+                and last_frac < need:
+            return f"last to arrive in {last_frac:.0%} of {len(mine)} samples (< {need:.0%})"
+        return ""
 
     def _cohorts(self, topo: Topology) -> dict[int, list[int]]:
         """Statistics cohort of every rank, recomputed only when the topology changes."""
@@ -232,6 +246,7 @@ class SlowDetector:
         for gid, b in bw.items():
             by_role[groups[gid].role][gid] = b
         ranked = {role: RankedValues(v) for role, v in by_role.items()}
+        stragglers = {k[2] for k in self.streak if k[:2] == (Kind.SLOW, Cause.COMPUTE)}
         slow: list[tuple[GroupInfo, float, float]] = []
         for gid, b in bw.items():
             g = groups[gid]
@@ -246,6 +261,12 @@ class SlowDetector:
                 ref = sib
             if ref is None:
                 self.bw_history[gid].append(b)
+            elif stragglers & set(g.ranks):
+                # A member that computes late (a straggler being confirmed) delays the
+                # group's transfers too: it explains the low bandwidth.
+                log.debug("ccld window %d-%d: %s%s moves %.1f MB/s vs %.1f, explained by "
+                          "straggler(s) %s", lo, hi - 1, g.role, list(g.ranks), b / 1e6,
+                          ref / 1e6, sorted(stragglers & set(g.ranks)))
             else:
                 slow.append((g, b, ref))
         # Channel evidence names the rank (or link) common to the slow connections, also
