@@ -157,7 +157,8 @@ def feed(h: ChannelHistory, ticks: int, per_tick: dict[int, list[PeerChannel]],
     v = view({r: [] for r in per_tick}, groups=groups)
     for k in range(ticks):
         t = t0 + int(k * INTERVAL * S)
-        h.ingest(view(per_tick, now=t, groups=groups))
+        tick = view(per_tick, now=t, groups=groups)
+        h.ingest(tick, list(tick.summaries.values()))
     return v
 
 

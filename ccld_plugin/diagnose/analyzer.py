@@ -38,7 +38,7 @@ class Diagnoser:
         self.slow = SlowDetector(cfg)
         self._durations: dict[int, deque[int]] = defaultdict(lambda: deque(maxlen=HISTORY))
         self._reported: set[tuple] = set()
-        self._seen_ns: dict[int, int] = {}  # per rank: time of the summary last counted
+        self._seen_ns: dict[int, int] = {}  # per rank: time of the summary last taken in
 
     def threshold_s(self, group_id: int) -> float:
         """max(hang_min_s, hang_k x p99 duration of ops on the group). Before any op of the
@@ -51,12 +51,14 @@ class Diagnoser:
         return max(self.cfg.hang_min_s, self.cfg.hang_k * p99)
 
     def round(self, view: JobView) -> list[Verdict]:
-        for rank, s in view.summaries.items():
-            if self._seen_ns.get(rank, -1) >= s.time_ns:
-                continue  # read again before the rank's next tick
-            self._seen_ns[rank] = s.time_ns
+        # Rounds run about twice per agent tick: a summary read again holds nothing new,
+        # and its durations, steps and samples must be taken in once.
+        fresh = [s for rank, s in view.summaries.items()
+                 if self._seen_ns.get(rank, -1) < s.time_ns]
+        for s in fresh:
+            self._seen_ns[s.rank] = s.time_ns
             for gp in s.groups:
-                g = view.group(rank, gp.slot)
+                g = view.group(s.rank, gp.slot)
                 if g is not None and gp.ops:
                     self._durations[g.group_id].append(gp.max_dur_us)
         unresponsive = find_unresponsive(view, self.cfg.unresponsive_s)
@@ -69,7 +71,7 @@ class Diagnoser:
                                         and not explained & set(v.group["ranks"]))]
         if mismatches or self.reported(Kind.MISMATCH):
             hangs = self._fold_into_mismatch(hangs, mismatches)
-        self.slow.ingest(view)
+        self.slow.ingest(view, fresh)
         slow = self.slow.evaluate(view) if not hangs else []
         fresh = []
         for v in [*unresponsive, *mismatches, *hangs, *slow]:

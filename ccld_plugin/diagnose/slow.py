@@ -22,7 +22,7 @@ from ccld_plugin.diagnose.robust import RankedValues
 from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkFinding
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.errors import log
-from ccld_plugin.summary import StepStat
+from ccld_plugin.summary import RankSummary, StepStat
 from ccld_plugin.topology import GroupInfo, Topology
 
 __all__ = ["Joined", "SlowDetector"]
@@ -53,21 +53,16 @@ class SlowDetector:
         self.bw_history: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=20))
         self.channels = ChannelHistory()  # per-peer TCP evidence: names the slow link's rank
         self._channel_found: LinkFinding | None = None  # of the current streak
-        self._ingested_ns: dict[int, int] = {}  # per rank: time of the summary last taken in
         self._cohort_key = -1
         self._cohort_cache: dict[int, list[int]] = {}
 
     # ------------------------------------------------------------------ ingest
-    def ingest(self, view: JobView) -> None:
-        self.channels.ingest(view)
+    def ingest(self, view: JobView, fresh: list[RankSummary]) -> None:
+        """Take in ``fresh``: the summaries of the view not taken in before."""
+        self.channels.ingest(view, fresh)
         horizon = self.next_window_start() - 4 * self.cfg.window_steps
-        fresh = []
-        for rank, s in view.summaries.items():
-            if self._ingested_ns.get(rank, -1) >= s.time_ns:
-                continue  # read again before the rank's next tick: nothing new in it
-            self._ingested_ns[rank] = s.time_ns
-            fresh.append(s)
-            mine = self.steps[rank]
+        for s in fresh:
+            mine = self.steps[s.rank]
             for st in s.steps:
                 mine[st.step] = st
             if mine and min(mine) < horizon:

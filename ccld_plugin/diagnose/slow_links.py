@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ccld_plugin.diagnose.channels import (
@@ -24,6 +24,7 @@ from ccld_plugin.diagnose.channels import (
 )
 from ccld_plugin.diagnose.robust import RankedValues
 from ccld_plugin.diagnose.view import JobView
+from ccld_plugin.summary import RankSummary
 from ccld_plugin.topology import GroupInfo
 
 __all__ = ["ChannelHistory", "LinkFinding", "LinkStats", "link_role"]
@@ -163,14 +164,12 @@ class ChannelHistory:
         self.nccl_history: dict[tuple[int, int], deque[LinkStats]] = defaultdict(
             lambda: deque(maxlen=8))
 
-    def ingest(self, view: JobView) -> None:
-        for rank, s in view.summaries.items():
-            mine = self.reports[rank]
-            if mine and s.time_ns <= mine[-1].time_ns:
-                continue  # read again before the rank's next tick (not decoded again)
-            rep = report_of(view, rank)
+    def ingest(self, view: JobView, fresh: Iterable[RankSummary]) -> None:
+        """Keep the channel reports of ``fresh``, the view's summaries not seen before."""
+        for s in fresh:
+            rep = report_of(view, s.rank)
             if rep is not None:
-                mine.append(rep)
+                self.reports[s.rank].append(rep)
 
     def between(self, t0: int, t1: int) -> list[ChannelReport]:
         # A report covers the interval that ends at its time: keep those mostly in [t0, t1].
