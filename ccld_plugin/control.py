@@ -89,16 +89,20 @@ class ControlPlane:
         self.store.set(f"s/{rank}", summary)
 
     def read_summaries(self, ranks: Iterable[int]) -> dict[int, bytes]:
-        """Latest summaries of ``ranks``, read in chunks (one multi_get of many keys is
-        slower than several of a few hundred). Ranks that never published are left out."""
+        """Latest summaries of ``ranks``; ranks that never published are left out."""
+        return self._read_per_rank("s", ranks)
+
+    def _read_per_rank(self, prefix: str, ranks: Iterable[int]) -> dict[int, bytes]:
+        """The values of ``<prefix>/<rank>`` that exist, read in chunks (one multi_get of
+        many keys is slower than several of a few hundred)."""
         ranks = list(ranks)
-        present = [r for r, ok in zip(ranks, self._exist([f"s/{r}" for r in ranks]),
+        present = [r for r, ok in zip(ranks, self._exist([f"{prefix}/{r}" for r in ranks]),
                                       strict=True) if ok]
         out: dict[int, bytes] = {}
         step = self.cfg.chunk_keys
         for i in range(0, len(present), step):
             chunk = present[i : i + step]
-            for r, value in zip(chunk, self.store.multi_get([f"s/{r}" for r in chunk]),
+            for r, value in zip(chunk, self.store.multi_get([f"{prefix}/{r}" for r in chunk]),
                                 strict=True):
                 out[r] = bytes(value)
         return out
@@ -125,19 +129,9 @@ class ControlPlane:
         self.store.set(f"ep/{rank}", json.dumps([[h, p] for h, p in endpoints]))
 
     def read_endpoints(self, ranks: Iterable[int]) -> dict[int, list[tuple[str, int]]]:
-        """Published endpoints of ``ranks``, in chunks; ranks that published none are
-        left out."""
-        ranks = list(ranks)
-        present = [r for r, ok in zip(ranks, self._exist([f"ep/{r}" for r in ranks]),
-                                      strict=True) if ok]
-        out: dict[int, list[tuple[str, int]]] = {}
-        step = self.cfg.chunk_keys
-        for i in range(0, len(present), step):
-            chunk = present[i : i + step]
-            for r, value in zip(chunk, self.store.multi_get([f"ep/{r}" for r in chunk]),
-                                strict=True):
-                out[r] = [(str(h), int(p)) for h, p in json.loads(bytes(value))]
-        return out
+        """Published endpoints of ``ranks``; ranks that published none are left out."""
+        return {r: [(str(h), int(p)) for h, p in json.loads(value)]
+                for r, value in self._read_per_rank("ep", ranks).items()}
 
     # ---------------------------------------------------------------- clock
     def serve_clock(self, job_start_ns: int, timeout_s: float) -> None:
