@@ -20,7 +20,7 @@ import numpy as np
 
 from ccld_plugin.channels import ChannelSampler
 from ccld_plugin.config import AgentConfig
-from ccld_plugin.control import ClockSync, ControlPlane
+from ccld_plugin.control import ClockSync, ControlPlane, resync_epoch
 from ccld_plugin.diagnose.channels import MAX_ENTRIES, encode_channels, entry_order
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.nccl_channels import NcclChannels
@@ -115,7 +115,8 @@ class Agent:
             report_error("agent.clock", exc)
             self.clock = ClockSync(0, self._reader.header().start_mono_ns)
         self._board.set_clock_offset(self.clock.offset_ns)
-        self._epoch = self._clock_epoch()
+        self._epoch = resync_epoch(self.clock.to_diag(time.monotonic_ns()),
+                                   self.cfg.clock_resync_s)
         backoff = self.cfg.interval_s
         while not self._stop.is_set():
             try:
@@ -128,12 +129,6 @@ class Agent:
             self._stop.wait(self._until_next_tick(backoff))
 
     # ------------------------------------------------------------------ clock
-    def _clock_epoch(self) -> int:
-        """How many re-sync periods of the diagnoser's clock have passed."""
-        period = int(self.cfg.clock_resync_s * 1e9)
-        assert self.clock is not None
-        return self.clock.to_diag(time.monotonic_ns()) // period if period else 0
-
     def _resync_clock(self) -> None:
         """When the diagnoser's next re-sync falls before our next tick, wait for its
         timestamps and take the new offset (the clocks of two hosts drift apart)."""

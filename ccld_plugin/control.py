@@ -26,9 +26,15 @@ import torch.distributed.distributed_c10d as c10d
 from ccld_plugin.config import ControlConfig
 from ccld_plugin.topology import GroupInfo
 
-__all__ = ["ClockSync", "ControlPlane"]
+__all__ = ["ClockSync", "ControlPlane", "resync_epoch"]
 
 CLOCK_ROUNDS = 5
+
+
+def resync_epoch(diag_ns: int, period_s: float) -> int:
+    """Clock re-sync periods passed at ``diag_ns`` on the diagnoser's clock (0 when off):
+    epoch n's timestamps are posted once its clock passes n x period."""
+    return int(diag_ns // int(period_s * 1e9)) if period_s else 0
 
 
 class ClockSync:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ccld_plugin.agent import Agent, StepClock
-from ccld_plugin.control import ControlPlane
+from ccld_plugin.control import ControlPlane, resync_epoch
 from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
 from ccld_plugin.diagnose.channels import Located, channel_evidence
 from ccld_plugin.diagnose.nccl_waits import nccl_evidence
@@ -91,9 +91,8 @@ class DiagnoserService:
         self._tables: dict[int, tuple[int, list[GroupInfo]]] = {}
         self._topology: Topology | None = None  # of the tables, until one of them changes
         self._topology_ranks = 0
-        period = cfg.agent.clock_resync_s
         # the last clock re-sync epoch posted: the current one counts as done
-        self._clock_epoch = int(time.monotonic_ns() // int(period * 1e9)) if period else 0
+        self._clock_epoch = resync_epoch(time.monotonic_ns(), cfg.agent.clock_resync_s)
         self._host = socket.gethostname()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -140,10 +139,7 @@ class DiagnoserService:
         return max(0.0, (self._clock_epoch + 1) * period - time.monotonic_ns() / 1e9)
 
     def _post_clock_epoch(self) -> None:
-        period = self.cfg.agent.clock_resync_s
-        if not period:
-            return
-        epoch = int(time.monotonic_ns() // int(period * 1e9))
+        epoch = resync_epoch(time.monotonic_ns(), self.cfg.agent.clock_resync_s)
         if epoch <= self._clock_epoch:
             return
         self._clock_epoch = epoch
