@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -230,13 +229,6 @@ class FakeControl:
         self.reads += 1
         return {r: self.endpoints[r] for r in ranks if r in self.endpoints}
 
-
-@pytest.fixture
-def sockets() -> Iterator[list[socket.socket]]:
-    opened: list[socket.socket] = []
-    yield opened
-    for s in opened:
-        s.close()
 
 
 def test_sampler_maps_classifies_and_fills_the_board(tmp_path, sockets) -> None:

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,14 +38,6 @@ def lib_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def probe(lib_path: Path) -> TcpProbe:
     return TcpProbe(lib_path)
 
-
-@pytest.fixture
-def sockets() -> Iterator[list[socket.socket]]:
-    """Collects the sockets a test opens and closes them however the test ends."""
-    opened: list[socket.socket] = []
-    yield opened
-    for s in opened:
-        s.close()
 
 
 def pair(
