@@ -230,7 +230,6 @@ class FakeControl:
         return {r: self.endpoints[r] for r in ranks if r in self.endpoints}
 
 
-
 def test_sampler_maps_classifies_and_fills_the_board(tmp_path, sockets) -> None:
     # "Rank 0" (this sampler) connects to two listeners of "rank 1": one receiver reads
     # what it gets, the other never reads.

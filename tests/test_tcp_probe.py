@@ -39,7 +39,6 @@ def probe(lib_path: Path) -> TcpProbe:
     return TcpProbe(lib_path)
 
 
-
 def pair(
     opened: list[socket.socket], rcvbuf: int = 0, sndbuf: int = 0, listen_host: str = "127.0.0.1"
 ) -> tuple[socket.socket, socket.socket]:
