@@ -134,15 +134,15 @@ def nccl_evidence(view: JobView, group: GroupInfo, members: list[int]) -> Locate
     if not stalls:
         return None
     edges = _edges(stalls)
-    reached: Counter[Node] = Counter()
-    for r in stalls:
-        reached.update(_ends(edges, (r,)))
+    ends = {r: _ends(edges, (r,)) for r in stalls}
+    reached: Counter[Node] = Counter(n for e in ends.values() for n in e)
     top = max(reached.values())
     culprits = sorted(n for n, c in reached.items() if c == top)
-    waiters = [r for r in stalls if culprits[0] in _ends(edges, (r,))]
+    waiters = [r for r, e in ends.items() if culprits[0] in e]
     if len(culprits) == 1 and len(culprits[0]) == 1:
         (root,) = culprits[0]
-        mine = [_wait_line(root, e) for e in stalls.get(root, [])[:2]]
+        own = stalls.get(root, [])
+        mine = [_wait_line(root, e) for e in own[:2]]
         into = [(r, e) for r, es in stalls.items() for e in es
                 if r != root and e.peer == root and (e.wait, e.direction) != ("local", "send")]
         theirs = [_wait_line(r, e) for r, e in into[:2]]
@@ -153,7 +153,6 @@ def nccl_evidence(view: JobView, group: GroupInfo, members: list[int]) -> Locate
             return Located([root], None, [*theirs, count, (
                 f"rank {root} sends no summaries: what its own channels wait on is not "
                 f"known")], Cause.UNKNOWN)
-        own = stalls.get(root, [])
         credit = sorted({r for r, e in into if e.wait == "peer"})
         if any(e.wait == "local" and e.direction == "recv" for e in own):
             return Located([root], None, [*mine, *theirs, count, (
