@@ -61,3 +61,20 @@ def test_single_member_groups_join_at_once_and_stale_samples_expire() -> None:
     late = [summary(1, later, [(0, 28, t - 4 * MS, 10)]),
             summary(2, later, [(0, 28, t - 4 * MS, 10)])]
     assert j.add(view(late, later), late) == []  # rank 0's sample of seq 28 has expired
+
+
+def test_a_role_refined_by_another_rank_reaches_the_joined_samples() -> None:
+    # Ranks 0-2 registered the group as "other"; later rank 5's table names it "dp". The
+    # tables of 0-2 are the same objects as before; the topology that resolves roles is new.
+    generic = GroupInfo(DP.group_id, "other", DP.ranks)
+    tables = {r: [generic, SOLO] for r in (0, 1, 2)}
+    j = ArrivalJoin()
+    t = 1000 * MS
+    s = [summary(r, t, [(0, 32, t - MS, 10)]) for r in (0, 1, 2)]
+    (first,) = j.add(JobView({x.rank: x for x in s}, tables, t, 0, 6), s)
+    assert first.group.role == "other"
+    refined = {**tables, 5: [DP, SOLO]}
+    t2 = t + 500 * MS
+    s = [summary(r, t2, [(0, 36, t2 - MS, 10)]) for r in (0, 1, 2)]
+    (second,) = j.add(JobView({x.rank: x for x in s}, refined, t2, 0, 6), s)
+    assert second.group.role == "dp"

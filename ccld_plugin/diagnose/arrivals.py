@@ -60,7 +60,7 @@ class ArrivalJoin:
         self._index: dict[int, int] = {}  # group id -> index into groups
         self._sizes = np.zeros(0, np.int64)
         self._pending = np.zeros(0, _ROW)
-        self._tables: dict[int, tuple[object, list[int]]] = {}
+        self._tables: dict[int, tuple[tuple[object, object], list[int]]] = {}
 
     def _group_index(self, g: GroupInfo) -> int:
         i = self._index.get(g.group_id)
@@ -72,13 +72,14 @@ class ArrivalJoin:
         return i
 
     def _slot_groups(self, view: JobView, rank: int) -> list[int]:
-        """The rank's group table as indices into ``groups``; kept while the table (the
-        same object, round after round, until the rank republishes it) does not change."""
-        table = view.tables.get(rank)
+        """The rank's group table as indices into ``groups``; kept while neither the table
+        nor the topology that resolves its roles changes (both stay the same objects,
+        round after round, until some rank republishes its table)."""
+        source = (view.tables.get(rank), view.topology)
         known = self._tables.get(rank)
-        if known is None or known[0] is not table:
-            known = self._tables[rank] = (table, [self._group_index(g)
-                                                  for g in view.groups_at(rank)])
+        if known is None or known[0][0] is not source[0] or known[0][1] is not source[1]:
+            known = self._tables[rank] = (source, [self._group_index(g)
+                                                   for g in view.groups_at(rank)])
         return known[1]
 
     def add(self, view: JobView, fresh: list[RankSummary]) -> list[Joined]:
