@@ -3,6 +3,8 @@
 
 #include <string.h>
 
+#include "spinlock.h"
+
 #define MAX_LINKS 2048u /* power of two; one per (comm, peer, direction) */
 
 enum { LINK_FREE = 0, LINK_USED = 1, LINK_GONE = 2 /* tombstone: keeps probe chains */ };
@@ -21,14 +23,6 @@ struct link {
 
 static struct link g_links[MAX_LINKS];
 static uint32_t g_links_lock;
-
-static void lock(void) {
-  while (__atomic_exchange_n(&g_links_lock, 1u, __ATOMIC_ACQUIRE))
-    while (__atomic_load_n(&g_links_lock, __ATOMIC_RELAXED)) {
-    }
-}
-
-static void unlock(void) { __atomic_store_n(&g_links_lock, 0u, __ATOMIC_RELEASE); }
 
 static uint32_t hash(const void* comm, int32_t peer, uint8_t direction) {
   uint64_t h = (uint64_t)(uintptr_t)comm ^ ((uint64_t)(uint32_t)peer << 1) ^ direction;
@@ -77,10 +71,10 @@ static struct link* find(ccld_board* b, const void* comm, uint32_t gen, int32_t 
 int ccld_link_add(ccld_board* b, const void* comm, uint32_t comm_gen, int32_t local_peer,
                   const ccld_channel* rec, const uint64_t wait_ns[4]) {
   if (!b || !comm || rec->peer == CCLD_NO_RANK) return 0;
-  lock();
+  ccld_spin_lock(&g_links_lock);
   struct link* l = find(b, comm, comm_gen, local_peer, rec);
   if (!l) {
-    unlock();
+    ccld_spin_unlock(&g_links_lock);
     return -1;
   }
   for (int i = 0; i < 4; i++) l->wait_ns[i] += wait_ns[i];
@@ -96,17 +90,17 @@ int ccld_link_add(ccld_board* b, const void* comm, uint32_t comm_gen, int32_t lo
   l->rec.rwnd_limited_us = l->wait_ns[CCLD_WAIT_PEER] / 1000;
   l->rec.busy_us = l->wait_ns[CCLD_WAIT_NETWORK] / 1000;
   if (ccld_process_board() == l->board) ccld_channel_write(l->board, l->slot, &l->rec);
-  unlock();
+  ccld_spin_unlock(&g_links_lock);
   return 0;
 }
 
 void ccld_link_drop_comm(const void* comm) {
-  lock();
+  ccld_spin_lock(&g_links_lock);
   for (uint32_t i = 0; i < MAX_LINKS; i++) {
     struct link* l = &g_links[i];
     if (l->state != LINK_USED || l->comm != comm) continue;
     if (ccld_process_board() == l->board) ccld_channel_release(l->board, l->slot);
     l->state = LINK_GONE;
   }
-  unlock();
+  ccld_spin_unlock(&g_links_lock);
 }

@@ -42,6 +42,7 @@
 
 #include "board.h"
 #include "nccl_links.h"
+#include "spinlock.h"
 
 #define MAX_COMMS 1024u
 #define TASK_RING 16384u /* power of two */
@@ -95,22 +96,6 @@ typedef union {
   struct ccld_nccl_kernel_ch kernelCh;
 } descr_body;
 #define BODY(d) ((const descr_body*)(const void*)&(d)->coll)
-
-/* ---------------------------------------------------------------- small primitives */
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  __asm__ __volatile__("yield");
-#endif
-}
-
-static void spin_lock(uint32_t* l) {
-  while (__atomic_exchange_n(l, 1u, __ATOMIC_ACQUIRE))
-    while (RLOAD(l)) cpu_relax();
-}
-
-static void spin_unlock(uint32_t* l) { STORE(l, 0u); }
 
 /* ---------------------------------------------------------------- state */
 enum { COMM_FREE = 0, COMM_CLAIMED = 1, COMM_LIVE = 2 };
@@ -405,13 +390,13 @@ static uint32_t key_bucket(const struct chan_key* k) {
 static struct tracker* tracker_acquire(ccld_board* b, const struct chan_key* k,
                                        const ccld_channel* fresh) {
   uint32_t bucket = key_bucket(k);
-  spin_lock(&g_trk_lock);
+  ccld_spin_lock(&g_trk_lock);
   if (k->ticket) {
     for (uint32_t i = g_trk_bucket[bucket]; i; i = g_trk[i - 1].next) {
       struct tracker* t = &g_trk[i - 1];
       if (t->board == b && same_key(&t->key, k)) {
         t->refs++;
-        spin_unlock(&g_trk_lock);
+        ccld_spin_unlock(&g_trk_lock);
         return t;
       }
     }
@@ -429,7 +414,7 @@ static struct tracker* tracker_acquire(ccld_board* b, const struct chan_key* k,
       t->next = g_trk_free;
       g_trk_free = (uint32_t)(t - g_trk) + 1;
     }
-    spin_unlock(&g_trk_lock);
+    ccld_spin_unlock(&g_trk_lock);
     return NULL;
   }
   t->key = *k;
@@ -448,12 +433,12 @@ static struct tracker* tracker_acquire(ccld_board* b, const struct chan_key* k,
   g_trk_live++;
   /* Nobody else can reach t before we unlock the table: no need for t->lock here. */
   ccld_channel_write(b, slot, &t->rec);
-  spin_unlock(&g_trk_lock);
+  ccld_spin_unlock(&g_trk_lock);
   return t;
 }
 
 static void tracker_release(struct tracker* t) {
-  spin_lock(&g_trk_lock);
+  ccld_spin_lock(&g_trk_lock);
   if (--t->refs == 0) {
     if (t->key.ticket) {
       uint32_t self = (uint32_t)(t - g_trk) + 1;
@@ -473,7 +458,7 @@ static void tracker_release(struct tracker* t) {
     g_trk_free = (uint32_t)(t - g_trk) + 1;
     g_trk_live--;
   }
-  spin_unlock(&g_trk_lock);
+  ccld_spin_unlock(&g_trk_lock);
 }
 
 /* Write t->rec to the board; the caller holds t->lock. */
@@ -580,9 +565,9 @@ static void* proxy_op_start(struct comm* c, const void* parent,
 static void proxy_op_state(struct event* e, int state) {
   if (state != CCLD_NCCL_STATE_PROXY_OP_IN_PROGRESS) return;
   struct tracker* t = &g_trk[e->u.op.tracker];
-  spin_lock(&t->lock);
+  ccld_spin_lock(&t->lock);
   tracker_publish(t, ccld_now_ns());
-  spin_unlock(&t->lock);
+  ccld_spin_unlock(&t->lock);
 }
 
 static void proxy_op_stop(struct event* e) {
@@ -604,7 +589,7 @@ static void* proxy_step_start(void* parent, int step) {
   unsigned i = (uint32_t)step % STEP_WINDOW;
   struct tracker* t = &g_trk[op->u.op.tracker];
   int64_t now = ccld_now_ns();
-  spin_lock(&t->lock);
+  ccld_spin_lock(&t->lock);
   op->u.op.step[i] = step;
   op->u.op.wait[i] = CCLD_WAIT_NONE;
   op->u.op.since[i] = now;
@@ -612,7 +597,7 @@ static void* proxy_step_start(void* parent, int step) {
   t->rec.steps_posted++;
   t->rec.wait = oldest_wait(op);
   tracker_publish(t, now);
-  spin_unlock(&t->lock);
+  ccld_spin_unlock(&t->lock);
   return e;
 }
 
@@ -629,7 +614,7 @@ static void proxy_step_update(struct event* e, uint8_t wait, int stopped) {
   uint8_t bit = (uint8_t)(1u << i);
   struct tracker* t = &g_trk[op->u.op.tracker];
   int64_t now = ccld_now_ns();
-  spin_lock(&t->lock);
+  ccld_spin_lock(&t->lock);
   int mine = (op->u.op.live & bit) && op->u.op.step[i] == e->u.step.step;
   if (mine) { /* the time it spent in the wait it leaves */
     t->wait_ns[op->u.op.wait[i] & 3u] += (uint64_t)(now - op->u.op.since[i]);
@@ -644,7 +629,7 @@ static void proxy_step_update(struct event* e, uint8_t wait, int stopped) {
   }
   t->rec.wait = oldest_wait(op);
   tracker_publish(t, now);
-  spin_unlock(&t->lock);
+  ccld_spin_unlock(&t->lock);
 }
 
 static void* kernel_ch_start(struct comm* c, const void* parent,
@@ -675,9 +660,9 @@ static void* kernel_ch_start(struct comm* c, const void* parent,
 static void kernel_ch_state(struct event* e, int state) {
   if (state != CCLD_NCCL_STATE_KERNEL_CH_STOP) return;
   struct tracker* t = &g_trk[e->u.kernel.tracker];
-  spin_lock(&t->lock);
+  ccld_spin_lock(&t->lock);
   tracker_publish(t, ccld_now_ns());
-  spin_unlock(&t->lock);
+  ccld_spin_unlock(&t->lock);
 }
 
 static void kernel_ch_stop(struct event* e) {
@@ -831,16 +816,16 @@ static ccld_nccl_result_t record_state(void* handle, int state, ccld_nccl_state_
  * their records off the board so that they do not read as stuck channels. The trackers
  * stay allocated, detached from the board, in case a stop still arrives. */
 static void detach_comm_records(const struct comm* c) {
-  spin_lock(&g_trk_lock);
+  ccld_spin_lock(&g_trk_lock);
   for (uint32_t i = 0; i < g_trk_unused; i++) {
     struct tracker* t = &g_trk[i];
     if (!t->refs || t->key.comm != c || !t->board) continue;
-    spin_lock(&t->lock);
+    ccld_spin_lock(&t->lock);
     if (ccld_process_board() == t->board) ccld_channel_release(t->board, t->slot);
     t->board = NULL;
-    spin_unlock(&t->lock);
+    ccld_spin_unlock(&t->lock);
   }
-  spin_unlock(&g_trk_lock);
+  ccld_spin_unlock(&g_trk_lock);
 }
 
 static ccld_nccl_result_t finalize_comm(void* ctx) {
