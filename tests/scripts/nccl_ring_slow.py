@@ -28,8 +28,7 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 session = ccld_plugin.enable(overrides=[
     f"board.dir={out / 'boards'}", "job=nccl-slow", "diagnoser.hang_min_s=5",
-    "agent.interval_s=0.5", f"sinks.jsonl={out / 'verdicts.jsonl'}", "sinks.console=false",
-    *sys.argv[4:]])
+    "agent.interval_s=0.5", f"sinks.jsonl={out / 'verdicts.jsonl'}", "sinks.console=false"])
 assert session is not None
 harness = ctypes.CDLL(lib)
 harness.ccld_harness_ring_timed.argtypes = [ctypes.c_char_p, ctypes.c_uint64, ctypes.c_int,
