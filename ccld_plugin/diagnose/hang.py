@@ -12,7 +12,7 @@ ranks are found here too, since they explain hangs.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable
 
 from ccld_plugin.diagnose import channels as chan
@@ -252,6 +252,7 @@ def find_mismatches(view: JobView) -> list[Verdict]:
                                                                op.bytes, op.enter_ns)
             groups[g.group_id] = g
     verdicts = []
+    unanimous: dict[tuple[str, int], Counter[str]] | None = None  # built at the first tie
     for (gid, seq), entries in seen.items():
         if len(entries) < 2:
             continue
@@ -269,11 +270,9 @@ def find_mismatches(view: JobView) -> list[Verdict]:
         if tie:
             # No majority inside the group (two members): what the sibling groups of the
             # same role ran as this seq decides, when they agree on one of the members' ops.
-            sibling = Counter(
-                next(iter(other.values()))[0] for (ogid, oseq), other in seen.items()
-                if oseq == seq and ogid != gid and groups[ogid].role == g.role
-                and len({n for n, _, _ in other.values()}) == 1)
-            names = {n for n, _ in sig.values()}
+            if unanimous is None:
+                unanimous = _unanimous_ops(seen, groups)
+            sibling = unanimous.get((g.role, seq), Counter())
             agreed = [n for n, _ in sibling.most_common(1) if n in names]
             if agreed:
                 top, tie = next(v for v in sig.values() if v[0] == agreed[0]), False
@@ -289,6 +288,18 @@ def find_mismatches(view: JobView) -> list[Verdict]:
             onset_s=view.seconds(min(e for _, _, e in entries.values())),
             detected_s=view.seconds(view.now_ns), evidence=evidence))
     return verdicts
+
+
+def _unanimous_ops(seen: dict[tuple[int, int], dict[int, tuple[str, int, int]]],
+                   groups: dict[int, GroupInfo]) -> dict[tuple[str, int], Counter[str]]:
+    """Per (role, seq): how many groups of that role ran each op as that seq, counting
+    the groups whose members all ran the same one."""
+    out: dict[tuple[str, int], Counter[str]] = defaultdict(Counter)
+    for (gid, seq), entries in seen.items():
+        ops = {n for n, _, _ in entries.values()}
+        if len(ops) == 1:
+            out[(groups[gid].role, seq)][ops.pop()] += 1
+    return out
 
 
 def find_unresponsive(view: JobView, unresponsive_s: float) -> list[Verdict]:
