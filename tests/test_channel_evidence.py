@@ -19,7 +19,7 @@ from ccld_plugin.diagnose.channels import (
     encode_channels,
     toward_lines,
 )
-from ccld_plugin.diagnose.slow_links import ChannelHistory
+from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkJudgement
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.probe import BoardReader
 from ccld_plugin.summary import RankSummary
@@ -174,7 +174,7 @@ def test_dp4_ring_slow_links_have_one_rank_in_common() -> None:
     # Ring 0->3->2->1->0; rank 1's link is shaped: 1->0 and 2->1 are slow.
     h = ChannelHistory()
     v = feed(h, 10, {0: [healthy(3)], 1: [shaped(0)], 2: [shaped(1)], 3: [healthy(2)]}, DP4)
-    found = h.slow_links(v, 10 * S, 15 * S)
+    found = h.slow_links(v, 10 * S, 15 * S).found
     assert found is not None
     assert (found.ranks, found.link, found.group.role) == ([1], None, "dp")  # type: ignore
     assert found.severity > 10
@@ -186,7 +186,7 @@ def test_one_slow_link_is_named_as_a_link() -> None:
     h = ChannelHistory()
     v = feed(h, 10, {0: [shaped(1), healthy(2)], 1: [healthy(3)], 2: [healthy(3), healthy(0)],
                      3: [healthy(2)]}, TP2PP2)
-    found = h.slow_links(v, 10 * S, 15 * S)
+    found = h.slow_links(v, 10 * S, 15 * S).found
     assert found is not None and found.link == [0, 1] and found.ranks == [0, 1]
     assert found.group.role == "tp"  # type: ignore[union-attr]
 
@@ -199,17 +199,27 @@ def test_healthy_jitter_and_delayed_acks_are_not_slow() -> None:
     v = feed(h, 12, {0: [entry(2, **pp), healthy(1, 200)], 1: [entry(3, **pp),
                                                                 healthy(0, 500)],
                      2: [healthy(3, 300)], 3: [healthy(2, 150)]}, TP2PP2)
-    assert h.slow_links(v, 10 * S, 16 * S) is None
+    assert h.slow_links(v, 10 * S, 16 * S) == LinkJudgement(None, True)
     h = ChannelHistory()
     v = feed(h, 12, {0: [healthy(3, 400)], 1: [healthy(0, 900)], 2: [healthy(1, 300)],
                      3: [healthy(2, 1800)]}, DP4)
-    assert h.slow_links(v, 10 * S, 16 * S) is None
+    assert h.slow_links(v, 10 * S, 16 * S) == LinkJudgement(None, True)
 
 
-def test_too_few_intervals_say_nothing() -> None:
+def test_too_few_intervals_are_judged_with_the_next_window() -> None:
+    # Two agent reports per window of steps: each window alone is too short to judge (and
+    # says nothing either way: it must not break a streak); two together are judged.
     h = ChannelHistory()
-    v = feed(h, 2, {0: [healthy(3)], 1: [shaped(0)], 2: [shaped(1)], 3: [healthy(2)]}, DP4)
-    assert h.slow_links(v, 10 * S, 15 * S) is None
+    ring = {0: [healthy(3)], 1: [shaped(0)], 2: [shaped(1)], 3: [healthy(2)]}
+    v = feed(h, 2, ring, DP4)
+    assert h.slow_links(v, 10 * S, 10 * S + int(2 * INTERVAL * S)) == LinkJudgement(None, False)
+    v = feed(h, 2, ring, DP4, t0=10 * S + int(2 * INTERVAL * S))
+    judged = h.slow_links(v, 10 * S + int(2 * INTERVAL * S), 10 * S + int(4 * INTERVAL * S))
+    assert judged.fresh and judged.found is not None and judged.found.ranks == [1]
+    # The next short window repeats that judgement, not fresh.
+    v = feed(h, 1, ring, DP4, t0=10 * S + int(4 * INTERVAL * S))
+    again = h.slow_links(v, 10 * S + int(4 * INTERVAL * S), 10 * S + int(5 * INTERVAL * S))
+    assert again == LinkJudgement(judged.found, False)
 
 
 # --- the agent's sampler on real sockets -----------------------------------------------------

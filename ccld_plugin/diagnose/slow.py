@@ -266,7 +266,8 @@ class SlowDetector:
                 slow.append((g, b, ref))
         # Channel evidence names the rank (or link) common to the slow connections, also
         # where no sibling group exists to compare bandwidth with (one DP group).
-        found = self.channels.slow_links(view, t0, t1)
+        judged = self.channels.slow_links(view, t0, t1)
+        found = judged.found
         if not slow and found is None:
             for key in [k for k in self.streak if k[:2] == (Kind.SLOW, Cause.COMMUNICATION)]:
                 self.streak.pop(key)
@@ -274,7 +275,8 @@ class SlowDetector:
             self._channel_found = None
             return []
         if not slow:
-            return self._channel_slow(view, found, lo, hi)
+            # A window too short for the channel evidence holds its streak as it is.
+            return self._channel_slow(view, found, lo, hi) if judged.fresh else []
         common = set(slow[0][0].ranks)
         for g, _, _ in slow[1:]:
             common &= set(g.ranks)

@@ -11,7 +11,7 @@ per byte; NCCL links by the time their send steps spent handed to the network pe
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -27,7 +27,7 @@ from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.summary import RankSummary
 from ccld_plugin.topology import GroupInfo
 
-__all__ = ["ChannelHistory", "LinkFinding", "LinkStats", "link_role"]
+__all__ = ["ChannelHistory", "LinkFinding", "LinkJudgement", "LinkStats", "link_role"]
 
 # Slow links (see ChannelHistory). Only intervals in which a link moved SLOW_MIN_BYTES
 # count, at least SLOW_MIN_TICKS of them per window. Absolute RTTs do not separate a slow
@@ -72,6 +72,16 @@ class LinkFinding:
     group: GroupInfo | None  # the group the slowest link belongs to
     severity: float  # the slow links' time per byte over their references'
     lines: list[str]
+
+
+@dataclass(frozen=True)
+class LinkJudgement:
+    """What the channel evidence says about one slow-detector window."""
+
+    found: LinkFinding | None
+    # False: the reports since the last judgement are too few to judge on; ``found`` is the
+    # last judgement's, and the window neither confirms nor clears it.
+    fresh: bool
 
 
 @dataclass(frozen=True)
@@ -163,6 +173,8 @@ class ChannelHistory:
             lambda: deque(maxlen=8))
         self.nccl_history: dict[tuple[int, int], deque[LinkStats]] = defaultdict(
             lambda: deque(maxlen=8))
+        self.span_start: int | None = None  # of windows not judged yet (too few reports)
+        self.last = LinkJudgement(None, True)
 
     def ingest(self, view: JobView, fresh: Iterable[RankSummary]) -> None:
         """Keep the channel reports of ``fresh``, the view's summaries not seen before."""
@@ -182,29 +194,40 @@ class ChannelHistory:
             while reps and reps[0].time_ns < t_ns:
                 reps.popleft()
 
-    def window_links(self, t0: int, t1: int) -> dict[tuple[int, int], LinkStats]:
+    @staticmethod
+    def window_links(reports: list[ChannelReport]) -> dict[tuple[int, int], LinkStats]:
+        """TCP links over ``reports``."""
         got: dict[tuple[int, int], list[tuple[float, PeerChannel]]] = defaultdict(list)
-        for rep in self.between(t0, t1):
+        for rep in reports:
             for e in rep.entries:
                 if e.sent >= SLOW_MIN_BYTES and e.rtt_us > 0:
                     got[(rep.rank, e.peer)].append((rep.interval_s, e))
         return {k: _link_stats(*k, v) for k, v in got.items() if len(v) >= SLOW_MIN_TICKS}
 
-    def slow_links(self, view: JobView, t0: int, t1: int) -> LinkFinding | None:
-        """Links that were slow on the network during [t0, t1] (diagnoser clock) and the
-        rank or link they have in common; None when every link is healthy. TCP links
-        first; NCCL links where no TCP link is slow."""
-        found = _locate(view, self.window_links(t0, t1), self.history, _TCP)
+    def slow_links(self, view: JobView, t0: int, t1: int) -> LinkJudgement:
+        """Links that were slow on the network during [t0, t1] (diagnoser clock), with any
+        earlier windows too short to judge, and the rank or link they have in common
+        (``found`` None: every link is healthy). TCP links first; NCCL links where no TCP
+        link is slow."""
+        start = t0 if self.span_start is None else self.span_start
+        reports = self.between(start, t1)
+        if not _enough(reports):
+            self.span_start = start
+            return LinkJudgement(self.last.found, False)
+        self.span_start = None
+        found = _locate(view, self.window_links(reports), self.history, _TCP)
         if found is None:
-            found = _locate(view, self.nccl_window_links(t0, t1), self.nccl_history, _NCCL)
-        self.forget_before(t0 - int(FORGET_S * 1e9))
-        return found
+            found = _locate(view, self.nccl_window_links(reports), self.nccl_history, _NCCL)
+        self.forget_before(start - int(FORGET_S * 1e9))
+        self.last = LinkJudgement(found, True)
+        return self.last
 
-    def nccl_window_links(self, t0: int, t1: int) -> dict[tuple[int, int], LinkStats]:
-        """NCCL send links over the window: ``s_per_mb`` is the time their steps spent
-        handed to the network per MB sent, ``busy`` that time over the window."""
+    @staticmethod
+    def nccl_window_links(reports: list[ChannelReport]) -> dict[tuple[int, int], LinkStats]:
+        """NCCL send links over ``reports``: ``s_per_mb`` is the time their steps spent
+        handed to the network per MB sent, ``busy`` that time over the reports' intervals."""
         got: dict[tuple[int, int], list[tuple[float, PeerChannel]]] = defaultdict(list)
-        for rep in self.between(t0, t1):
+        for rep in reports:
             for e in rep.entries:
                 if e.source == "nccl" and e.direction == "send" and e.sent >= SLOW_MIN_BYTES:
                     got[(rep.rank, e.peer)].append((rep.interval_s, e))
@@ -217,6 +240,13 @@ class ChannelHistory:
             out[(src, dst)] = LinkStats(src, dst, len(v), 0.0, 0, wait_s / (sent / 1e6),
                                         wait_s / max(1e-9, sum(dt for dt, _ in v)), 0, 0, sent)
         return out
+
+
+def _enough(reports: list[ChannelReport]) -> bool:
+    """Whether the ranks that reported channels did so SLOW_MIN_TICKS times each (the
+    median rank: one whose agent lags does not hold the others back)."""
+    counts = Counter(rep.rank for rep in reports)
+    return bool(counts) and statistics.median_low(counts.values()) >= SLOW_MIN_TICKS
 
 
 @dataclass(frozen=True)
