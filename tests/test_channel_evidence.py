@@ -14,6 +14,7 @@ from ccld_plugin.diagnose import channels as chan
 from ccld_plugin.diagnose.channels import (
     PeerChannel,
     channel_evidence,
+    channel_rows,
     cut_off_rank,
     decode_channels,
     encode_channels,
@@ -87,6 +88,32 @@ def test_codec_round_trip_and_budget() -> None:
     assert decode_channels(0, 0, data[:-1]) is None
 
 
+def test_rows_of_many_summaries_match_their_reports() -> None:
+    # The diagnoser's batch decode (every rank's entries at once) reads what the per-rank
+    # decoder reads, and leaves out a value whose head miscounts its NCCL entries, alone.
+    mixed = [entry(1, source="nccl", wait="local", sent=40_000, net_wait_us=7,
+                   peer_wait_us=8, local_wait_us=9, direction="recv"),
+             entry(2, sent=70_000, busy_share=0.5, rtt_us=900),
+             entry(3, source="nccl", sent=90_000, net_wait_us=70)]
+    v = view({0: mixed, 1: [entry(0, sent=5)], 2: mixed, 3: mixed[::-1]})
+    corrupt = bytearray(v.summaries[2].channels)
+    corrupt[2] = 1  # the head counts one NCCL entry of two, and the size agrees with it
+    v.summaries[2].channels = bytes(corrupt[:-12])
+    assert decode_channels(2, 0, v.summaries[2].channels) is None
+    rows = channel_rows(v.summaries.values())
+    assert sorted(rows.reports["rank"].tolist()) == [0, 1, 3]
+    for r in (0, 1, 3):
+        rep = decode_channels(r, 0, v.summaries[r].channels)
+        assert rep is not None
+        got = rows.entries[rows.entries["rank"] == r]
+        assert [(e.peer, e.sent, e.net_wait_us, e.peer_wait_us, e.local_wait_us,
+                 chan.SOURCES.index(e.source), round(e.busy_share * 255))
+                for e in rep.entries] == \
+            [(g["peer"], g["sent"], g["net_wait_us"], g["peer_wait_us"], g["local_wait_us"],
+              g["source"], g["busy"]) for g in got]
+        assert (got["mid_ns"] == v.summaries[r].time_ns - int(INTERVAL * 5e8)).all()
+
+
 # --- hangs ----------------------------------------------------------------------------------
 
 CUT = dict(wait="network", queued=64_000, stalled_s=4.0, rtos=3, rtt_us=200_000)
@@ -157,7 +184,7 @@ def feed(h: ChannelHistory, ticks: int, per_tick: dict[int, list[PeerChannel]],
     for k in range(ticks):
         t = t0 + int(k * INTERVAL * S)
         tick = view(per_tick, now=t, groups=groups)
-        h.ingest(tick, list(tick.summaries.values()))
+        h.ingest(tick.summaries.values())
     return v
 
 

@@ -59,7 +59,7 @@ class SlowDetector:
     # ------------------------------------------------------------------ ingest
     def ingest(self, view: JobView, fresh: list[RankSummary]) -> None:
         """Take in ``fresh``: the summaries of the view not taken in before."""
-        self.channels.ingest(view, fresh)
+        self.channels.ingest(fresh)
         horizon = self.next_window_start() - 4 * self.cfg.window_steps
         for s in fresh:
             mine = self.steps[s.rank]

@@ -11,16 +11,19 @@ per byte; NCCL links by the time their send steps spent handed to the network pe
 from __future__ import annotations
 
 import statistics
-from collections import Counter, defaultdict, deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from ccld_plugin.diagnose.channels import (
-    ChannelReport,
-    PeerChannel,
+    SOURCE_NCCL,
+    SOURCE_TCP,
+    ChannelRows,
+    channel_rows,
     common_culprit,
     fmt_bytes,
-    report_of,
 )
 from ccld_plugin.diagnose.robust import RankedValues
 from ccld_plugin.diagnose.view import JobView
@@ -51,10 +54,11 @@ SLOW_BUSY_SHARE = 0.2
 # TP-heavy job is busy ~10%).
 LOCATE_RATIO = 3.0
 JIFFY_S = 0.004  # the coarsest kernel timer resolution in use (HZ=250)
-HISTORY_TICKS = 600  # per rank; ~10 minutes at the default interval
 # Reports this much older than the window being evaluated are dropped (windows only go
-# forward; at 16 k ranks each second of reports kept is ~50 k objects).
+# forward), and any more than KEEP_S behind the newest (no window closes while steps do
+# not advance; 16 k ranks report ~3 MB of rows a minute).
 FORGET_S = 10.0
+KEEP_S = 120.0
 # NCCL links: a link whose send steps spend NCCL_SLOW_RATIO times longer per byte handed to
 # the network than its siblings' (or its own history's), adding up to NCCL_MIN_WAIT_SHARE
 # of the window, is slow. Not calibrated on real NCCL yet (no GPU machine): the ratio is
@@ -102,17 +106,6 @@ class LinkStats:
     @property
     def pair(self) -> tuple[int, int]:
         return (min(self.src, self.dst), max(self.src, self.dst))
-
-
-def _link_stats(src: int, dst: int, got: list[tuple[float, PeerChannel]]) -> LinkStats:
-    # The kernel counts busy time in jiffies: an interval that moved data was busy for at
-    # least about one, however little it shows.
-    busy_s = sum(max(dt * e.busy_share, JIFFY_S) for dt, e in got)
-    sent = sum(e.sent for _, e in got)
-    return LinkStats(src, dst, len(got), statistics.median(e.rtt_us for _, e in got),
-                     min(e.min_rtt_us for _, e in got), busy_s / (sent / 1e6),
-                     statistics.fmean(e.busy_share for _, e in got),
-                     max(e.queued for _, e in got), sum(e.retrans for _, e in got), sent)
 
 
 def link_role(view: JobView, a: int, b: int) -> GroupInfo | None:
@@ -167,8 +160,7 @@ class ChannelHistory:
     """
 
     def __init__(self) -> None:
-        self.reports: dict[int, deque[ChannelReport]] = defaultdict(
-            lambda: deque(maxlen=HISTORY_TICKS))
+        self.batches: deque[ChannelRows] = deque()  # one per ingest, oldest first
         self.history: dict[tuple[int, int], deque[LinkStats]] = defaultdict(
             lambda: deque(maxlen=8))
         self.nccl_history: dict[tuple[int, int], deque[LinkStats]] = defaultdict(
@@ -176,33 +168,22 @@ class ChannelHistory:
         self.span_start: int | None = None  # of windows not judged yet (too few reports)
         self.last = LinkJudgement(None, True)
 
-    def ingest(self, view: JobView, fresh: Iterable[RankSummary]) -> None:
-        """Keep the channel reports of ``fresh``, the view's summaries not seen before."""
-        for s in fresh:
-            rep = report_of(view, s.rank)
-            if rep is not None:
-                self.reports[s.rank].append(rep)
+    def ingest(self, fresh: Iterable[RankSummary]) -> None:
+        """Keep the channel evidence of ``fresh``, the summaries not seen before."""
+        rows = channel_rows(fresh)
+        if len(rows.reports):
+            self.batches.append(rows)
+            newest = int(rows.reports["mid_ns"].max())
+            self.forget_before(newest - int(KEEP_S * 1e9))
 
-    def between(self, t0: int, t1: int) -> list[ChannelReport]:
-        # A report covers the interval that ends at its time: keep those mostly in [t0, t1].
-        return [rep for reps in self.reports.values() for rep in reps
-                if t0 < rep.time_ns - rep.interval_s * 5e8 <= t1]
+    def between(self, t0: int, t1: int) -> ChannelRows:
+        """The reports whose interval lies mostly in (t0, t1]."""
+        return ChannelRows.concat([b.between(t0, t1) for b in self.batches])
 
     def forget_before(self, t_ns: int) -> None:
-        """Drop reports older than ``t_ns`` (windows only go forward)."""
-        for reps in self.reports.values():
-            while reps and reps[0].time_ns < t_ns:
-                reps.popleft()
-
-    @staticmethod
-    def window_links(reports: list[ChannelReport]) -> dict[tuple[int, int], LinkStats]:
-        """TCP links over ``reports``."""
-        got: dict[tuple[int, int], list[tuple[float, PeerChannel]]] = defaultdict(list)
-        for rep in reports:
-            for e in rep.entries:
-                if e.sent >= SLOW_MIN_BYTES and e.rtt_us > 0:
-                    got[(rep.rank, e.peer)].append((rep.interval_s, e))
-        return {k: _link_stats(*k, v) for k, v in got.items() if len(v) >= SLOW_MIN_TICKS}
+        """Drop the reports of intervals that ended before ``t_ns``."""
+        while self.batches and self.batches[0].reports["mid_ns"].max() < t_ns:
+            self.batches.popleft()
 
     def slow_links(self, view: JobView, t0: int, t1: int) -> LinkJudgement:
         """Links that were slow on the network during [t0, t1] (diagnoser clock), with any
@@ -210,43 +191,77 @@ class ChannelHistory:
         (``found`` None: every link is healthy). TCP links first; NCCL links where no TCP
         link is slow."""
         start = t0 if self.span_start is None else self.span_start
-        reports = self.between(start, t1)
-        if not _enough(reports):
+        rows = self.between(start, t1)
+        if not _enough(rows):
             self.span_start = start
             return LinkJudgement(self.last.found, False)
         self.span_start = None
-        found = _locate(view, self.window_links(reports), self.history, _TCP)
+        found = _locate(view, tcp_links(rows), self.history, _TCP)
         if found is None:
-            found = _locate(view, self.nccl_window_links(reports), self.nccl_history, _NCCL)
+            found = _locate(view, nccl_links(rows), self.nccl_history, _NCCL)
         self.forget_before(start - int(FORGET_S * 1e9))
         self.last = LinkJudgement(found, True)
         return self.last
 
-    @staticmethod
-    def nccl_window_links(reports: list[ChannelReport]) -> dict[tuple[int, int], LinkStats]:
-        """NCCL send links over ``reports``: ``s_per_mb`` is the time their steps spent
-        handed to the network per MB sent, ``busy`` that time over the reports' intervals."""
-        got: dict[tuple[int, int], list[tuple[float, PeerChannel]]] = defaultdict(list)
-        for rep in reports:
-            for e in rep.entries:
-                if e.source == "nccl" and e.direction == "send" and e.sent >= SLOW_MIN_BYTES:
-                    got[(rep.rank, e.peer)].append((rep.interval_s, e))
-        out = {}
-        for (src, dst), v in got.items():
-            if len(v) < SLOW_MIN_TICKS:
-                continue
-            sent = sum(e.sent for _, e in v)
-            wait_s = sum(e.net_wait_us for _, e in v) / 1e6
-            out[(src, dst)] = LinkStats(src, dst, len(v), 0.0, 0, wait_s / (sent / 1e6),
-                                        wait_s / max(1e-9, sum(dt for dt, _ in v)), 0, 0, sent)
-        return out
+
+def _by_link(e: np.ndarray, order_by: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``e`` sorted by link (rank, peer), then by ``order_by``; each link's first row and
+    its number of rows."""
+    e = e[np.lexsort((e[order_by], e["peer"], e["rank"]))]
+    new = np.ones(len(e), dtype=bool)
+    new[1:] = (e["rank"][1:] != e["rank"][:-1]) | (e["peer"][1:] != e["peer"][:-1])
+    starts = np.flatnonzero(new)
+    return e, starts, np.diff(np.append(starts, len(e)))
 
 
-def _enough(reports: list[ChannelReport]) -> bool:
+def tcp_links(rows: ChannelRows) -> dict[tuple[int, int], LinkStats]:
+    """The TCP links that moved SLOW_MIN_BYTES in SLOW_MIN_TICKS of ``rows``' intervals."""
+    e = rows.entries
+    e = e[(e["source"] == SOURCE_TCP) & (e["sent"] >= SLOW_MIN_BYTES) & (e["rtt_us"] > 0)]
+    if not len(e):
+        return {}
+    e, starts, counts = _by_link(e, "rtt_us")
+    rtt = e["rtt_us"].astype(np.float64)
+    share = e["busy"] / 255
+    # The kernel counts busy time in jiffies: an interval that moved data was busy for at
+    # least about one, however little it shows.
+    busy_s = np.add.reduceat(np.maximum(e["interval_s"] * share, JIFFY_S), starts)
+    sent = np.add.reduceat(e["sent"].astype(np.int64), starts)
+    cols = zip(e["rank"][starts].tolist(), e["peer"][starts].tolist(), counts.tolist(),
+               ((rtt[starts + (counts - 1) // 2] + rtt[starts + counts // 2]) / 2).tolist(),
+               np.minimum.reduceat(e["min_rtt_us"], starts).tolist(),
+               (busy_s / (sent / 1e6)).tolist(), (np.add.reduceat(share, starts) / counts).tolist(),
+               np.maximum.reduceat(e["queued"], starts).tolist(),
+               np.add.reduceat(e["retrans"].astype(np.int64), starts).tolist(), sent.tolist(),
+               strict=True)
+    return {(c[0], c[1]): LinkStats(*c) for c in cols if c[2] >= SLOW_MIN_TICKS}
+
+
+def nccl_links(rows: ChannelRows) -> dict[tuple[int, int], LinkStats]:
+    """NCCL send links over ``rows``: ``s_per_mb`` is the time their steps spent handed to
+    the network per MB sent, ``busy`` that time over the intervals."""
+    e = rows.entries
+    e = e[(e["source"] == SOURCE_NCCL) & (e["direction"] == 0) & (e["sent"] >= SLOW_MIN_BYTES)]
+    if not len(e):
+        return {}
+    e, starts, counts = _by_link(e, "sent")
+    sent = np.add.reduceat(e["sent"].astype(np.int64), starts)
+    wait_s = np.add.reduceat(e["net_wait_us"].astype(np.float64), starts) / 1e6
+    span_s = np.maximum(np.add.reduceat(e["interval_s"], starts), 1e-9)
+    cols = zip(e["rank"][starts].tolist(), e["peer"][starts].tolist(), counts.tolist(),
+               (wait_s / (sent / 1e6)).tolist(), (wait_s / span_s).tolist(), sent.tolist(),
+               strict=True)
+    return {(src, dst): LinkStats(src, dst, n, 0.0, 0, spm, busy, 0, 0, sent)
+            for src, dst, n, spm, busy, sent in cols if n >= SLOW_MIN_TICKS}
+
+
+def _enough(rows: ChannelRows) -> bool:
     """Whether the ranks that reported channels did so SLOW_MIN_TICKS times each (the
     median rank: one whose agent lags does not hold the others back)."""
-    counts = Counter(rep.rank for rep in reports)
-    return bool(counts) and statistics.median_low(counts.values()) >= SLOW_MIN_TICKS
+    if not len(rows.reports):
+        return False
+    counts = np.sort(np.unique(rows.reports["rank"], return_counts=True)[1])
+    return int(counts[(len(counts) - 1) // 2]) >= SLOW_MIN_TICKS
 
 
 @dataclass(frozen=True)
