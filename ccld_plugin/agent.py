@@ -21,9 +21,9 @@ import numpy as np
 from ccld_plugin.channels import ChannelSampler
 from ccld_plugin.config import AgentConfig
 from ccld_plugin.control import ClockSync, ControlPlane, resync_epoch
-from ccld_plugin.diagnose.channels import MAX_ENTRIES, encode_channels, entry_order
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.nccl_channels import NcclChannels
+from ccld_plugin.peer_channels import MAX_ENTRIES, encode_channels, entry_order
 from ccld_plugin.probe import (
     FLAG_ASYNC,
     FLAG_P2P,

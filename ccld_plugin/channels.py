@@ -15,7 +15,7 @@ Each tick the agent calls :meth:`ChannelSampler.tick`, which
 5. writes one channel record per connection into the board's channel table (what
    ``ccld inspect`` and a post-mortem read), claiming and releasing slots as connections
    come and go;
-6. returns the compact per-peer evidence for the summary (``diagnose.channels``).
+6. returns the compact per-peer evidence for the summary (``peer_channels``).
 
 Every failure is contained: the tick then returns no evidence and training goes on.
 ``CCLD_CHANNEL_TRACE=DIR`` appends each tick's per-peer entries to ``DIR/rank<r>.jsonl``
@@ -35,14 +35,14 @@ from pathlib import Path
 from typing import Any
 
 from ccld_plugin import transport
-from ccld_plugin.diagnose.channels import (
+from ccld_plugin.errors import log, report_error
+from ccld_plugin.peer_channels import (
     MAX_ENTRIES,
     WAIT_ORDER,
     PeerChannel,
     encode_channels,
     entry_order,
 )
-from ccld_plugin.errors import log, report_error
 from ccld_plugin.transport import TcpConn, TcpProbe
 
 __all__ = ["ChannelSample", "ChannelSampler", "store_ports"]

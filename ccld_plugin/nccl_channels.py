@@ -6,7 +6,7 @@ wait state of the oldest unfinished step and when anything last happened on it; 
 persistent totals record per (communicator, peer, direction) with the bytes and the time
 steps spent in each wait (``csrc/nccl_links.c``). Every agent tick
 :meth:`NcclChannels.sample` folds the records of one peer and direction into one summary
-entry of source "nccl" (``diagnose.channels.PeerChannel``): ``diagnose.nccl_waits`` reads
+entry of source "nccl" (``peer_channels.PeerChannel``): ``diagnose.nccl_waits`` reads
 the wait states when a collective hangs, ``diagnose.slow_links`` the wait times per byte
 over a window. Records of kernel channels (no peer) are left out: they say a kernel runs,
 not what it waits for.
@@ -18,7 +18,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from ccld_plugin.diagnose.channels import WAIT_ORDER, PeerChannel
+from ccld_plugin.peer_channels import WAIT_ORDER, PeerChannel
 from ccld_plugin.probe import SOURCE_NAMES, WAIT_NAMES
 
 __all__ = ["NcclChannels"]

@@ -9,19 +9,17 @@ import time
 import pytest
 
 from ccld_plugin import _native
+from ccld_plugin import peer_channels as codec
 from ccld_plugin.channels import ChannelSampler
-from ccld_plugin.diagnose import channels as chan
-from ccld_plugin.diagnose.channels import (
-    PeerChannel,
-    channel_evidence,
-    channel_rows,
-    cut_off_rank,
-    decode_channels,
-    encode_channels,
-    toward_lines,
-)
+from ccld_plugin.diagnose.channels import channel_evidence, cut_off_rank, toward_lines
 from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkJudgement
 from ccld_plugin.diagnose.view import JobView
+from ccld_plugin.peer_channels import (
+    PeerChannel,
+    channel_rows,
+    decode_channels,
+    encode_channels,
+)
 from ccld_plugin.probe import BoardReader
 from ccld_plugin.summary import RankSummary
 from ccld_plugin.topology import GroupInfo, group_id_of
@@ -73,7 +71,7 @@ def test_codec_round_trip_and_budget() -> None:
     assert len(data) <= 450  # a bounded share of the ~1 KB summary budget
     rep = decode_channels(3, 77, data)
     assert rep is not None and rep.rank == 3 and rep.time_ns == 77 and rep.conns == 40
-    assert len(rep.entries) == chan.MAX_ENTRIES and rep.interval_s == INTERVAL
+    assert len(rep.entries) == codec.MAX_ENTRIES and rep.interval_s == INTERVAL
     e = rep.entries[0]
     assert (e.peer, e.wait, e.sent, e.queued, e.rtt_us, e.retrans, e.rtos) == \
         (0, "network", 5 * 10**6, 123_456, 40_000, 7, 2)
@@ -107,7 +105,7 @@ def test_rows_of_many_summaries_match_their_reports() -> None:
         assert rep is not None
         got = rows.entries[rows.entries["rank"] == r]
         assert [(e.peer, e.sent, e.net_wait_us, e.peer_wait_us, e.local_wait_us,
-                 chan.SOURCES.index(e.source), round(e.busy_share * 255))
+                 codec.SOURCES.index(e.source), round(e.busy_share * 255))
                 for e in rep.entries] == \
             [(g["peer"], g["sent"], g["net_wait_us"], g["peer_wait_us"], g["local_wait_us"],
               g["source"], g["busy"]) for g in got]

@@ -5,10 +5,10 @@ records in test_nccl_profiler.py."""
 
 from __future__ import annotations
 
-from ccld_plugin.diagnose.channels import PeerChannel, encode_channels
 from ccld_plugin.diagnose.nccl_waits import nccl_evidence
 from ccld_plugin.diagnose.records import Cause
 from ccld_plugin.diagnose.view import JobView
+from ccld_plugin.peer_channels import PeerChannel, encode_channels
 from ccld_plugin.summary import RankSummary
 from ccld_plugin.topology import GroupInfo, group_id_of
 

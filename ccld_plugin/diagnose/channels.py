@@ -1,15 +1,15 @@
-"""Channel evidence: what each rank's TCP connections say about where data waits.
+"""Channel evidence of hangs: what each rank's TCP connections say about where data waits.
 
 Every agent tick a rank sends, inside its summary, one compact entry per peer rank it has
-connections to (``RankSummary.channels``, encoded here and filled by
-``ccld_plugin.channels``): bytes moved each way in the interval, bytes queued, RTT and its
-floor, retransmissions, the share of the interval the sender was stalled by the peer's
-receive window or its own send buffer, the wait class of ``transport.classify_wait`` and
-how long queued data has not moved. Entries of source "nccl" come from the NCCL profiler
-plugin's channel records instead (``ccld_plugin.nccl_channels``); their wait states are
-read by ``diagnose.nccl_waits``.
+connections to (``ccld_plugin.peer_channels``, filled by ``ccld_plugin.channels``): bytes
+moved each way in the interval, bytes queued, RTT and its floor, retransmissions, the
+share of the interval the sender was stalled by the peer's receive window or its own send
+buffer, the wait class of ``transport.classify_wait`` and how long queued data has not
+moved. Entries of source "nccl" come from the NCCL profiler plugin's channel records
+instead (``ccld_plugin.nccl_channels``); their wait states are read by
+``diagnose.nccl_waits``.
 
-This module is pure (no torch, no native code). It decodes those entries and answers,
+This module is pure (no torch, no native code). It answers,
 for a hang (:func:`channel_evidence`, :func:`cut_off_rank`), which connections are
 stalled and which rank (or link) is common to them: a sender whose bytes are not even
 acknowledged waits on the network, one whose peer's receive window stays closed waits for
@@ -18,65 +18,26 @@ a receiver that does not read. Slow links over a window are ``diagnose.slow_link
 
 from __future__ import annotations
 
-import struct
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import NamedTuple
-
-import numpy as np
 
 from ccld_plugin.diagnose.records import Cause
 from ccld_plugin.diagnose.view import JobView
-from ccld_plugin.summary import RankSummary
+from ccld_plugin.peer_channels import ChannelReport, PeerChannel, decode_channels
 from ccld_plugin.topology import GroupInfo
 
 __all__ = [
-    "CHANNELS_VERSION",
-    "ChannelReport",
-    "ChannelRows",
     "Located",
-    "PeerChannel",
-    "WAIT_NAMES",
-    "WAIT_ORDER",
     "channel_evidence",
     "common_culprit",
     "cut_off_rank",
     "cut_off_ranks",
-    "channel_rows",
-    "decode_channels",
-    "encode_channels",
-    "entry_order",
     "fmt_bytes",
     "is_silent",
     "report_of",
     "toward_lines",
 ]
-
-CHANNELS_VERSION = 3
-WAIT_NAMES = ("none", "local", "peer", "network")  # enum ccld_wait of board.h
-_WAIT_CODE = {name: i for i, name in enumerate(WAIT_NAMES)}
-WAIT_ORDER = {"none": 0, "local": 1, "peer": 2, "network": 3}  # which wait an entry shows
-DIRECTIONS = ("send", "recv")
-SOURCES = ("tcp", "nccl")
-
-# A value: the head (version, entries, NCCL entries among them, interval ms, connections
-# mapped to ranks), the entries, then the NCCL entries' wait times in their order. Fixed
-# size entries side by side let the diagnoser decode every rank's at once (ChannelRows).
-_HEAD = struct.Struct("<BBBHH")
-_ENTRY_FIELDS = (  # (name, struct code); shares are x/255, stalled in 10 ms units
-    ("peer", "i"), ("wait", "B"), ("direction", "B"), ("conns", "B"), ("rtos", "B"),
-    ("sent", "I"), ("received", "I"), ("queued", "I"), ("rtt_us", "I"), ("min_rtt_us", "I"),
-    ("retrans", "H"), ("rwnd", "B"), ("sndbuf", "B"), ("busy", "B"), ("stalled", "H"),
-    ("source", "B"))
-_ENTRY = struct.Struct("<" + "".join(code for _, code in _ENTRY_FIELDS))
-_NCCL_WAITS = struct.Struct("<III")  # local, peer and network wait (us)
-_WAIT_FIELDS = ("local_wait_us", "peer_wait_us", "net_wait_us")
-ENTRY_DTYPE = np.dtype([(name, "<" + code) for name, code in _ENTRY_FIELDS])
-ROW_DTYPE = np.dtype([("rank", "<i4"), ("mid_ns", "<i8"), ("interval_s", "<f8"),
-                      *ENTRY_DTYPE.descr, *((w, "<u4") for w in _WAIT_FIELDS)])
-SOURCE_TCP, SOURCE_NCCL = 0, 1
-MAX_ENTRIES = 12  # keeps a rank's channel evidence under ~450 bytes per tick
 
 # --- thresholds of the diagnoser ----------------------------------------------------------
 #
@@ -89,36 +50,6 @@ STALL_S = 1.0
 SILENT_INTERVALS = 2.5
 
 
-class PeerChannel(NamedTuple):
-    """One rank's connections to one peer rank over one agent interval.
-
-    Source "tcp": the rank's TCP connections to the peer. Source "nccl": the NCCL channels
-    of one direction to the peer (``conns`` counts channels, ``queued`` is the bytes of
-    steps posted and not done, the TCP-only fields are 0)."""
-
-    peer: int
-    wait: str  # none / local / peer / network: the worst of its connections
-    direction: str  # send or recv: the side the wait is about (else the busier one)
-    conns: int
-    rtos: int  # consecutive retransmission timeouts (worst connection)
-    sent: int  # bytes acknowledged by the peer in the interval
-    received: int  # bytes received in the interval
-    queued: int  # bytes written and not yet acknowledged (recv side: not yet read)
-    rtt_us: int  # smoothed RTT (worst connection that carried data)
-    min_rtt_us: int  # the path's floor
-    retrans: int  # segments retransmitted in the interval
-    rwnd_share: float  # share of the interval stalled by the peer's receive window
-    sndbuf_share: float  # ... by our own send buffer
-    busy_share: float  # ... with a non-empty send queue
-    stalled_s: float  # how long queued bytes have not moved (0: nothing queued)
-    source: str = "tcp"
-    # NCCL only: time the steps of this direction spent waiting in the interval, summed
-    # over steps (pipelined steps overlap), from the plugin's per-link totals.
-    local_wait_us: int = 0  # on this rank's GPU
-    peer_wait_us: int = 0  # on the peer's credit
-    net_wait_us: int = 0  # handed to the network (send) / for data (recv)
-
-
 @dataclass(frozen=True, slots=True)
 class Located:
     """Where channel evidence puts a hang: the ranks (or the link) to name, the lines that
@@ -128,153 +59,6 @@ class Located:
     link: list[int] | None
     lines: list[str]
     cause: Cause = Cause.COMMUNICATION
-
-
-@dataclass(frozen=True, slots=True)
-class ChannelReport:
-    """The channel evidence of one rank's summary."""
-
-    rank: int
-    time_ns: int  # the summary's time (diagnoser clock): end of the interval
-    interval_s: float
-    conns: int  # connections mapped to peer ranks
-    entries: tuple[PeerChannel, ...]
-
-    def to(self, peer: int) -> PeerChannel | None:
-        return next((e for e in self.entries if e.peer == peer), None)
-
-
-def _share(x: float) -> int:
-    return max(0, min(255, round(x * 255)))
-
-
-def _u32(v: int) -> int:
-    return max(0, min(int(v), 0xFFFFFFFF))
-
-
-def entry_order(e: PeerChannel) -> tuple[int, float, int]:
-    """Sort key of a summary's entries: the worst waits, the longest stalls, the busiest
-    links first (what survives the MAX_ENTRIES cut)."""
-    return (-WAIT_ORDER[e.wait], -e.stalled_s, -(e.sent + e.received))
-
-
-def encode_channels(entries: Iterable[PeerChannel], interval_s: float, conns: int) -> bytes:
-    """The ``channels`` bytes of a summary (at most MAX_ENTRIES entries, in order)."""
-    rows = list(entries)[:MAX_ENTRIES]
-    nccl = [e for e in rows if e.source == "nccl"]
-    parts = [_HEAD.pack(CHANNELS_VERSION, len(rows), len(nccl),
-                        min(int(interval_s * 1000), 0xFFFF), min(conns, 0xFFFF))]
-    for e in rows:
-        parts.append(_ENTRY.pack(
-            e.peer, _WAIT_CODE[e.wait], DIRECTIONS.index(e.direction), min(e.conns, 255),
-            min(e.rtos, 255), _u32(e.sent), _u32(e.received), _u32(e.queued), _u32(e.rtt_us),
-            _u32(e.min_rtt_us), min(e.retrans, 0xFFFF), _share(e.rwnd_share),
-            _share(e.sndbuf_share), _share(e.busy_share),
-            min(round(e.stalled_s * 100), 0xFFFF), SOURCES.index(e.source)))
-    for e in nccl:
-        parts.append(_NCCL_WAITS.pack(_u32(e.local_wait_us), _u32(e.peer_wait_us),
-                                      _u32(e.net_wait_us)))
-    return b"".join(parts)
-
-
-def _layout(data: bytes) -> tuple[int, int, float, int] | None:
-    """(entries, NCCL entries, interval s, connections) of a well-formed value, else None."""
-    if len(data) < _HEAD.size or data[0] != CHANNELS_VERSION:
-        return None
-    _, n, k, interval_ms, conns = _HEAD.unpack_from(data)
-    if k > n or len(data) != _HEAD.size + n * _ENTRY.size + k * _NCCL_WAITS.size:
-        return None
-    return n, k, interval_ms / 1000, conns
-
-
-def decode_channels(rank: int, time_ns: int, data: bytes) -> ChannelReport | None:
-    """Inverse of :func:`encode_channels`; None for an empty or foreign value."""
-    layout = _layout(data)
-    if layout is None:
-        return None
-    n, k, interval_s, conns = layout
-    waits = list(_NCCL_WAITS.iter_unpack(data[_HEAD.size + n * _ENTRY.size:]))
-    entries = []
-    for (peer, wait, direction, nconn, rtos, sent, received, queued, rtt, min_rtt, retrans,
-         rwnd, sndbuf, busy, stalled, source) in _ENTRY.iter_unpack(
-            data[_HEAD.size:_HEAD.size + n * _ENTRY.size]):
-        src = SOURCES[source] if source < len(SOURCES) else "tcp"
-        if src == "nccl" and not waits:
-            return None  # more NCCL entries than the head said
-        local_w, peer_w, net_w = waits.pop(0) if src == "nccl" else (0, 0, 0)
-        entries.append(PeerChannel(
-            peer=peer, wait=WAIT_NAMES[wait] if wait < len(WAIT_NAMES) else "none",
-            direction=DIRECTIONS[direction & 1], conns=nconn, rtos=rtos, sent=sent,
-            received=received, queued=queued, rtt_us=rtt, min_rtt_us=min_rtt, retrans=retrans,
-            rwnd_share=rwnd / 255, sndbuf_share=sndbuf / 255, busy_share=busy / 255,
-            stalled_s=stalled / 100, source=src, local_wait_us=local_w,
-            peer_wait_us=peer_w, net_wait_us=net_w))
-    if waits:
-        return None
-    return ChannelReport(rank, time_ns, interval_s, conns, tuple(entries))
-
-
-@dataclass(frozen=True, slots=True)
-class ChannelRows:
-    """The channel evidence of many summaries at once, for windows over thousands of ranks:
-    ``reports`` one row per summary (rank, mid_ns: the middle of its interval), ``entries``
-    one ROW_DTYPE row per entry (raw codes: shares x/255, waits as in WAIT_NAMES)."""
-
-    reports: np.ndarray
-    entries: np.ndarray
-
-    @staticmethod
-    def concat(parts: list[ChannelRows]) -> ChannelRows:
-        if not parts:
-            return channel_rows([])
-        return ChannelRows(np.concatenate([p.reports for p in parts]),
-                           np.concatenate([p.entries for p in parts]))
-
-    def between(self, t0: int, t1: int) -> ChannelRows:
-        """The reports whose interval lies mostly in (t0, t1] and their entries."""
-        keep = (self.reports["mid_ns"] > t0) & (self.reports["mid_ns"] <= t1)
-        mid = self.entries["mid_ns"]
-        return ChannelRows(self.reports[keep], self.entries[(mid > t0) & (mid <= t1)])
-
-
-_REPORT_DTYPE = np.dtype([("rank", "<i4"), ("mid_ns", "<i8"), ("interval_s", "<f8")])
-
-
-def channel_rows(summaries: Iterable[RankSummary]) -> ChannelRows:
-    """The channel evidence of ``summaries`` as rows (values not well formed are left out,
-    as :func:`decode_channels` leaves them)."""
-    reports, counts, nccl_counts, entry_parts, wait_parts = [], [], [], [], []
-    for s in summaries:
-        layout = _layout(s.channels) if s.channels else None
-        if layout is None:
-            continue
-        n, k, interval_s, _ = layout
-        end = _HEAD.size + n * _ENTRY.size
-        reports.append((s.rank, s.time_ns - int(interval_s * 5e8), interval_s))
-        counts.append(n)
-        nccl_counts.append(k)
-        entry_parts.append(s.channels[_HEAD.size:end])
-        wait_parts.append(s.channels[end:])
-    head = np.array(reports, dtype=_REPORT_DTYPE)
-    raw = np.frombuffer(b"".join(entry_parts), ENTRY_DTYPE)
-    which = np.repeat(np.arange(len(reports)), counts)
-    nccl = raw["source"] == SOURCE_NCCL
-    ok = np.bincount(which, weights=nccl, minlength=len(reports)) == nccl_counts
-    if not ok.all():  # a value whose head miscounts its NCCL entries is left out
-        keep = ok[which]
-        raw, which, nccl = raw[keep], which[keep], nccl[keep]
-        wait_parts = [w for w, good in zip(wait_parts, ok, strict=True) if good]
-        head = head[ok]
-        which = np.cumsum(ok)[which] - 1  # renumbered among the reports kept
-    rows = np.zeros(len(raw), ROW_DTYPE)
-    for name in ENTRY_DTYPE.names:
-        rows[name] = raw[name]
-    for name in _REPORT_DTYPE.names:
-        rows[name] = head[name][which]
-    waits = np.frombuffer(b"".join(wait_parts), "<u4").reshape(-1, 3)
-    for i, name in enumerate(_WAIT_FIELDS):
-        rows[name][nccl] = waits[:, i]
-    return ChannelRows(head, rows)
 
 
 def report_of(view: JobView, rank: int) -> ChannelReport | None:

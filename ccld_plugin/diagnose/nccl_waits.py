@@ -31,13 +31,13 @@ from collections.abc import Iterable
 from ccld_plugin.diagnose.channels import (
     STALL_S,
     Located,
-    PeerChannel,
     fmt_bytes,
     is_silent,
     report_of,
 )
 from ccld_plugin.diagnose.records import Cause
 from ccld_plugin.diagnose.view import JobView
+from ccld_plugin.peer_channels import PeerChannel
 from ccld_plugin.topology import GroupInfo
 
 __all__ = ["nccl_evidence", "nccl_stalls"]

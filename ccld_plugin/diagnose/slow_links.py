@@ -1,6 +1,6 @@
 """Slow links: which links were slow over a window of time, and the rank they share.
 
-Every rank's channel reports (``diagnose.channels``) are kept for a few minutes; per slow
+Every rank's channel reports (``peer_channels``) are kept for a few minutes; per slow
 detector window each directed link's intervals that moved data are summarized and
 compared with its sibling links of the same role that share no rank with it, or, without
 siblings, with its own history. TCP links by their RTT and time of non-empty send queue
@@ -17,16 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ccld_plugin.diagnose.channels import (
-    SOURCE_NCCL,
-    SOURCE_TCP,
-    ChannelRows,
-    channel_rows,
-    common_culprit,
-    fmt_bytes,
-)
+from ccld_plugin.diagnose.channels import common_culprit, fmt_bytes
 from ccld_plugin.diagnose.robust import RankedValues
 from ccld_plugin.diagnose.view import JobView
+from ccld_plugin.peer_channels import SOURCE_NCCL, SOURCE_TCP, ChannelRows, channel_rows
 from ccld_plugin.summary import RankSummary
 from ccld_plugin.topology import GroupInfo
 
