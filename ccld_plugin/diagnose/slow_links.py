@@ -1,11 +1,11 @@
 """Slow links: which links were slow over a window of time, and the rank they share.
 
-Every rank's channel reports (``peer_channels``) are kept for a few minutes; per slow
-detector window each directed link's intervals that moved data are summarized and
-compared with its sibling links of the same role that share no rank with it, or, without
-siblings, with its own history. TCP links by their RTT and time of non-empty send queue
-per byte; NCCL links by the time their send steps spent handed to the network per byte
-(the plugin's per-link totals).
+Every rank's channel reports (``peer_channels``, as numpy rows) are kept until the slow
+detector's windows have passed them; per window each directed link's intervals that moved
+data are summarized and compared with its sibling links of the same role that share no
+rank with it, or, without siblings, with its own history. TCP links by their RTT and time
+of non-empty send queue per byte; NCCL links by the time their send steps spent handed to
+the network per byte (the plugin's per-link totals).
 """
 
 from __future__ import annotations
@@ -27,15 +27,18 @@ from ccld_plugin.topology import GroupInfo
 __all__ = ["ChannelHistory", "LinkFinding", "LinkJudgement", "LinkStats", "link_role"]
 
 # Slow links (see ChannelHistory). Only intervals in which a link moved SLOW_MIN_BYTES
-# count, at least SLOW_MIN_TICKS of them per window. Absolute RTTs do not separate a slow
-# link from a healthy one: on a loaded host a one-way flow's smoothed RTT reaches several
-# ms from delayed ACKs alone (measured 3-11 ms on healthy veth links), as much as a link
-# shaped to 50 Mbit/s shows. Against its sibling links (same traffic pattern), a shaped
-# link's send-queue time per byte was 8-100x higher here (50 Mbit/s on a TP link: 8-27x;
-# on a DP ring: ~100x), a healthy link's at most 5.2x (median 1.0x) over ~120 windows of
-# six healthy runs: SLOW_RATIO. The RTT must agree (RTT_RATIO; healthy siblings differ
-# up to 8x in RTT alone, a shaped link's RTT was 3-250x its siblings'), and the link must
-# be busy SLOW_BUSY_SHARE of the time (it costs the job; the 5.2x healthy case was 11%).
+# count, at least SLOW_MIN_TICKS of them per judgement: a window of steps shorter than
+# that many agent intervals is judged together with the next (0.26 s steps and 0.5 s ticks
+# gave windows of two and three reports in turn; each short one broke the streak).
+# Absolute RTTs do not separate a slow link from a healthy one: on a loaded host a one-way
+# flow's smoothed RTT reaches several ms from delayed ACKs alone (measured 3-11 ms on
+# healthy veth links), as much as a link shaped to 50 Mbit/s shows. Against its sibling
+# links (same traffic pattern), a shaped link's send-queue time per byte was 8-100x higher
+# here (50 Mbit/s on a TP link: 8-27x; on a DP ring: ~100x), a healthy link's at most 5.2x
+# (median 1.0x) over ~120 windows of six healthy runs: SLOW_RATIO. The RTT must agree
+# (RTT_RATIO; healthy siblings differ up to 8x in RTT alone, a shaped link's RTT was
+# 3-250x its siblings'), and the link must be busy SLOW_BUSY_SHARE of the time (it costs
+# the job; the 5.2x healthy case was 11%).
 SLOW_MIN_BYTES = 32 * 1024
 SLOW_MIN_TICKS = 3
 SLOW_RATIO = 6.0
@@ -49,10 +52,11 @@ SLOW_BUSY_SHARE = 0.2
 LOCATE_RATIO = 3.0
 JIFFY_S = 0.004  # the coarsest kernel timer resolution in use (HZ=250)
 # Reports this much older than the window being evaluated are dropped (windows only go
-# forward), and any more than KEEP_S behind the newest (no window closes while steps do
-# not advance; 16 k ranks report ~3 MB of rows a minute).
+# forward), and any more than KEEP_S behind the newest: a longer window is judged on its
+# last KEEP_S. Each round's reports of 16 k ranks are ~3 MB of rows (rounds come every
+# few seconds at that size).
 FORGET_S = 10.0
-KEEP_S = 120.0
+KEEP_S = 30.0
 # NCCL links: a link whose send steps spend NCCL_SLOW_RATIO times longer per byte handed to
 # the network than its siblings' (or its own history's), adding up to NCCL_MIN_WAIT_SHARE
 # of the window, is slow. Not calibrated on real NCCL yet (no GPU machine): the ratio is
@@ -175,7 +179,7 @@ class ChannelHistory:
         return ChannelRows.concat([b.between(t0, t1) for b in self.batches])
 
     def forget_before(self, t_ns: int) -> None:
-        """Drop the reports of intervals that ended before ``t_ns``."""
+        """Drop the batches whose reports all lie mostly before ``t_ns``."""
         while self.batches and self.batches[0].reports["mid_ns"].max() < t_ns:
             self.batches.popleft()
 
