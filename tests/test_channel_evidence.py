@@ -247,6 +247,17 @@ def test_too_few_intervals_are_judged_with_the_next_window() -> None:
     assert again == LinkJudgement(judged.found, False)
 
 
+def test_reports_are_kept_for_a_bounded_time_while_no_window_closes() -> None:
+    # Steps that do not advance close no window: the history must not grow with the job.
+    from ccld_plugin.diagnose.slow_links import KEEP_S
+    h = ChannelHistory()
+    ticks = int(3 * KEEP_S / INTERVAL)
+    feed(h, ticks, {0: [healthy(3)], 1: [shaped(0)], 2: [shaped(1)], 3: [healthy(2)]}, DP4)
+    kept = h.between(0, 10**15).reports["mid_ns"]
+    newest = 10 * S + int((ticks - 1) * INTERVAL * S)
+    assert len(kept) < 4 * (KEEP_S / INTERVAL + 2) and kept.min() >= newest - KEEP_S * S - S
+
+
 # --- the agent's sampler on real sockets -----------------------------------------------------
 
 
