@@ -14,6 +14,7 @@ import statistics
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -48,7 +49,8 @@ SLOW_BUSY_SHARE = 0.2
 # Once one link is slow, its two ends are told apart with softer evidence: the end whose
 # other links are slow by LOCATE_RATIO in time per byte (and RTT_RATIO in RTT) while the
 # other end's are not is named, however little those links are used (a PP link of a
-# TP-heavy job is busy ~10%).
+# TP-heavy job is busy ~10%). It is below the slow ratios: a link that is not LOCATE_RATIO
+# over its reference is not slow either (``_locate`` skips it on that bound).
 LOCATE_RATIO = 3.0
 JIFFY_S = 0.004  # the coarsest kernel timer resolution in use (HZ=250)
 # Reports this much older than the window being evaluated are dropped (windows only go
@@ -86,8 +88,7 @@ class LinkJudgement:
     fresh: bool
 
 
-@dataclass(frozen=True)
-class LinkStats:
+class LinkStats(NamedTuple):
     """One directed link (a sends to b) over a window: what a reported about it."""
 
     src: int
@@ -136,6 +137,13 @@ class _SiblingMedians:
         self.rtt = RankedValues({k: st.rtt_us for k, st in links.items()})
         self.spm = RankedValues({k: st.s_per_mb for k, st in links.items()})
 
+    def spm_floor(self, k: tuple[int, int]) -> float | None:
+        """A lower bound of ``without(k)``'s time per MB from counts alone: at most
+        len(touching[a]) + len(touching[b]) - 1 links are left out (``k`` is in both), and
+        leaving out more values can only lower the median. None: maybe no link is left."""
+        left = self.count - len(self.touching[k[0]]) - len(self.touching[k[1]]) + 1
+        return self.spm.values[(left - 1) // 2] if left >= 1 else None
+
     def without(self, k: tuple[int, int]) -> tuple[float, float] | None:
         """(median RTT, median s per MB) of the links sharing no rank with ``k``; None
         when every link does."""
@@ -143,6 +151,22 @@ class _SiblingMedians:
         if len(left_out) >= self.count:
             return None
         return self.rtt.median_without(left_out), self.spm.median_without(left_out)
+
+
+class _LinkRoles:
+    """``link_role`` of each link, kept while the view's topology stays the same object
+    (the diagnoser service builds a new one when a group table changes)."""
+
+    def __init__(self) -> None:
+        self.topology: object = None
+        self.known: dict[tuple[int, int], GroupInfo | None] = {}
+
+    def __call__(self, view: JobView, k: tuple[int, int]) -> GroupInfo | None:
+        if view.topology is not self.topology:
+            self.topology, self.known = view.topology, {}
+        if k not in self.known:
+            self.known[k] = link_role(view, *k)
+        return self.known[k]
 
 
 class ChannelHistory:
@@ -164,6 +188,7 @@ class ChannelHistory:
         self.nccl_history: dict[tuple[int, int], deque[LinkStats]] = defaultdict(
             lambda: deque(maxlen=8))
         self.span_start: int | None = None  # of windows not judged yet (too few reports)
+        self.roles = _LinkRoles()
         self.last = LinkJudgement(None, True)
 
     def ingest(self, fresh: Iterable[RankSummary]) -> None:
@@ -194,9 +219,9 @@ class ChannelHistory:
             self.span_start = start
             return LinkJudgement(self.last.found, False)
         self.span_start = None
-        found = _locate(view, tcp_links(rows), self.history, _TCP)
+        found = _locate(view, tcp_links(rows), self.history, _TCP, self.roles)
         if found is None:
-            found = _locate(view, nccl_links(rows), self.nccl_history, _NCCL)
+            found = _locate(view, nccl_links(rows), self.nccl_history, _NCCL, self.roles)
         self.forget_before(start - int(FORGET_S * 1e9))
         self.last = LinkJudgement(found, True)
         return self.last
@@ -296,10 +321,11 @@ _NCCL = _Rules(
 
 
 def _locate(view: JobView, links: dict[tuple[int, int], LinkStats],
-            history: dict[tuple[int, int], deque[LinkStats]], rules: _Rules
+            history: dict[tuple[int, int], deque[LinkStats]], rules: _Rules,
+            role_of: Callable[[JobView, tuple[int, int]], GroupInfo | None]
             ) -> LinkFinding | None:
     """The slow links among ``links`` and the rank or link they have in common."""
-    roles = {k: link_role(view, *k) for k in links}
+    roles = {k: role_of(view, k) for k in links}
     by_role: dict[str | None, dict[tuple[int, int], LinkStats]] = defaultdict(dict)
     for k, st in links.items():
         by_role[roles[k].role if roles[k] is not None else None][k] = st
@@ -308,6 +334,9 @@ def _locate(view: JobView, links: dict[tuple[int, int], LinkStats],
     softer: list[tuple[LinkStats, float, float, str]] = []
     for k, st in links.items():
         role = roles[k].role if roles[k] is not None else None
+        floor = siblings[role].spm_floor(k)
+        if floor is not None and st.s_per_mb < LOCATE_RATIO * floor:
+            continue  # under any median its siblings can have: neither slow nor softer
         ref = siblings[role].without(k)
         source = "links of the same role that share no rank with it"
         if ref is None and history[k]:
