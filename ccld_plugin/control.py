@@ -28,7 +28,13 @@ from ccld_plugin.topology import GroupInfo
 
 __all__ = ["ClockSync", "ControlPlane", "resync_epoch"]
 
-CLOCK_ROUNDS = 5
+# A handshake's timestamps: each rank's offset is the smallest gap it sees between a post
+# and its read, so a rank that is not running when one comes (descheduled, or its agent
+# waiting for the GIL) reads it late. Five posts 10 ms apart all came late to some ranks
+# of a loaded host: offsets of 5-16 ms on one host (true offset 0), more than the arrival
+# skew of a TP collective. Spread over half a second, one post is likely caught at once.
+CLOCK_ROUNDS = 10
+CLOCK_SPACING_S = 0.05
 
 
 def resync_epoch(diag_ns: int, period_s: float) -> int:
@@ -149,7 +155,7 @@ class ControlPlane:
             time.sleep(0.02)
         for k in range(CLOCK_ROUNDS):
             self.store.set(f"clk/go/{k}", str(time.monotonic_ns()))
-            time.sleep(0.01)
+            time.sleep(CLOCK_SPACING_S)
 
     def sync_clock(self, timeout_s: float) -> ClockSync:
         """Rank side of the handshake (the diagnoser rank runs it too: offset ~0)."""
@@ -176,7 +182,7 @@ class ControlPlane:
         """Diagnoser side: post epoch ``epoch``'s timestamps; drop those of two back."""
         for k in range(CLOCK_ROUNDS):
             self.store.set(f"clk/e{epoch}/{k}", str(time.monotonic_ns()))
-            time.sleep(0.01)
+            time.sleep(CLOCK_SPACING_S)
         for k in range(CLOCK_ROUNDS):
             with contextlib.suppress(Exception):  # gone already, or never posted
                 self.store.delete_key(f"clk/e{epoch - 2}/{k}")

@@ -30,8 +30,13 @@ __all__ = ["Joined", "SlowDetector"]
 FIRST_STEP = 1  # step 0 is warm-up (allocations, connection setup)
 MAX_JOINED = 20000
 MIN_ARRIVAL_SAMPLES = 4
-LAST_SHARE = 0.5  # a straggler arrives last in at least this share of its collectives
-LAST_SHARE_SMALL_COHORT = 0.8
+# A straggler's peers wait for it: of the waiting in its sampled collectives (theirs for it
+# when it arrives last, its own for others), theirs is at least this share. Weighed by time,
+# not counted: a rank whose compute is stretched before some collectives only is last by a
+# hair at the others, a coin toss that a share of arrivals counted (a 2x straggler of a
+# 2-core TP2xPP2xDP2 job measured 33% last arrivals in a window).
+WAITED_FOR_SHARE = 0.5
+WAITED_FOR_SHARE_SMALL_COHORT = 0.8
 MIN_STEP_SHARE = 0.1  # excess compute below 10% of the step time is noise, not a verdict
 # A group's transfer bandwidth must fall this far below its siblings' (and below its own
 # history, once it has one) to count: small transfers on a busy host vary by 2x.
@@ -115,11 +120,7 @@ class SlowDetector:
         out = []
         candidates = set()
         cohorts = self._cohorts(view.topology)
-        by_rank: dict[int, list[Joined]] = defaultdict(list)
-        for j in joined:
-            if j.group.size > 1:
-                for m in j.group.ranks:
-                    by_rank[m].append(j)
+        by_rank: dict[int, list[Joined]] | None = None  # built for the first candidate
         # Per cohort, once: its members in this window, their compute times sorted (each
         # member is judged against the median of the others) and the median step time.
         per_cohort: dict[tuple[int, ...], tuple[list[int], RankedValues, float]] = {}
@@ -138,10 +139,12 @@ class SlowDetector:
             med = ranked.median_without(me)
             if med <= 0 or x < self.cfg.slow_ratio * med:
                 continue
+            if by_rank is None:
+                by_rank = _by_member(joined)
             mine = by_rank.get(r, [])
-            last_frac = sum(j.last == r for j in mine) / len(mine) if mine else None
+            waited_for = _waited_for(r, mine)
             why_not = self._not_a_straggler(r, x, med, cohort, compute, cohort_step_us, mine,
-                                            last_frac)
+                                            waited_for)
             if why_not:
                 log.debug("ccld window %d-%d: rank %d computes %.2fx its cohort %s, not a "
                           "straggler: %s", lo, hi - 1, r, x / med, cohort, why_not)
@@ -153,7 +156,7 @@ class SlowDetector:
             # Two ranks cannot outvote noise: a small cohort needs one more window.
             needed = self.cfg.confirm_windows + (1 if len(cohort) < 3 else 0)
             if self.streak[key] == needed:
-                out.append(self._straggler_verdict(view, r, x, med, cohort, mine, last_frac,
+                out.append(self._straggler_verdict(view, r, x, med, cohort, mine, waited_for,
                                                    lo, hi, key))
         for key in list(self.streak):
             if key[:2] == (Kind.SLOW, Cause.COMPUTE) and key not in candidates:
@@ -163,7 +166,7 @@ class SlowDetector:
 
     def _not_a_straggler(self, r: int, x: float, med: float, cohort: list[int],
                          compute: dict[int, float], cohort_step_us: float, mine: list[Joined],
-                         last_frac: float | None) -> str:
+                         waited_for: float | None) -> str:
         """Why rank r, computing x against its cohort's median med, is no straggler
         (empty when it is one)."""
         # A straggler worth a verdict costs the job a real share of its step time.
@@ -176,12 +179,13 @@ class SlowDetector:
                 return f"within {self.cfg.mad_k} MAD of the others ({mad / 1000:.1f} ms)"
         # Its peers must be waiting for it. With a cohort too small for statistics the
         # arrival order has to decide, so it must be clear-cut.
-        need = LAST_SHARE if len(cohort) >= 3 else LAST_SHARE_SMALL_COHORT
+        need = WAITED_FOR_SHARE if len(cohort) >= 3 else WAITED_FOR_SHARE_SMALL_COHORT
         if len(cohort) < 3 and len(mine) < 2 * MIN_ARRIVAL_SAMPLES:
             return f"{len(mine)} arrival samples for a cohort of {len(cohort)}"
-        if mine and len(mine) >= MIN_ARRIVAL_SAMPLES and last_frac is not None \
-                and last_frac < need:
-            return f"last to arrive in {last_frac:.0%} of {len(mine)} samples (< {need:.0%})"
+        if mine and len(mine) >= MIN_ARRIVAL_SAMPLES and waited_for is not None \
+                and waited_for < need:
+            return (f"its peers waiting for it are {waited_for:.0%} of the waiting in "
+                    f"{len(mine)} samples (< {need:.0%})")
         return ""
 
     def _cohorts(self, topo: Topology) -> dict[int, list[int]]:
@@ -196,7 +200,7 @@ class SlowDetector:
         return self._cohort_cache
 
     def _straggler_verdict(self, view: JobView, r: int, x: float, med: float,
-                           cohort: list[int], mine: list[Joined], last_frac: float | None,
+                           cohort: list[int], mine: list[Joined], waited_for: float | None,
                            lo: int, hi: int, key: tuple) -> Verdict:
         imposed: dict[int, float] = defaultdict(float)
         groups: dict[int, GroupInfo] = {}
@@ -213,14 +217,16 @@ class SlowDetector:
         onset_step = self.steps[r].get(first)
         evidence = [f"compute {x / 1000:.1f} ms/step vs {med / 1000:.1f} ms median of its "
                     f"cohort {cohort} ({x / med:.2f}x) over steps {lo}-{hi - 1}"]
-        if last_frac is not None and mine:
+        if waited_for is not None and mine:
             waited = statistics.fmean(
                 statistics.fmean(w for m, w in j.waits_ns.items() if m != r) for j in mine
                 if j.last == r) / 1e6 if imposed else 0.0
             roles = sorted({j.group.role for j in mine})
-            evidence.append(f"last to arrive in {last_frac:.0%} of {len(mine)} sampled "
+            last = sum(j.last == r for j in mine) / len(mine)
+            evidence.append(f"last to arrive in {last:.0%} of {len(mine)} sampled "
                             f"collectives of its {'/'.join(roles)} groups; peers waited "
-                            f"{waited:.1f} ms per op")
+                            f"{waited:.1f} ms per op, {waited_for:.0%} of the waiting in "
+                            f"them")
         return Verdict(kind=Kind.SLOW, cause=Cause.COMPUTE, ranks=[r],
                        group=group.to_dict() if group else None, step=hi - 1,
                        onset_s=view.seconds(onset_step.start_ns) if onset_step else None,
@@ -335,6 +341,35 @@ class SlowDetector:
         starts = [self.steps[r][first].start_ns for r in ranks
                   if first is not None and first in self.steps.get(r, {})]
         return view.seconds(min(starts)) if starts else None
+
+
+def _waited_for(r: int, mine: list[Joined]) -> float | None:
+    """Of the waiting in rank r's joined collectives, the share that is its peers waiting
+    for it (their mean wait where r arrived last) against r waiting for them; None when
+    nobody waited."""
+    for_r = by_r = 0.0
+    for j in mine:
+        waits = j.time_ns - j.enters_ns  # per member, until the last one arrived
+        at = j.members == r
+        if not at.any() or len(waits) < 2:
+            continue
+        if j.last == r:
+            for_r += float(waits[~at].mean())
+        else:
+            by_r += float(waits[at][0])
+    total = for_r + by_r
+    return for_r / total if total > 0 else None
+
+
+def _by_member(joined: list[Joined]) -> dict[int, list[Joined]]:
+    """Each rank's joined collectives (of groups of two or more): a pass over all of them,
+    so made only once a window has a straggler candidate."""
+    out: dict[int, list[Joined]] = defaultdict(list)
+    for j in joined:
+        if j.group.size > 1:
+            for m in j.group.ranks:
+                out[m].append(j)
+    return out
 
 
 def _stats_cohort(topo: Topology, rank: int, stages: dict[int | None, list[int]]
