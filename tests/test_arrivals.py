@@ -78,3 +78,30 @@ def test_a_role_refined_by_another_rank_reaches_the_joined_samples() -> None:
     s = [summary(r, t2, [(0, 36, t2 - MS, 10)]) for r in (0, 1, 2)]
     (second,) = j.add(JobView({x.rank: x for x in s}, refined, t2, 0, 6), s)
     assert second.group.role == "dp"
+
+
+def test_waited_for_weighs_waits_by_time_not_by_count() -> None:
+    # A straggler whose compute is stretched before some collectives only: last by 30 ms at
+    # two of six, beaten by a hair at the other four. A third of the last arrivals, but
+    # nearly all of the waiting in its collectives is its peers' waiting for it.
+    import numpy as np
+
+    from ccld_plugin.diagnose.arrivals import Joined
+    from ccld_plugin.diagnose.slow import _waited_for
+
+    def joined(last: int, waits_ms: dict[int, float]) -> Joined:
+        t = 1000 * MS
+        members = np.array(sorted(waits_ms))
+        enters = np.array([t - int(waits_ms[m] * MS) for m in members])
+        return Joined(DP, 1, t, last, 0, 1 << 20, members, enters)
+
+    straggler = [joined(1, {0: 30, 1: 0, 2: 31}) for _ in range(2)] + \
+                [joined(2, {0: 0.3, 1: 0.1, 2: 0}) for _ in range(4)]
+    assert sum(j.last == 1 for j in straggler) / len(straggler) < 0.5
+    assert _waited_for(1, straggler) > 0.95
+    # Its peers: they waited for it, and nobody waited for them long.
+    assert _waited_for(0, straggler) < 0.05
+    # A healthy rank among equals: about even.
+    even = [joined(1, {0: 2, 1: 0, 2: 2}), joined(0, {0: 0, 1: 2, 2: 2})]
+    assert 0.4 < _waited_for(1, even) < 0.6
+    assert _waited_for(1, [joined(1, {0: 0, 1: 0, 2: 0})]) is None  # nobody waited
