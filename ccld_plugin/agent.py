@@ -131,7 +131,8 @@ class Agent:
     # ------------------------------------------------------------------ clock
     def _resync_clock(self) -> None:
         """When the diagnoser's next re-sync falls before our next tick, wait for its
-        timestamps and take the new offset (the clocks of two hosts drift apart)."""
+        timestamps and take the new offset (the clocks of two hosts drift apart), unless
+        they reached us late (``ClockSync.take``)."""
         period_s = self.cfg.clock_resync_s
         if not period_s or self.clock is None:
             return
@@ -145,10 +146,12 @@ class Agent:
         except Exception as exc:  # noqa: BLE001 - keep the old offset until the next one
             report_error("agent.clock_resync", exc)
             return
-        log.debug("ccld rank %d: clock re-synced, offset %+d us (was %+d us)", self.rank,
-                  offset // 1000, self.clock.offset_ns // 1000)
-        self.clock.offset_ns = offset
-        self._board.set_clock_offset(offset)
+        was = self.clock.offset_ns
+        taken = self.clock.take(offset, time.monotonic_ns())
+        log.debug("ccld rank %d: clock re-synced, offset %+d us (was %+d us; measured %+d us%s)",
+                  self.rank, self.clock.offset_ns // 1000, was // 1000, offset // 1000,
+                  "" if taken else ", late: the earlier estimate stands")
+        self._board.set_clock_offset(self.clock.offset_ns)
         self.resyncs += 1
 
     def _until_next_tick(self, period_s: float) -> float:

@@ -35,6 +35,8 @@ __all__ = ["ClockSync", "ControlPlane", "resync_epoch"]
 # skew of a TP collective. Spread over half a second, one post is likely caught at once.
 CLOCK_ROUNDS = 10
 CLOCK_SPACING_S = 0.05
+# Quartz oscillators are specified to +-20..100 ppm; NTP-disciplined hosts stay within a few.
+MAX_DRIFT_PPM = 100
 
 
 def resync_epoch(diag_ns: int, period_s: float) -> int:
@@ -50,6 +52,23 @@ class ClockSync:
     def __init__(self, offset_ns: int, job_start_ns: int) -> None:
         self.offset_ns = offset_ns
         self.job_start_ns = job_start_ns
+        # The best handshake so far and when it was taken (our clock): a measured offset
+        # is the truth plus a delivery delay, so lower is better, up to the clocks' drift.
+        self._best = (offset_ns, time.monotonic_ns())
+
+    def take(self, measured_ns: int, now_ns: int) -> bool:
+        """A re-sync's measured offset. It replaces the best one unless that one, aged by
+        the most the clocks can have drifted since (MAX_DRIFT_PPM), is still lower: then
+        this handshake's posts reached us late and the aged estimate stands. True when
+        the measurement was taken."""
+        best, at = self._best
+        aged = best + (now_ns - at) * MAX_DRIFT_PPM // 1_000_000
+        if measured_ns <= aged:
+            self._best = (measured_ns, now_ns)
+            self.offset_ns = measured_ns
+            return True
+        self.offset_ns = aged
+        return False
 
     def to_diag(self, mono_ns: int) -> int:
         return mono_ns - self.offset_ns
