@@ -3,7 +3,6 @@ protocol over a real TCPStore, and a real job whose ranks re-sync every second."
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from pathlib import Path
@@ -12,13 +11,8 @@ import pytest
 
 from ccld_plugin.config import ControlConfig
 from ccld_plugin.control import ControlPlane
+from ccld_plugin.launch import free_port
 from ccld_plugin.sinks.jsonl import read_verdicts
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_epoch_timestamps_give_the_offset_and_old_ones_go(monkeypatch: pytest.MonkeyPatch

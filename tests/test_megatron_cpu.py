@@ -13,12 +13,13 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from ccld_plugin.launch import free_port
 
 pytest.importorskip("megatron.core")
 
@@ -28,12 +29,6 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "megatron" / "pretrain_gpt.py"
 ITERATION = re.compile(r"^iteration (\d+)/(\d+) \| loss (\S+) \| grad norm (\S+)", re.M)
 GROUPS = re.compile(r"^groups (\{.*\})$", re.M)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cpu_env() -> dict[str, str]:
@@ -70,7 +65,7 @@ def _run(cmd: list[str], timeout: float) -> str:
 
 def torchrun(nproc: int, *args: str, timeout: float = 150) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     cmd += [str(SCRIPT), "--dist-timeout-s", "120", *args]
     return _run(cmd, timeout)
 
