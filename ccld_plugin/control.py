@@ -172,9 +172,7 @@ class ControlPlane:
         deadline = time.monotonic() + timeout_s
         while self.store.add("clk/ready", 0) < self.world and time.monotonic() < deadline:
             time.sleep(0.02)
-        for k in range(CLOCK_ROUNDS):
-            self.store.set(f"clk/go/{k}", str(time.monotonic_ns()))
-            time.sleep(CLOCK_SPACING_S)
+        self._post_timestamps("clk/go")
 
     def sync_clock(self, timeout_s: float) -> ClockSync:
         """Rank side of the handshake (the diagnoser rank runs it too: offset ~0)."""
@@ -182,6 +180,12 @@ class ControlPlane:
         offset = self._min_gap("clk/go", timeout_s)
         job_start = int(bytes(self.store.get("job_start")))
         return ClockSync(offset, job_start)
+
+    def _post_timestamps(self, prefix: str) -> None:
+        """Diagnoser side of a handshake: CLOCK_ROUNDS timestamps of its clock, spaced."""
+        for k in range(CLOCK_ROUNDS):
+            self.store.set(f"{prefix}/{k}", str(time.monotonic_ns()))
+            time.sleep(CLOCK_SPACING_S)
 
     def _min_gap(self, prefix: str, timeout_s: float) -> int:
         """Our clock minus the diagnoser's: the smallest gap between its posting a
@@ -199,9 +203,7 @@ class ControlPlane:
     # clock passes n x period, and each agent waits for them from its tick before then.
     def post_clock_epoch(self, epoch: int) -> None:
         """Diagnoser side: post epoch ``epoch``'s timestamps; drop those of two back."""
-        for k in range(CLOCK_ROUNDS):
-            self.store.set(f"clk/e{epoch}/{k}", str(time.monotonic_ns()))
-            time.sleep(CLOCK_SPACING_S)
+        self._post_timestamps(f"clk/e{epoch}")
         for k in range(CLOCK_ROUNDS):
             with contextlib.suppress(Exception):  # gone already, or never posted
                 self.store.delete_key(f"clk/e{epoch - 2}/{k}")
