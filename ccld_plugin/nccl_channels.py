@@ -19,12 +19,11 @@ from collections import defaultdict
 import numpy as np
 
 from ccld_plugin.peer_channels import WAIT_ORDER, PeerChannel
-from ccld_plugin.probe import SOURCE_NAMES, WAIT_NAMES
+from ccld_plugin.probe import CHANNEL_TOTAL, SOURCE_NAMES, WAIT_NAMES
 
 __all__ = ["NcclChannels"]
 
 _SRC_NCCL = next(k for k, v in SOURCE_NAMES.items() if v == "nccl")
-TOTAL = 0xFF  # channel_id of a per-link totals record (CCLD_CHANNEL_TOTAL, board.h)
 
 # The fields that tell one tracked connection from the next one reusing its slot.
 _IDENTITY = ("pid", "group_id", "seq", "channel_id", "peer", "direction", "first_ns")
@@ -43,7 +42,7 @@ class NcclChannels:
         """Entries for the channel records in use (``BoardReader.channels()``), at
         ``now_ns`` on the board's clock (monotonic); idle peers are left out."""
         recs = records[(records["source"] == _SRC_NCCL) & (records["peer"] >= 0)]
-        total = recs["channel_id"] == TOTAL
+        total = recs["channel_id"] == CHANNEL_TOTAL
         live: dict[tuple[int, int], list[np.void]] = defaultdict(list)
         moved: dict[tuple[int, int], int] = defaultdict(int)
         last: dict[tuple[int, ...], int] = {}

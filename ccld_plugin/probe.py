@@ -25,6 +25,7 @@ __all__ = [
     "BoardError",
     "BoardReader",
     "CHANNEL_DTYPE",
+    "CHANNEL_TOTAL",
     "GROUP_DTYPE",
     "HEADER_DTYPE",
     "OP_DTYPE",
@@ -72,6 +73,7 @@ STATE_IN_FLIGHT, STATE_DONE, STATE_ERROR = 1, 2, 3
 FLAG_ASYNC, FLAG_P2P, FLAG_SEND, FLAG_CUDA = 1, 2, 4, 8
 WAIT_NAMES = {0: "none", 1: "local", 2: "peer", 3: "network"}
 SOURCE_NAMES = {0: "none", 1: "nccl", 2: "tcp"}
+CHANNEL_TOTAL = 0xFF  # channel_id of an NCCL per-link totals record (board.h)
 
 
 class BoardError(ValueError):
