@@ -87,7 +87,7 @@ def test_waited_for_weighs_waits_by_time_not_by_count() -> None:
     import numpy as np
 
     from ccld_plugin.diagnose.arrivals import Joined
-    from ccld_plugin.diagnose.slow import _waited_for
+    from ccld_plugin.diagnose.slow import _wait_balance
 
     def joined(last: int, waits_ms: dict[int, float]) -> Joined:
         t = 1000 * MS
@@ -98,10 +98,10 @@ def test_waited_for_weighs_waits_by_time_not_by_count() -> None:
     straggler = [joined(1, {0: 30, 1: 0, 2: 31}) for _ in range(2)] + \
                 [joined(2, {0: 0.3, 1: 0.1, 2: 0}) for _ in range(4)]
     assert sum(j.last == 1 for j in straggler) / len(straggler) < 0.5
-    assert _waited_for(1, straggler) > 0.95
+    assert _wait_balance(1, straggler).share > 0.95
     # Its peers: they waited for it, and nobody waited for them long.
-    assert _waited_for(0, straggler) < 0.05
+    assert _wait_balance(0, straggler).share < 0.05
     # A healthy rank among equals: about even.
     even = [joined(1, {0: 2, 1: 0, 2: 2}), joined(0, {0: 0, 1: 2, 2: 2})]
-    assert 0.4 < _waited_for(1, even) < 0.6
-    assert _waited_for(1, [joined(1, {0: 0, 1: 0, 2: 0})]) is None  # nobody waited
+    assert 0.4 < _wait_balance(1, even).share < 0.6
+    assert _wait_balance(1, [joined(1, {0: 0, 1: 0, 2: 0})]).share is None  # nobody waited

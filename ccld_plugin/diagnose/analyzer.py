@@ -73,12 +73,12 @@ class Diagnoser:
             hangs = self._fold_into_mismatch(hangs, mismatches)
         self.slow.ingest(view, fresh)
         slow = self.slow.evaluate(view) if not hangs else []
-        fresh = []
+        new = []
         for v in [*unresponsive, *mismatches, *hangs, *slow]:
             if v.key() not in self._reported:
                 self._reported.add(v.key())
-                fresh.append(v)
-        return fresh
+                new.append(v)
+        return new
 
     @staticmethod
     def _fold_into_mismatch(hangs: list[Verdict], mismatches: list[Verdict]) -> list[Verdict]:

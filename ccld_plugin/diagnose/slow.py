@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict, deque
+from typing import NamedTuple
 
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose.arrivals import ArrivalJoin, Joined
@@ -142,9 +143,9 @@ class SlowDetector:
             if by_rank is None:
                 by_rank = _by_member(joined)
             mine = by_rank.get(r, [])
-            waited_for = _waited_for(r, mine)
+            balance = _wait_balance(r, mine)
             why_not = self._not_a_straggler(r, x, med, cohort, compute, cohort_step_us, mine,
-                                            waited_for)
+                                            balance.share)
             if why_not:
                 log.debug("ccld window %d-%d: rank %d computes %.2fx its cohort %s, not a "
                           "straggler: %s", lo, hi - 1, r, x / med, cohort, why_not)
@@ -156,7 +157,7 @@ class SlowDetector:
             # Two ranks cannot outvote noise: a small cohort needs one more window.
             needed = self.cfg.confirm_windows + (1 if len(cohort) < 3 else 0)
             if self.streak[key] == needed:
-                out.append(self._straggler_verdict(view, r, x, med, cohort, mine, waited_for,
+                out.append(self._straggler_verdict(view, r, x, med, cohort, mine, balance,
                                                    lo, hi, key))
         for key in list(self.streak):
             if key[:2] == (Kind.SLOW, Cause.COMPUTE) and key not in candidates:
@@ -200,7 +201,7 @@ class SlowDetector:
         return self._cohort_cache
 
     def _straggler_verdict(self, view: JobView, r: int, x: float, med: float,
-                           cohort: list[int], mine: list[Joined], waited_for: float | None,
+                           cohort: list[int], mine: list[Joined], balance: _WaitBalance,
                            lo: int, hi: int, key: tuple) -> Verdict:
         imposed: dict[int, float] = defaultdict(float)
         groups: dict[int, GroupInfo] = {}
@@ -217,16 +218,13 @@ class SlowDetector:
         onset_step = self.steps[r].get(first)
         evidence = [f"compute {x / 1000:.1f} ms/step vs {med / 1000:.1f} ms median of its "
                     f"cohort {cohort} ({x / med:.2f}x) over steps {lo}-{hi - 1}"]
-        if waited_for is not None and mine:
-            waited = statistics.fmean(
-                statistics.fmean(w for m, w in j.waits_ns.items() if m != r) for j in mine
-                if j.last == r) / 1e6 if imposed else 0.0
+        if balance.share is not None and mine:
+            waited = balance.for_r_ns / balance.last_n / 1e6 if balance.last_n else 0.0
             roles = sorted({j.group.role for j in mine})
-            last = sum(j.last == r for j in mine) / len(mine)
-            evidence.append(f"last to arrive in {last:.0%} of {len(mine)} sampled "
-                            f"collectives of its {'/'.join(roles)} groups; peers waited "
-                            f"{waited:.1f} ms per op, {waited_for:.0%} of the waiting in "
-                            f"them")
+            evidence.append(f"last to arrive in {balance.last_n / len(mine):.0%} of "
+                            f"{len(mine)} sampled collectives of its {'/'.join(roles)} "
+                            f"groups; peers waited {waited:.1f} ms per op, "
+                            f"{balance.share:.0%} of the waiting in them")
         return Verdict(kind=Kind.SLOW, cause=Cause.COMPUTE, ranks=[r],
                        group=group.to_dict() if group else None, step=hi - 1,
                        onset_s=view.seconds(onset_step.start_ns) if onset_step else None,
@@ -343,11 +341,24 @@ class SlowDetector:
         return view.seconds(min(starts)) if starts else None
 
 
-def _waited_for(r: int, mine: list[Joined]) -> float | None:
-    """Of the waiting in rank r's joined collectives, the share that is its peers waiting
-    for it (their mean wait where r arrived last) against r waiting for them; None when
-    nobody waited."""
+class _WaitBalance(NamedTuple):
+    """Rank r's joined collectives: its peers' waiting for it (their mean wait where r
+    arrived last, summed), r's waiting for them, and how often r arrived last."""
+
+    for_r_ns: float
+    by_r_ns: float
+    last_n: int
+
+    @property
+    def share(self) -> float | None:
+        """Of the waiting, the share that is its peers' for it; None when nobody waited."""
+        total = self.for_r_ns + self.by_r_ns
+        return self.for_r_ns / total if total > 0 else None
+
+
+def _wait_balance(r: int, mine: list[Joined]) -> _WaitBalance:
     for_r = by_r = 0.0
+    last_n = 0
     for j in mine:
         waits = j.time_ns - j.enters_ns  # per member, until the last one arrived
         at = j.members == r
@@ -355,10 +366,10 @@ def _waited_for(r: int, mine: list[Joined]) -> float | None:
             continue
         if j.last == r:
             for_r += float(waits[~at].mean())
+            last_n += 1
         else:
             by_r += float(waits[at][0])
-    total = for_r + by_r
-    return for_r / total if total > 0 else None
+    return _WaitBalance(for_r, by_r, last_n)
 
 
 def _by_member(joined: list[Joined]) -> dict[int, list[Joined]]:
