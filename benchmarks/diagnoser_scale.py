@@ -27,9 +27,9 @@ import torch.distributed as dist
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose import Diagnoser, JobView
 from ccld_plugin.diagnose.view import topology_of
-from ccld_plugin.peer_channels import PeerChannel, encode_channels
 from ccld_plugin.services import gc_paused
-from ccld_plugin.summary import (
+from ccld_plugin.wire.peer_channels import PeerChannel, encode_channels
+from ccld_plugin.wire.summary import (
     ArrivalSample,
     GroupProgress,
     RankSummary,
@@ -37,7 +37,7 @@ from ccld_plugin.summary import (
     decode_summary,
     encode_summary,
 )
-from ccld_plugin.topology import GroupInfo, group_id_of
+from ccld_plugin.wire.topology import GroupInfo, group_id_of
 
 TP, PP = 8, 4
 STEP_NS = 1_000_000_000

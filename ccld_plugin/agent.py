@@ -23,16 +23,10 @@ from ccld_plugin.config import AgentConfig
 from ccld_plugin.control import ClockSync, ControlPlane, resync_epoch
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.nccl_channels import NcclChannels
-from ccld_plugin.peer_channels import MAX_ENTRIES, encode_channels, entry_order
-from ccld_plugin.probe import (
-    FLAG_ASYNC,
-    FLAG_P2P,
-    STATE_DONE,
-    STATE_ERROR,
-    STATE_IN_FLIGHT,
-    BoardReader,
-)
-from ccld_plugin.summary import (
+from ccld_plugin.probe import BoardReader
+from ccld_plugin.wire.codes import FLAG_ASYNC, FLAG_P2P, STATE_DONE, STATE_ERROR, STATE_IN_FLIGHT
+from ccld_plugin.wire.peer_channels import MAX_ENTRIES, encode_channels, entry_order
+from ccld_plugin.wire.summary import (
     FLAG_ERRORED,
     FLAG_EXITED,
     ArrivalSample,

@@ -13,16 +13,14 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from ccld_plugin.probe import (
+from ccld_plugin.probe import BoardError, BoardReader, board_files
+from ccld_plugin.wire.codes import (
     FLAG_P2P,
     OP_NAMES,
     SOURCE_NAMES,
     STATE_DONE,
     STATE_IN_FLIGHT,
-    WAIT_NAMES,
-    BoardError,
-    BoardReader,
-    board_files,
+    wait_name,
 )
 
 __all__ = ["GroupOps", "RankStatus", "collective_table", "inspect_boards", "print_collectives",
@@ -135,7 +133,7 @@ def _waiting_channels(recs: np.ndarray, now: int) -> list[WaitingChannel]:
         out.append(WaitingChannel(
             source=source, channel=int(r["channel_id"]),
             direction="recv" if int(r["direction"]) else "send",
-            peer=peer if peer >= 0 else None, wait=WAIT_NAMES.get(int(r["wait"]), "?"),
+            peer=peer if peer >= 0 else None, wait=wait_name(int(r["wait"]), "?"),
             pending=pending, group_id=f"{int(r['group_id']):016x}", seq=int(r["seq"]),
             idle_s=max(0.0, (now - int(r["last_progress_ns"])) / 1e9)))
     return sorted(out, key=lambda c: -c.idle_s)

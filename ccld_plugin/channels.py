@@ -36,14 +36,14 @@ from typing import Any
 
 from ccld_plugin import transport
 from ccld_plugin.errors import log, report_error
-from ccld_plugin.peer_channels import (
+from ccld_plugin.transport import TcpConn, TcpProbe
+from ccld_plugin.wire.peer_channels import (
     MAX_ENTRIES,
     WAIT_ORDER,
     PeerChannel,
     encode_channels,
     entry_order,
 )
-from ccld_plugin.transport import TcpConn, TcpProbe
 
 __all__ = ["ChannelSample", "ChannelSampler", "store_ports"]
 

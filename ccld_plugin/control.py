@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from ccld_plugin.config import ControlConfig
-from ccld_plugin.topology import GroupInfo
+from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["ClockSync", "ControlPlane", "resync_epoch"]
 

@@ -18,12 +18,11 @@ from collections import defaultdict
 
 import numpy as np
 
-from ccld_plugin.peer_channels import WAIT_ORDER, PeerChannel
-from ccld_plugin.probe import CHANNEL_TOTAL, SOURCE_NAMES, WAIT_NAMES
+from ccld_plugin.wire.codes import CHANNEL_TOTAL, SOURCE_NCCL, wait_name
+from ccld_plugin.wire.peer_channels import WAIT_ORDER, PeerChannel
 
 __all__ = ["NcclChannels"]
 
-_SRC_NCCL = next(k for k, v in SOURCE_NAMES.items() if v == "nccl")
 
 # The fields that tell one tracked connection from the next one reusing its slot.
 _IDENTITY = ("pid", "group_id", "seq", "channel_id", "peer", "direction", "first_ns")
@@ -41,7 +40,7 @@ class NcclChannels:
     def sample(self, records: np.ndarray, now_ns: int) -> list[PeerChannel]:
         """Entries for the channel records in use (``BoardReader.channels()``), at
         ``now_ns`` on the board's clock (monotonic); idle peers are left out."""
-        recs = records[(records["source"] == _SRC_NCCL) & (records["peer"] >= 0)]
+        recs = records[(records["source"] == SOURCE_NCCL) & (records["peer"] >= 0)]
         total = recs["channel_id"] == CHANNEL_TOTAL
         live: dict[tuple[int, int], list[np.void]] = defaultdict(list)
         moved: dict[tuple[int, int], int] = defaultdict(int)
@@ -97,7 +96,7 @@ class NcclChannels:
             bytes_done += int(r["bytes_done"])
             live = max(0, int(r["steps_posted"]) - int(r["steps_done"]))
             pending += live
-            w = WAIT_NAMES.get(int(r["wait"]), "none") if live else "none"
+            w = wait_name(int(r["wait"])) if live else "none"
             age = max(0, now_ns - int(r["last_progress_ns"])) if live else 0
             if WAIT_ORDER[w] > WAIT_ORDER[wait]:
                 wait, stalled_ns = w, age

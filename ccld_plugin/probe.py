@@ -19,19 +19,15 @@ from pathlib import Path
 import numpy as np
 
 from ccld_plugin import _native
-from ccld_plugin.topology import GroupInfo, role_name
+from ccld_plugin.wire.topology import GroupInfo, role_name
 
 __all__ = [
     "BoardError",
     "BoardReader",
     "CHANNEL_DTYPE",
-    "CHANNEL_TOTAL",
     "GROUP_DTYPE",
     "HEADER_DTYPE",
     "OP_DTYPE",
-    "OP_NAMES",
-    "STATE_NAMES",
-    "WAIT_NAMES",
     "board_files",
 ]
 
@@ -56,25 +52,6 @@ HEADER_DTYPE = _dtype("header")
 GROUP_DTYPE = _dtype("group")
 OP_DTYPE = _dtype("op")
 CHANNEL_DTYPE = _dtype("channel")
-
-# Mirrors enum ccld_op in board.h; the tracer uses the same table.
-OP_NAMES: dict[int, str] = {
-    0: "unknown", 1: "all_reduce", 2: "all_gather", 3: "all_gather_into_tensor",
-    4: "reduce_scatter", 5: "reduce_scatter_tensor", 6: "broadcast", 7: "reduce",
-    8: "all_to_all", 9: "all_to_all_single", 10: "barrier", 11: "send", 12: "recv",
-    13: "isend", 14: "irecv", 15: "batch_isend_irecv", 16: "coalesced", 17: "gather",
-    18: "scatter", 19: "_all_gather_base", 20: "_reduce_scatter_base",
-    21: "all_reduce_coalesced", 22: "all_gather_coalesced", 23: "monitored_barrier",
-    24: "all_gather_single", 25: "reduce_scatter_single",
-}
-OP_CODES: dict[str, int] = {v: k for k, v in OP_NAMES.items()}
-STATE_NAMES = {0: "empty", 1: "in_flight", 2: "done", 3: "error"}
-STATE_IN_FLIGHT, STATE_DONE, STATE_ERROR = 1, 2, 3
-FLAG_ASYNC, FLAG_P2P, FLAG_SEND, FLAG_CUDA = 1, 2, 4, 8
-WAIT_NAMES = {0: "none", 1: "local", 2: "peer", 3: "network"}
-SOURCE_NAMES = {0: "none", 1: "nccl", 2: "tcp"}
-CHANNEL_TOTAL = 0xFF  # channel_id of an NCCL per-link totals record (board.h)
-
 
 class BoardError(ValueError):
     """A file that is not a readable board; the message says what is wrong."""

@@ -20,8 +20,8 @@ from ccld_plugin.diagnose.nccl_waits import nccl_evidence
 from ccld_plugin.diagnose.view import topology_of
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.sinks import Sink, build_sinks
-from ccld_plugin.summary import RankSummary, decode_summary
-from ccld_plugin.topology import GroupInfo, Topology
+from ccld_plugin.wire.summary import RankSummary, decode_summary
+from ccld_plugin.wire.topology import GroupInfo, Topology
 
 __all__ = ["DiagnoserService", "start"]
 

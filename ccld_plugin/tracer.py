@@ -25,7 +25,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from ccld_plugin import _native
 from ccld_plugin.errors import report_error
-from ccld_plugin.probe import (
+from ccld_plugin.wire.codes import (
     FLAG_ASYNC,
     FLAG_CUDA,
     FLAG_P2P,
@@ -34,7 +34,7 @@ from ccld_plugin.probe import (
     STATE_DONE,
     STATE_ERROR,
 )
-from ccld_plugin.topology import GroupInfo, Topology, group_id_of, more_specific, role_index
+from ccld_plugin.wire.topology import GroupInfo, Topology, group_id_of, more_specific, role_index
 
 __all__ = ["GroupEntry", "Tracer"]
 

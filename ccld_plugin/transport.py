@@ -29,6 +29,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ccld_plugin.wire.codes import (
+    DIRECTION_RECV,
+    DIRECTION_SEND,
+    SOURCE_TCP,
+    WAIT_CODES,
+    WAIT_LOCAL,
+    WAIT_NETWORK,
+    WAIT_NONE,
+    WAIT_PEER,
+)
+
 __all__ = [
     "LIBRARY_GLOB",
     "LOCAL_SNDBUF_SHARE",
@@ -37,13 +48,6 @@ __all__ = [
     "RTT_INFLATION",
     "STATES_CONNECTED",
     "STATES_LISTEN",
-    "WAIT_LOCAL",
-    "WAIT_NETWORK",
-    "WAIT_NONE",
-    "WAIT_PEER",
-    "WAIT_CODES",
-    "DIRECTION_RECV",
-    "DIRECTION_SEND",
     "Endpoint",
     "TcpConn",
     "TcpProbe",
@@ -77,10 +81,6 @@ _TCP_STATE_NAMES = {
 STATES_CONNECTED = sum(1 << s for s in (1, 2, 3, 4, 5, 8, 9, 11))
 STATES_LISTEN = 1 << 10
 
-WAIT_NONE = "none"
-WAIT_LOCAL = "local"
-WAIT_PEER = "peer"
-WAIT_NETWORK = "network"
 
 # --- Classification thresholds ---------------------------------------------------------
 #
@@ -422,11 +422,6 @@ def local_endpoints(library: str | os.PathLike[str] | None = None) -> list[Endpo
 
 # --- Board channel records -----------------------------------------------------------------
 
-# enum ccld_wait and enum ccld_direction of board.h.
-WAIT_CODES = {WAIT_NONE: 0, WAIT_LOCAL: 1, WAIT_PEER: 2, WAIT_NETWORK: 3}
-DIRECTION_SEND = 0
-DIRECTION_RECV = 1
-
 
 def channel_fields(conn: TcpConn, wait: str, peer: int = -1) -> dict[str, int]:
     """The TCP-derived fields of a board channel record (struct ccld_channel) for `conn`.
@@ -440,7 +435,7 @@ def channel_fields(conn: TcpConn, wait: str, peer: int = -1) -> dict[str, int]:
     with contextlib.suppress(OSError):  # IPv6 peers have no IPv4 form: 0, as board.h says
         remote_addr = int.from_bytes(socket.inet_aton(conn.remote[0]), sys.byteorder)
     return {
-        "source": 2,  # CCLD_SRC_TCP
+        "source": SOURCE_TCP,
         "direction": DIRECTION_SEND if send else DIRECTION_RECV,
         "wait": WAIT_CODES[wait],
         "peer": peer,

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from ccld_plugin.diagnose.arrivals import PENDING_TTL_NS, ArrivalJoin
 from ccld_plugin.diagnose.view import JobView
-from ccld_plugin.summary import (
+from ccld_plugin.wire.summary import (
     ArrivalSample,
     GroupProgress,
     RankSummary,
     decode_summary,
     encode_summary,
 )
-from ccld_plugin.topology import GroupInfo, group_id_of
+from ccld_plugin.wire.topology import GroupInfo, group_id_of
 
 MS = 1_000_000
 DP = GroupInfo(group_id_of([0, 1, 2]), "dp", (0, 1, 2))

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from ccld_plugin import _native
-from ccld_plugin.probe import OP_CODES, BoardError, BoardReader
+from ccld_plugin.probe import BoardError, BoardReader
+from ccld_plugin.wire.codes import OP_CODES
 
 CSRC = Path(__file__).parents[1] / "ccld_plugin" / "csrc"
 NATIVE_TESTS = Path(__file__).parent / "native"
@@ -51,6 +52,21 @@ def test_exported_layout_agrees_with_the_c_header(tmp_path):
         assert int(from_c[f"{key} :sizeof"]) == size
         for name, offset, _ in fields:
             assert int(from_c[f"{key} {name}"]) == offset, (key, name)
+
+
+def test_wire_codes_agree_with_the_native_enums():
+    from ccld_plugin.wire import codes
+
+    native = _native.layout()["codes"]
+    assert native["op"] == codes.OP_CODES
+    assert native["state"] == (codes.STATE_EMPTY, codes.STATE_IN_FLIGHT, codes.STATE_DONE,
+                               codes.STATE_ERROR)
+    assert native["flag"] == (codes.FLAG_ASYNC, codes.FLAG_P2P, codes.FLAG_SEND,
+                              codes.FLAG_CUDA)
+    assert native["source"] == (codes.SOURCE_NONE, codes.SOURCE_NCCL, codes.SOURCE_TCP)
+    assert native["direction"] == (codes.DIRECTION_SEND, codes.DIRECTION_RECV)
+    assert native["wait"] == tuple(codes.WAIT_CODES[w] for w in codes.WAIT_NAMES)
+    assert native["channel_total"] == codes.CHANNEL_TOTAL
 
 
 def test_values_written_natively_read_back_through_numpy(tmp_path):

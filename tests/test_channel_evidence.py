@@ -9,20 +9,21 @@ import time
 import pytest
 
 from ccld_plugin import _native
-from ccld_plugin import peer_channels as codec
 from ccld_plugin.channels import ChannelSampler
 from ccld_plugin.diagnose.channels import channel_evidence, cut_off_rank, toward_lines
 from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkJudgement
 from ccld_plugin.diagnose.view import JobView
-from ccld_plugin.peer_channels import (
+from ccld_plugin.probe import BoardReader
+from ccld_plugin.wire import peer_channels as codec
+from ccld_plugin.wire.codes import SOURCE_NCCL, SOURCE_TCP
+from ccld_plugin.wire.peer_channels import (
     PeerChannel,
     channel_rows,
     decode_channels,
     encode_channels,
 )
-from ccld_plugin.probe import BoardReader
-from ccld_plugin.summary import RankSummary
-from ccld_plugin.topology import GroupInfo, group_id_of
+from ccld_plugin.wire.summary import RankSummary
+from ccld_plugin.wire.topology import GroupInfo, group_id_of
 
 S = 1_000_000_000
 INTERVAL = 0.5
@@ -105,7 +106,7 @@ def test_rows_of_many_summaries_match_their_reports() -> None:
         assert rep is not None
         got = rows.entries[rows.entries["rank"] == r]
         assert [(e.peer, e.sent, e.net_wait_us, e.peer_wait_us, e.local_wait_us,
-                 codec.SOURCES.index(e.source), round(e.busy_share * 255))
+                 {"tcp": SOURCE_TCP, "nccl": SOURCE_NCCL}[e.source], round(e.busy_share * 255))
                 for e in rep.entries] == \
             [(g["peer"], g["sent"], g["net_wait_us"], g["peer_wait_us"], g["local_wait_us"],
               g["source"], g["busy"]) for g in got]

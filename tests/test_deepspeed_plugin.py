@@ -16,7 +16,8 @@ from jobs import JobResult, run_job
 
 from ccld_plugin import ConfigError
 from ccld_plugin.deepspeed import ccld_block, read_config
-from ccld_plugin.probe import OP_NAMES, BoardReader
+from ccld_plugin.probe import BoardReader
+from ccld_plugin.wire.codes import OP_NAMES
 
 pytest.importorskip("deepspeed")
 

@@ -6,8 +6,8 @@ import dataclasses
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose import Diagnoser, JobView
 from ccld_plugin.diagnose.hang import find_hangs, find_mismatches, find_unresponsive
-from ccld_plugin.probe import FLAG_P2P, FLAG_SEND, OP_CODES
-from ccld_plugin.summary import (
+from ccld_plugin.wire.codes import FLAG_P2P, FLAG_SEND, OP_CODES
+from ccld_plugin.wire.summary import (
     FLAG_EXITED,
     ArrivalSample,
     GroupProgress,
@@ -18,7 +18,7 @@ from ccld_plugin.summary import (
     decode_summary,
     encode_summary,
 )
-from ccld_plugin.topology import GroupInfo, group_id_of
+from ccld_plugin.wire.topology import GroupInfo, group_id_of
 
 S = 1_000_000_000
 NOW = 100 * S

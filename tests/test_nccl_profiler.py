@@ -228,10 +228,11 @@ READ_LATER_S = 5.0  # the boards are read as if 5 s later: the stalled steps hav
 def ring_fault_view(build: Build, tmp_path: Path, fault: int, where: int):
     from ccld_plugin.diagnose.view import JobView
     from ccld_plugin.nccl_channels import NcclChannels
-    from ccld_plugin.peer_channels import encode_channels
-    from ccld_plugin.probe import STATE_IN_FLIGHT, BoardReader
-    from ccld_plugin.summary import GroupProgress, InFlightOp, RankSummary
-    from ccld_plugin.topology import GroupInfo
+    from ccld_plugin.probe import BoardReader
+    from ccld_plugin.wire.codes import STATE_IN_FLIGHT
+    from ccld_plugin.wire.peer_channels import encode_channels
+    from ccld_plugin.wire.summary import GroupProgress, InFlightOp, RankSummary
+    from ccld_plugin.wire.topology import GroupInfo
 
     summaries, tables = {}, {}
     group = GroupInfo(RING_GROUP, "dp", tuple(2 * i + 1 for i in range(8)))

@@ -8,9 +8,9 @@ from __future__ import annotations
 from ccld_plugin.diagnose.nccl_waits import nccl_evidence
 from ccld_plugin.diagnose.records import Cause
 from ccld_plugin.diagnose.view import JobView
-from ccld_plugin.peer_channels import PeerChannel, encode_channels
-from ccld_plugin.summary import RankSummary
-from ccld_plugin.topology import GroupInfo, group_id_of
+from ccld_plugin.wire.peer_channels import PeerChannel, encode_channels
+from ccld_plugin.wire.summary import RankSummary
+from ccld_plugin.wire.topology import GroupInfo, group_id_of
 
 S = 1_000_000_000
 NOW = 100 * S

@@ -17,6 +17,7 @@ import pytest
 
 from ccld_plugin import transport
 from ccld_plugin.transport import TcpConn, TcpProbe, classify_wait, map_peers
+from ccld_plugin.wire import codes
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "ccld_plugin" / "csrc"
@@ -105,11 +106,11 @@ def test_receiver_that_does_not_read_is_peer_bound(
     sender0, sender1 = before[ino_c], after[ino_c]
     assert sender1.notsent_bytes + sender1.unacked_bytes > 0
     assert sender1.rwnd_limited_us - sender0.rwnd_limited_us > 0.2e6
-    assert classify_wait(sender0, sender1) == transport.WAIT_PEER
+    assert classify_wait(sender0, sender1) == codes.WAIT_PEER
     # The same stall seen from the receiving end: bytes waiting that nobody reads.
     receiver0, receiver1 = before[ino_s], after[ino_s]
     assert receiver1.unread_bytes > 0
-    assert classify_wait(receiver0, receiver1) == transport.WAIT_LOCAL
+    assert classify_wait(receiver0, receiver1) == codes.WAIT_LOCAL
 
 
 def test_flowing_connection_is_none(probe: TcpProbe, sockets: list[socket.socket]) -> None:
@@ -146,8 +147,8 @@ def test_flowing_connection_is_none(probe: TcpProbe, sockets: list[socket.socket
             t.join(timeout=5)
     assert c1.bytes_acked - c0.bytes_acked > 100_000
     assert s1.bytes_received - s0.bytes_received > 100_000
-    assert classify_wait(c0, c1) == transport.WAIT_NONE
-    assert classify_wait(s0, s1) == transport.WAIT_NONE
+    assert classify_wait(c0, c1) == codes.WAIT_NONE
+    assert classify_wait(s0, s1) == codes.WAIT_NONE
 
 
 CHILD = """
@@ -316,11 +317,11 @@ def test_classify_wait_rules() -> None:
 def test_channel_fields_use_board_units() -> None:
     c = conn(bytes_acked=5000, bytes_received=10, unacked_bytes=300, notsent_bytes=200,
              delivery_rate_bps=8_000_000, remote=("127.0.0.1", 29500))  # fmt: skip
-    f = transport.channel_fields(c, transport.WAIT_NETWORK, peer=3)
-    assert f["direction"] == transport.DIRECTION_SEND
+    f = transport.channel_fields(c, codes.WAIT_NETWORK, peer=3)
+    assert f["direction"] == codes.DIRECTION_SEND
     assert (f["bytes_done"], f["bytes_queued"]) == (5000, 500)
     assert f["delivery_rate"] == 1_000_000  # bytes per second on the board
     assert f["wait"] == 3 and f["peer"] == 3 and f["remote_port"] == 29500
     assert f["remote_addr"].to_bytes(4, sys.byteorder) == bytes([127, 0, 0, 1])
     r = transport.channel_fields(conn(bytes_received=10**6, unread_bytes=7), "local")
-    assert (r["direction"], r["bytes_queued"], r["wait"]) == (transport.DIRECTION_RECV, 7, 1)
+    assert (r["direction"], r["bytes_queued"], r["wait"]) == (codes.DIRECTION_RECV, 7, 1)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from ccld_plugin.topology import GroupInfo, Topology, group_id_of, role_index
+from ccld_plugin.wire.topology import GroupInfo, Topology, group_id_of, role_index
 from ccld_plugin.workload import Layout, layout_groups
 
 
@@ -21,7 +21,7 @@ def _topology(world, tp, pp):
 
 
 def test_group_id_is_stable_across_processes_and_order_free():
-    code = "from ccld_plugin.topology import group_id_of; print(group_id_of([0, 1, 5]))"
+    code = "from ccld_plugin.wire.topology import group_id_of; print(group_id_of([0, 1, 5]))"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True, env={**os.environ, "PYTHONHASHSEED": "123"})
     assert int(other.stdout) == group_id_of([5, 0, 1])

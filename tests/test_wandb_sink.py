@@ -27,7 +27,6 @@ from ccld_plugin.diagnose import Diagnoser, JobView
 from ccld_plugin.diagnose.arrivals import Joined
 from ccld_plugin.diagnose.records import Cause, Kind, Verdict
 from ccld_plugin.errors import contained_errors
-from ccld_plugin.probe import OP_CODES
 from ccld_plugin.sinks import build_sinks
 from ccld_plugin.sinks.jsonl import read_verdicts
 from ccld_plugin.sinks.metrics import PanelMetrics, group_key, hang_watch, take_new_joined
@@ -39,9 +38,10 @@ from ccld_plugin.sinks.wandb import (
     heatmap_rgb,
     verdict_row,
 )
-from ccld_plugin.summary import GroupProgress, InFlightOp, RankSummary, StepStat
-from ccld_plugin.topology import GroupInfo, group_id_of
 from ccld_plugin.wandb_summary import find_run_files, iter_records, wait_for_run
+from ccld_plugin.wire.codes import OP_CODES
+from ccld_plugin.wire.summary import GroupProgress, InFlightOp, RankSummary, StepStat
+from ccld_plugin.wire.topology import GroupInfo, group_id_of
 
 FAST = ["diagnoser.hang_min_s=3", "agent.stack_after_s=1", "agent.interval_s=0.5"]
 PER_STEP = ["step_ms", "compute_ms", "compute_max_ms", "blocked_dp_ms", "slowest_rank",

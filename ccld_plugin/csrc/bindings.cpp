@@ -127,6 +127,55 @@ using Layout = std::tuple<size_t, std::vector<Field>>;
 
 #define F(T, name, dtype) Field{#name, offsetof(T, name), dtype}
 
+// The board's enums by the names Python gives them (ccld_plugin.wire.codes holds the Python
+// table; a native test checks that the two agree).
+template <typename... E> nb::tuple ints(E... values) {
+  return nb::make_tuple(static_cast<int>(values)...);
+}
+
+nb::dict codes() {
+  nb::dict op;
+  const std::pair<const char *, int> ops[] = {
+      {"unknown", CCLD_OP_UNKNOWN},
+      {"all_reduce", CCLD_OP_ALL_REDUCE},
+      {"all_gather", CCLD_OP_ALL_GATHER},
+      {"all_gather_into_tensor", CCLD_OP_ALL_GATHER_INTO_TENSOR},
+      {"reduce_scatter", CCLD_OP_REDUCE_SCATTER},
+      {"reduce_scatter_tensor", CCLD_OP_REDUCE_SCATTER_TENSOR},
+      {"broadcast", CCLD_OP_BROADCAST},
+      {"reduce", CCLD_OP_REDUCE},
+      {"all_to_all", CCLD_OP_ALL_TO_ALL},
+      {"all_to_all_single", CCLD_OP_ALL_TO_ALL_SINGLE},
+      {"barrier", CCLD_OP_BARRIER},
+      {"send", CCLD_OP_SEND},
+      {"recv", CCLD_OP_RECV},
+      {"isend", CCLD_OP_ISEND},
+      {"irecv", CCLD_OP_IRECV},
+      {"batch_isend_irecv", CCLD_OP_BATCH_P2P},
+      {"coalesced", CCLD_OP_COALESCED},
+      {"gather", CCLD_OP_GATHER},
+      {"scatter", CCLD_OP_SCATTER},
+      {"_all_gather_base", CCLD_OP_ALL_GATHER_BASE},
+      {"_reduce_scatter_base", CCLD_OP_REDUCE_SCATTER_BASE},
+      {"all_reduce_coalesced", CCLD_OP_ALL_REDUCE_COALESCED},
+      {"all_gather_coalesced", CCLD_OP_ALL_GATHER_COALESCED},
+      {"monitored_barrier", CCLD_OP_MONITORED_BARRIER},
+      {"all_gather_single", CCLD_OP_ALL_GATHER_SINGLE},
+      {"reduce_scatter_single", CCLD_OP_REDUCE_SCATTER_SINGLE},
+  };
+  for (const auto &[name, code] : ops) op[name] = code;
+  nb::dict d;
+  d["op"] = op;
+  d["state"] = ints(CCLD_STATE_EMPTY, CCLD_STATE_IN_FLIGHT, CCLD_STATE_DONE,
+                              CCLD_STATE_ERROR);
+  d["flag"] = ints(CCLD_FLAG_ASYNC, CCLD_FLAG_P2P, CCLD_FLAG_SEND, CCLD_FLAG_CUDA);
+  d["source"] = ints(CCLD_SRC_NONE, CCLD_SRC_NCCL, CCLD_SRC_TCP);
+  d["direction"] = ints(CCLD_DIR_SEND, CCLD_DIR_RECV);
+  d["wait"] = ints(CCLD_WAIT_NONE, CCLD_WAIT_LOCAL, CCLD_WAIT_PEER, CCLD_WAIT_NETWORK);
+  d["channel_total"] = static_cast<int>(CCLD_CHANNEL_TOTAL);
+  return d;
+}
+
 nb::dict layout() {
   nb::dict d;
   d["header"] = Layout{sizeof(ccld_header),
@@ -177,6 +226,7 @@ nb::dict layout() {
        F(ccld_channel, remote_addr, "<u4")}};
   d["magic"] = CCLD_BOARD_MAGIC;
   d["version"] = CCLD_BOARD_VERSION;
+  d["codes"] = codes();
   return d;
 }
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ccld_plugin.diagnose.view import JobView
-from ccld_plugin.summary import SAMPLE_DTYPE, RankSummary, encoded_samples
-from ccld_plugin.topology import GroupInfo
+from ccld_plugin.wire.summary import SAMPLE_DTYPE, RankSummary, encoded_samples
+from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["ArrivalJoin", "Joined"]
 

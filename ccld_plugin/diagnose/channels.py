@@ -1,7 +1,7 @@
 """Channel evidence of hangs: what each rank's TCP connections say about where data waits.
 
 Every agent tick a rank sends, inside its summary, one compact entry per peer rank it has
-connections to (``ccld_plugin.peer_channels``, filled by ``ccld_plugin.channels``): bytes
+connections to (``ccld_plugin.wire.peer_channels``, filled by ``ccld_plugin.channels``): bytes
 moved each way in the interval, bytes queued, RTT and its floor, retransmissions, the
 share of the interval the sender was stalled by the peer's receive window or its own send
 buffer, the wait class of ``transport.classify_wait`` and how long queued data has not
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from ccld_plugin.diagnose.records import Cause
 from ccld_plugin.diagnose.view import JobView
-from ccld_plugin.peer_channels import ChannelReport, PeerChannel, decode_channels
-from ccld_plugin.topology import GroupInfo
+from ccld_plugin.wire.peer_channels import ChannelReport, PeerChannel, decode_channels
+from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = [
     "Located",

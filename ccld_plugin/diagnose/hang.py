@@ -18,8 +18,8 @@ from collections.abc import Callable
 from ccld_plugin.diagnose import channels as chan
 from ccld_plugin.diagnose.records import Cause, Kind, Verdict
 from ccld_plugin.diagnose.view import Blocked, JobView
-from ccld_plugin.probe import FLAG_P2P, OP_NAMES
-from ccld_plugin.topology import GroupInfo
+from ccld_plugin.wire.codes import FLAG_P2P, OP_NAMES
+from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["find_hangs", "find_mismatches", "find_unresponsive", "wait_for_graph"]
 

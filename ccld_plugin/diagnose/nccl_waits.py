@@ -37,8 +37,8 @@ from ccld_plugin.diagnose.channels import (
 )
 from ccld_plugin.diagnose.records import Cause
 from ccld_plugin.diagnose.view import JobView
-from ccld_plugin.peer_channels import PeerChannel
-from ccld_plugin.topology import GroupInfo
+from ccld_plugin.wire.peer_channels import PeerChannel
+from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["nccl_evidence", "nccl_stalls"]
 

@@ -23,8 +23,8 @@ from ccld_plugin.diagnose.robust import RankedValues
 from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkFinding
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.errors import log
-from ccld_plugin.summary import RankSummary, StepStat
-from ccld_plugin.topology import GroupInfo, Topology
+from ccld_plugin.wire.summary import RankSummary, StepStat
+from ccld_plugin.wire.topology import GroupInfo, Topology
 
 __all__ = ["Joined", "SlowDetector"]
 

@@ -21,9 +21,10 @@ import numpy as np
 from ccld_plugin.diagnose.channels import common_culprit, fmt_bytes
 from ccld_plugin.diagnose.robust import RankedValues
 from ccld_plugin.diagnose.view import JobView
-from ccld_plugin.peer_channels import SOURCE_NCCL, SOURCE_TCP, ChannelRows, channel_rows
-from ccld_plugin.summary import RankSummary
-from ccld_plugin.topology import GroupInfo
+from ccld_plugin.wire.codes import DIRECTION_SEND, SOURCE_NCCL, SOURCE_TCP
+from ccld_plugin.wire.peer_channels import ChannelRows, channel_rows
+from ccld_plugin.wire.summary import RankSummary
+from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["ChannelHistory", "LinkFinding", "LinkJudgement", "LinkStats", "link_role"]
 
@@ -264,7 +265,8 @@ def nccl_links(rows: ChannelRows) -> dict[tuple[int, int], LinkStats]:
     """NCCL send links over ``rows``: ``s_per_mb`` is the time their steps spent handed to
     the network per MB sent, ``busy`` that time over the intervals."""
     e = rows.entries
-    e = e[(e["source"] == SOURCE_NCCL) & (e["direction"] == 0) & (e["sent"] >= SLOW_MIN_BYTES)]
+    e = e[(e["source"] == SOURCE_NCCL) & (e["direction"] == DIRECTION_SEND)
+          & (e["sent"] >= SLOW_MIN_BYTES)]
     if not len(e):
         return {}
     e, starts, counts = _by_link(e, "sent")

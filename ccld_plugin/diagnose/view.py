@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ccld_plugin.probe import FLAG_P2P, FLAG_SEND, OP_NAMES
-from ccld_plugin.summary import InFlightOp, RankSummary
-from ccld_plugin.topology import GroupInfo, Topology
+from ccld_plugin.wire.codes import FLAG_P2P, FLAG_SEND, OP_NAMES
+from ccld_plugin.wire.summary import InFlightOp, RankSummary
+from ccld_plugin.wire.topology import GroupInfo, Topology
 
 __all__ = ["Blocked", "JobView", "topology_of"]
 

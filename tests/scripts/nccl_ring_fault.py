@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 import ccld_plugin
 from ccld_plugin.nccl import nccl_plugin_path
-from ccld_plugin.probe import FLAG_ASYNC, FLAG_CUDA, OP_CODES, STATE_DONE
 from ccld_plugin.sinks.jsonl import read_verdicts
+from ccld_plugin.wire.codes import FLAG_ASYNC, FLAG_CUDA, OP_CODES, STATE_DONE
 
 HEALTHY_STEPS = 8
 HOLD_S = 25.0  # how long the ranks wait for a verdict before they give up

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import ccld_plugin
 from ccld_plugin.nccl import nccl_plugin_path
-from ccld_plugin.probe import FLAG_CUDA, OP_CODES, STATE_DONE
+from ccld_plugin.wire.codes import FLAG_CUDA, OP_CODES, STATE_DONE
 
 STEPS, ONSET = 40, 5
 FAST_US, SLOW_US = 200, 5000

@@ -17,17 +17,21 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ccld_plugin.summary import RankSummary
+from ccld_plugin.wire.codes import (
+    DIRECTION_NAMES,
+    SOURCE_NAMES,
+    SOURCE_NCCL,
+    WAIT_CODES,
+    wait_name,
+)
+from ccld_plugin.wire.summary import RankSummary
 
 __all__ = [
     "CHANNELS_VERSION",
     "MAX_ENTRIES",
-    "SOURCE_NCCL",
-    "SOURCE_TCP",
     "ChannelReport",
     "ChannelRows",
     "PeerChannel",
-    "WAIT_NAMES",
     "WAIT_ORDER",
     "channel_rows",
     "decode_channels",
@@ -35,12 +39,9 @@ __all__ = [
     "entry_order",
 ]
 
-CHANNELS_VERSION = 3
-WAIT_NAMES = ("none", "local", "peer", "network")  # enum ccld_wait of board.h
-_WAIT_CODE = {name: i for i, name in enumerate(WAIT_NAMES)}
-WAIT_ORDER = {"none": 0, "local": 1, "peer": 2, "network": 3}  # which wait an entry shows
-DIRECTIONS = ("send", "recv")
-SOURCES = ("tcp", "nccl")
+# v4: sources use the board's codes (tcp 2, nccl 1; v3 had tcp 0, nccl 1)
+CHANNELS_VERSION = 4
+WAIT_ORDER = WAIT_CODES  # the wait codes also rank them: which wait an entry shows
 
 # A value: the head (version, entries, NCCL entries among them, interval ms, connections
 # mapped to ranks), the entries, then the NCCL entries' wait times in their order. Fixed
@@ -57,7 +58,7 @@ _WAIT_FIELDS = ("local_wait_us", "peer_wait_us", "net_wait_us")
 ENTRY_DTYPE = np.dtype([(name, "<" + code) for name, code in _ENTRY_FIELDS])
 ROW_DTYPE = np.dtype([("rank", "<i4"), ("mid_ns", "<i8"), ("interval_s", "<f8"),
                       *ENTRY_DTYPE.descr, *((w, "<u4") for w in _WAIT_FIELDS)])
-SOURCE_TCP, SOURCE_NCCL = 0, 1
+_SOURCE_CODES = {name: code for code, name in SOURCE_NAMES.items()}
 MAX_ENTRIES = 12  # keeps a rank's channel evidence under ~450 bytes per tick
 
 
@@ -127,11 +128,11 @@ def encode_channels(entries: Iterable[PeerChannel], interval_s: float, conns: in
                         min(int(interval_s * 1000), 0xFFFF), min(conns, 0xFFFF))]
     for e in rows:
         parts.append(_ENTRY.pack(
-            e.peer, _WAIT_CODE[e.wait], DIRECTIONS.index(e.direction), min(e.conns, 255),
+            e.peer, WAIT_CODES[e.wait], DIRECTION_NAMES.index(e.direction), min(e.conns, 255),
             min(e.rtos, 255), _u32(e.sent), _u32(e.received), _u32(e.queued), _u32(e.rtt_us),
             _u32(e.min_rtt_us), min(e.retrans, 0xFFFF), _share(e.rwnd_share),
             _share(e.sndbuf_share), _share(e.busy_share),
-            min(round(e.stalled_s * 100), 0xFFFF), SOURCES.index(e.source)))
+            min(round(e.stalled_s * 100), 0xFFFF), _SOURCE_CODES[e.source]))
     for e in nccl:
         parts.append(_NCCL_WAITS.pack(_u32(e.local_wait_us), _u32(e.peer_wait_us),
                                       _u32(e.net_wait_us)))
@@ -159,14 +160,14 @@ def decode_channels(rank: int, time_ns: int, data: bytes) -> ChannelReport | Non
     for (peer, wait, direction, nconn, rtos, sent, received, queued, rtt, min_rtt, retrans,
          rwnd, sndbuf, busy, stalled, source) in _ENTRY.iter_unpack(
             data[_HEAD.size:_HEAD.size + n * _ENTRY.size]):
-        src = SOURCES[source] if source < len(SOURCES) else "tcp"
+        src = "nccl" if source == SOURCE_NCCL else "tcp"
         if src == "nccl" and not waits:
             return None  # more NCCL entries than the head said
         local_w, peer_w, net_w = waits.pop(0) if src == "nccl" else (0, 0, 0)
         entries.append(PeerChannel(
-            peer=peer, wait=WAIT_NAMES[wait] if wait < len(WAIT_NAMES) else "none",
-            direction=DIRECTIONS[direction & 1], conns=nconn, rtos=rtos, sent=sent,
-            received=received, queued=queued, rtt_us=rtt, min_rtt_us=min_rtt, retrans=retrans,
+            peer=peer, wait=wait_name(wait), direction=DIRECTION_NAMES[direction & 1],
+            conns=nconn, rtos=rtos, sent=sent, received=received, queued=queued, rtt_us=rtt,
+            min_rtt_us=min_rtt, retrans=retrans,
             rwnd_share=rwnd / 255, sndbuf_share=sndbuf / 255, busy_share=busy / 255,
             stalled_s=stalled / 100, source=src, local_wait_us=local_w,
             peer_wait_us=peer_w, net_wait_us=net_w))
@@ -179,7 +180,7 @@ def decode_channels(rank: int, time_ns: int, data: bytes) -> ChannelReport | Non
 class ChannelRows:
     """The channel evidence of many summaries at once, for windows over thousands of ranks:
     ``reports`` one row per summary (rank, mid_ns: the middle of its interval), ``entries``
-    one ROW_DTYPE row per entry (raw codes: shares x/255, waits as in WAIT_NAMES)."""
+    one ROW_DTYPE row per entry (raw values: shares x/255, codes as in ``wire.codes``)."""
 
     reports: np.ndarray
     entries: np.ndarray
