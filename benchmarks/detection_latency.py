@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ccld_plugin.demo import DemoOptions, run_demo
+from ccld_plugin.harness.demo import DemoOptions, run_demo
 
 CASES = {
     "compute-hang": dict(framework="torch", world=4, tp=2, pp=2, steps=60,

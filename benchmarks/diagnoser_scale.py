@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose import Diagnoser, JobView
 from ccld_plugin.diagnose.view import topology_of
-from ccld_plugin.services import gc_paused
+from ccld_plugin.runtime.services import gc_paused
 from ccld_plugin.wire.peer_channels import PeerChannel, encode_channels
 from ccld_plugin.wire.summary import (
     ArrivalSample,

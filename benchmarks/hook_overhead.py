@@ -45,7 +45,7 @@ def _paired(orig, traced, batches: int, calls: int, *args, **kwargs) -> tuple[fl
 
 def rank_main(args: argparse.Namespace) -> None:
     import ccld_plugin
-    from ccld_plugin.session import current
+    from ccld_plugin.runtime.session import current
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -93,7 +93,7 @@ def main() -> int:
     if "RANK" in os.environ:
         rank_main(args)
         return 0
-    from ccld_plugin.launch import LocalJob
+    from ccld_plugin.harness.launch import LocalJob
 
     with tempfile.TemporaryDirectory() as tmp:
         job = LocalJob(world=2, argv=[__file__, "--batches", str(args.batches), "--calls",

@@ -1,7 +1,22 @@
-"""ccld_plugin: real-time diagnosis of slow and hung ranks in distributed training."""
+"""ccld_plugin: real-time diagnosis of slow and hung ranks in distributed training.
 
-from ccld_plugin.config import CcldConfig, ConfigError, load_config
-from ccld_plugin.session import disable, enable, mark_step, register_group
+The package is laid out like the data flow: ``runtime`` (session, tracer) writes the
+``board``; the ``agent`` summarizes it into ``wire`` records sent over the ``control``
+plane; ``diagnose`` turns them into verdicts for the ``sinks``. ``integrations`` hook
+Megatron and DeepSpeed in; ``harness`` launches and breaks jobs for tests and the demo.
+
+Names here load lazily, so ``import ccld_plugin.diagnose`` (pure analysis) does not load
+torch or the native module.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ccld_plugin.config import CcldConfig, ConfigError, load_config
+    from ccld_plugin.runtime.session import disable, enable, mark_step, register_group
 
 __all__ = [
     "CcldConfig",
@@ -12,3 +27,26 @@ __all__ = [
     "mark_step",
     "register_group",
 ]
+
+_HOME = {
+    "CcldConfig": "ccld_plugin.config",
+    "ConfigError": "ccld_plugin.config",
+    "load_config": "ccld_plugin.config",
+    "disable": "ccld_plugin.runtime.session",
+    "enable": "ccld_plugin.runtime.session",
+    "mark_step": "ccld_plugin.runtime.session",
+    "register_group": "ccld_plugin.runtime.session",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'ccld_plugin' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

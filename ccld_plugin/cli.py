@@ -63,14 +63,14 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console()
+    from ccld_plugin.board.reader import BoardError
     from ccld_plugin.config import ConfigError
-    from ccld_plugin.faults.spec import FaultSpecError
-    from ccld_plugin.probe import BoardError
-    from ccld_plugin.wandb_summary import RunFileError
+    from ccld_plugin.harness.faults.spec import FaultSpecError
+    from ccld_plugin.sinks.wandb.run_file import RunFileError
 
     try:
         if args.command == "inspect":
-            from ccld_plugin.board_report import inspect_boards, print_status
+            from ccld_plugin.board.report import inspect_boards, print_status
 
             statuses = inspect_boards(args.path)
             if args.json:
@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print_status(statuses, console)
             return 0
         if args.command == "demo":
-            from ccld_plugin.demo import DemoOptions, run_demo
+            from ccld_plugin.harness.demo import DemoOptions, run_demo
 
             return run_demo(DemoOptions(framework=args.framework, world=args.world, tp=args.tp,
                                         pp=args.pp, steps=args.steps, faults=args.fault,
@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         netns=args.netns, zero_stage=args.zero_stage),
                             console)
         if args.command == "wandb-summary":
-            from ccld_plugin.wandb_summary import print_summary, wait_for_run
+            from ccld_plugin.sinks.wandb.run_file import print_summary, wait_for_run
 
             contents = wait_for_run(args.path, args.wait)
             if contents is None:

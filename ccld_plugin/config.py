@@ -196,8 +196,6 @@ class CcldConfig:
     sinks: SinksConfig = field(default_factory=SinksConfig)
     nccl_profiler: bool = False
     """Load the NCCL profiler plugin for channel-level progress of GPU collectives."""
-    faults: list[str] = field(default_factory=list)
-    """Fault specs to inject (tests, benchmarks and the demo)."""
 
 
 ConfigSource = CcldConfig | Mapping[str, Any] | DictConfig | str | Path | None

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ccld_plugin.launch import LocalJob
+from ccld_plugin.harness.launch import LocalJob
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

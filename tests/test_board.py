@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ccld_plugin import _native
-from ccld_plugin.probe import BoardError, BoardReader
+from ccld_plugin.board.reader import BoardError, BoardReader
 from ccld_plugin.wire.codes import OP_CODES
 
 CSRC = Path(__file__).parents[1] / "ccld_plugin" / "csrc"

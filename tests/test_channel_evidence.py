@@ -9,11 +9,11 @@ import time
 import pytest
 
 from ccld_plugin import _native
-from ccld_plugin.channels import ChannelSampler
-from ccld_plugin.diagnose.channels import channel_evidence, cut_off_rank, toward_lines
+from ccld_plugin.agent.tcp_channels import ChannelSampler
+from ccld_plugin.board.reader import BoardReader
 from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkJudgement
+from ccld_plugin.diagnose.tcp_evidence import channel_evidence, cut_off_rank, toward_lines
 from ccld_plugin.diagnose.view import JobView
-from ccld_plugin.probe import BoardReader
 from ccld_plugin.wire import peer_channels as codec
 from ccld_plugin.wire.codes import SOURCE_NCCL, SOURCE_TCP
 from ccld_plugin.wire.peer_channels import (

@@ -11,7 +11,7 @@ import pytest
 
 from ccld_plugin.config import ControlConfig
 from ccld_plugin.control import ControlPlane
-from ccld_plugin.launch import free_port
+from ccld_plugin.harness.launch import free_port
 from ccld_plugin.sinks.jsonl import read_verdicts
 
 

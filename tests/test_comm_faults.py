@@ -1,5 +1,5 @@
 """Communication faults on real jobs in a closed network: every rank in its own network
-namespace (ccld_plugin.netjob), the fault applied on the rank's link from outside.
+namespace (ccld_plugin.harness.netjob), the fault applied on the rank's link from outside.
 
 Each test runs the demo's launcher on the built-in workload and asserts the verdict's
 kind, cause, ranks, group role and link. Thresholds are short so that the file stays
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from ccld_plugin.demo import DemoOptions, run_demo
-from ccld_plugin.faults import netns
-from ccld_plugin.probe import BoardReader, board_files
+from ccld_plugin.board.reader import BoardReader, board_files
+from ccld_plugin.harness.demo import DemoOptions, run_demo
+from ccld_plugin.harness.faults import netns
 
 FAST = ["diagnoser.hang_min_s=3", "agent.stack_after_s=1", "agent.interval_s=0.5",
         "diagnoser.unresponsive_s=4"]

@@ -15,8 +15,8 @@ import pytest
 from jobs import JobResult, run_job
 
 from ccld_plugin import ConfigError
+from ccld_plugin.board.reader import BoardReader
 from ccld_plugin.deepspeed import ccld_block, read_config
-from ccld_plugin.probe import BoardReader
 from ccld_plugin.wire.codes import OP_NAMES
 
 pytest.importorskip("deepspeed")

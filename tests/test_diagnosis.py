@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from ccld_plugin.demo import DemoOptions, run_demo
-from ccld_plugin.launch import LocalJob
+from ccld_plugin.harness.demo import DemoOptions, run_demo
+from ccld_plugin.harness.launch import LocalJob
 from ccld_plugin.sinks.jsonl import read_verdicts
 
 FAST = ["diagnoser.hang_min_s=3", "agent.stack_after_s=1", "agent.interval_s=0.5",
@@ -99,7 +99,7 @@ def test_healthy_run_of_100_steps_has_no_verdict(tmp_path):
 def test_killed_rank_is_unresponsive(tmp_path):
     out = tmp_path / "out"
     sets = [*FAST, f"board.dir={out}", "job=b", f"sinks.jsonl={out / 'verdicts.jsonl'}"]
-    job = LocalJob(world=4, argv=["-m", "ccld_plugin.workload", "--steps", "400",
+    job = LocalJob(world=4, argv=["-m", "ccld_plugin.harness.workload", "--steps", "400",
                                   *sum((["--ccld-set", s] for s in sets), [])],
                    log_dir=out / "logs")
     job.start()

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from ccld_plugin.faults import FaultSpecError, parse_fault, parse_faults
+from ccld_plugin.harness.faults import FaultSpecError, parse_fault, parse_faults
 
 
 def test_specs_parse_with_defaults():

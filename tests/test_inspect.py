@@ -9,7 +9,7 @@ import time
 
 from jobs import run_job
 
-from ccld_plugin.launch import LocalJob
+from ccld_plugin.harness.launch import LocalJob
 
 
 def _inspect(path) -> list[dict]:
@@ -21,7 +21,7 @@ def _inspect(path) -> list[dict]:
 
 def test_inspect_live_hung_and_killed_ranks(tmp_path):
     boards = tmp_path / "boards"
-    job = LocalJob(world=2, argv=["-m", "ccld_plugin.workload", "--steps", "50",
+    job = LocalJob(world=2, argv=["-m", "ccld_plugin.harness.workload", "--steps", "50",
                                   "--ccld-set", f"board.dir={boards}", "--ccld-set", "job=j"],
                    log_dir=tmp_path / "logs", env={"CCLD_FAULTS": "compute-hang@1:step=2"})
     job.start()
@@ -55,7 +55,7 @@ def test_inspect_live_hung_and_killed_ranks(tmp_path):
 
 def test_inspect_boards_left_by_a_finished_job_with_cleanup_off(tmp_path):
     boards = tmp_path / "boards"
-    run_job("ccld_plugin.workload", 2, tmp_path, args=(
+    run_job("ccld_plugin.harness.workload", 2, tmp_path, args=(
         "--steps", "3", "--ccld-set", f"board.dir={boards}", "--ccld-set", "job=j",
         "--ccld-set", "board.cleanup=false")).check()
     statuses = _inspect(boards)

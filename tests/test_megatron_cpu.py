@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ccld_plugin.launch import free_port
+from ccld_plugin.harness.launch import free_port
 
 pytest.importorskip("megatron.core")
 
@@ -201,7 +201,7 @@ def test_compat_layer_activation() -> None:
     # In a subprocess: activate() patches torch for the whole process.
     code = """
 import megatron.core, torch
-from ccld_plugin.compat import megatron_cpu as m
+from ccld_plugin.harness import megatron_cpu as m
 real = torch.cuda.is_available
 torch.cuda.is_available = lambda: True
 assert m.activate() is False and not m.is_active(), "must stay off where CUDA exists"
@@ -219,6 +219,6 @@ print("ok")
 
 
 def test_groups_empty_before_init() -> None:
-    from ccld_plugin.integrations.megatron_groups import parallel_state_groups
+    from ccld_plugin.integrations.megatron.groups import parallel_state_groups
 
     assert parallel_state_groups() == []

@@ -4,7 +4,7 @@ ranks 2 and 3 are the last pipeline stage."""
 
 import json
 
-from ccld_plugin.demo import DemoOptions, run_demo
+from ccld_plugin.harness.demo import DemoOptions, run_demo
 
 FAST = ["diagnoser.hang_min_s=3", "agent.stack_after_s=1", "agent.interval_s=0.5"]
 

@@ -27,7 +27,7 @@ pytest.importorskip("megatron.core")
 from jobs import JobResult, run_job  # noqa: E402
 
 from ccld_plugin import megatron as ccld  # noqa: E402
-from ccld_plugin.probe import BoardReader  # noqa: E402
+from ccld_plugin.board.reader import BoardReader  # noqa: E402
 from ccld_plugin.wire.codes import OP_NAMES
 
 __all__: list[str] = []

@@ -226,9 +226,9 @@ READ_LATER_S = 5.0  # the boards are read as if 5 s later: the stalled steps hav
 
 
 def ring_fault_view(build: Build, tmp_path: Path, fault: int, where: int):
+    from ccld_plugin.agent.nccl_channels import NcclChannels
+    from ccld_plugin.board.reader import BoardReader
     from ccld_plugin.diagnose.view import JobView
-    from ccld_plugin.nccl_channels import NcclChannels
-    from ccld_plugin.probe import BoardReader
     from ccld_plugin.wire.codes import STATE_IN_FLIGHT
     from ccld_plugin.wire.peer_channels import encode_channels
     from ccld_plugin.wire.summary import GroupProgress, InFlightOp, RankSummary
@@ -262,7 +262,7 @@ def ring_fault_view(build: Build, tmp_path: Path, fault: int, where: int):
 
 def hang_verdicts(view):
     from ccld_plugin.diagnose.hang import find_hangs
-    from ccld_plugin.services import located_by_channels
+    from ccld_plugin.runtime.services import located_by_channels
 
     return find_hangs(view, lambda gid: 3.0, 1.0, located_by_channels)
 
@@ -286,7 +286,7 @@ def test_ring_fault_verdict(build: Build, tmp_path: Path, fault: int, where: int
     ``ccld inspect`` shows the culprit's waiting channels."""
     from rich.console import Console
 
-    from ccld_plugin.board_report import inspect_boards, print_status
+    from ccld_plugin.board.report import inspect_boards, print_status
 
     view, group = ring_fault_view(build, tmp_path, fault, where)
     statuses = {st.rank: st for st in inspect_boards(tmp_path)}
@@ -308,7 +308,7 @@ def test_ring_fault_verdict(build: Build, tmp_path: Path, fault: int, where: int
 
 
 def test_ring_without_fault_has_no_stalled_channels(build: Build, tmp_path: Path) -> None:
-    from ccld_plugin.diagnose.nccl_waits import nccl_stalls
+    from ccld_plugin.diagnose.nccl_evidence import nccl_stalls
 
     view, group = ring_fault_view(build, tmp_path, FAULT_NONE, 0)
     assert nccl_stalls(view, group.ranks) == {}
@@ -507,7 +507,7 @@ def test_cost_per_event_benchmark(build: Build, tmp_path: Path,
 
 # ----------------------------------------------------------------------------- python side
 def test_enable_env_keeps_a_value_already_set() -> None:
-    from ccld_plugin.nccl import enable_nccl_profiler_env
+    from ccld_plugin.runtime.nccl_env import enable_nccl_profiler_env
 
     env = {"NCCL_PROFILER_PLUGIN": "/opt/other/libnccl-profiler-x.so"}
     assert enable_nccl_profiler_env(env) == "/opt/other/libnccl-profiler-x.so"
@@ -515,7 +515,11 @@ def test_enable_env_keeps_a_value_already_set() -> None:
 
 
 def test_enable_env_points_at_the_installed_library(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ccld_plugin.nccl import LIBRARY_NAME, enable_nccl_profiler_env, nccl_plugin_path
+    from ccld_plugin.runtime.nccl_env import (
+        LIBRARY_NAME,
+        enable_nccl_profiler_env,
+        nccl_plugin_path,
+    )
 
     try:
         path = Path(nccl_plugin_path())
@@ -535,7 +539,7 @@ def test_config_key_sets_the_plugin_env_before_nccl_starts(tmp_path):
     loaded, as soon as the plugin is enabled (before init_process_group here)."""
     code = (
         "import os, ccld_plugin\n"
-        "from ccld_plugin.nccl import nccl_plugin_path\n"
+        "from ccld_plugin.runtime.nccl_env import nccl_plugin_path\n"
         "os.environ.pop('NCCL_PROFILER_PLUGIN', None)\n"
         "ccld_plugin.enable(overrides=['nccl_profiler=true'])\n"
         "assert os.environ['NCCL_PROFILER_PLUGIN'] == nccl_plugin_path(), os.environ\n"
@@ -548,8 +552,8 @@ def test_config_key_sets_the_plugin_env_before_nccl_starts(tmp_path):
 def test_agent_entries_from_nccl_records() -> None:
     """NcclChannels: one entry per (peer, direction), bytes moved since the last tick,
     pending bytes from the completed steps' size, the oldest wait; idle ones left out."""
-    from ccld_plugin.nccl_channels import NcclChannels
-    from ccld_plugin.probe import CHANNEL_DTYPE
+    from ccld_plugin.agent.nccl_channels import NcclChannels
+    from ccld_plugin.board.reader import CHANNEL_DTYPE
 
     def recs(*rows: dict) -> np.ndarray:
         a = np.zeros(len(rows), CHANNEL_DTYPE)

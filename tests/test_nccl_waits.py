@@ -5,7 +5,7 @@ records in test_nccl_profiler.py."""
 
 from __future__ import annotations
 
-from ccld_plugin.diagnose.nccl_waits import nccl_evidence
+from ccld_plugin.diagnose.nccl_evidence import nccl_evidence
 from ccld_plugin.diagnose.records import Cause
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.wire.peer_channels import PeerChannel, encode_channels

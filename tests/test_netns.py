@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from ccld_plugin import transport
-from ccld_plugin.faults import netns
-from ccld_plugin.faults.netns import PREFIX, ClosedNetwork
+from ccld_plugin.agent import tcp_probe as transport
+from ccld_plugin.harness.faults import netns
+from ccld_plugin.harness.faults.netns import PREFIX, ClosedNetwork
 
 ROOT = Path(__file__).resolve().parents[1]
 NETNS_PY = Path(netns.__file__).resolve()

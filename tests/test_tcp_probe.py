@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ccld_plugin import transport
-from ccld_plugin.transport import TcpConn, TcpProbe, classify_wait, map_peers
+from ccld_plugin.agent import tcp_probe as transport
+from ccld_plugin.agent.tcp_probe import TcpConn, TcpProbe, classify_wait, map_peers
 from ccld_plugin.wire import codes
 
 ROOT = Path(__file__).resolve().parents[1]

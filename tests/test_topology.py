@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
+from ccld_plugin.harness.workload import Layout, layout_groups
 from ccld_plugin.wire.topology import GroupInfo, Topology, group_id_of, role_index
-from ccld_plugin.workload import Layout, layout_groups
 
 
 def _topology(world, tp, pp):

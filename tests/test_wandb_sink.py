@@ -22,15 +22,16 @@ import numpy as np
 import pytest
 
 from ccld_plugin.config import DiagnoserConfig, WandbConfig, load_config
-from ccld_plugin.demo import DemoOptions, run_demo
 from ccld_plugin.diagnose import Diagnoser, JobView
 from ccld_plugin.diagnose.arrivals import Joined
 from ccld_plugin.diagnose.records import Cause, Kind, Verdict
 from ccld_plugin.errors import contained_errors
+from ccld_plugin.harness.demo import DemoOptions, run_demo
 from ccld_plugin.sinks import build_sinks
 from ccld_plugin.sinks.jsonl import read_verdicts
-from ccld_plugin.sinks.metrics import PanelMetrics, group_key, hang_watch, take_new_joined
-from ccld_plugin.sinks.wandb import (
+from ccld_plugin.sinks.wandb.panels import PanelMetrics, group_key, hang_watch, take_new_joined
+from ccld_plugin.sinks.wandb.run_file import find_run_files, iter_records, wait_for_run
+from ccld_plugin.sinks.wandb.sink import (
     VERDICT_COLUMNS,
     WandbSink,
     _Writer,
@@ -38,7 +39,6 @@ from ccld_plugin.sinks.wandb import (
     heatmap_rgb,
     verdict_row,
 )
-from ccld_plugin.wandb_summary import find_run_files, iter_records, wait_for_run
 from ccld_plugin.wire.codes import OP_CODES
 from ccld_plugin.wire.summary import GroupProgress, InFlightOp, RankSummary, StepStat
 from ccld_plugin.wire.topology import GroupInfo, group_id_of

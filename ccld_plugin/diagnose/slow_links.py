@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ccld_plugin.diagnose.channels import common_culprit, fmt_bytes
 from ccld_plugin.diagnose.robust import RankedValues
+from ccld_plugin.diagnose.tcp_evidence import common_culprit, fmt_bytes
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.wire.codes import DIRECTION_SEND, SOURCE_NCCL, SOURCE_TCP
 from ccld_plugin.wire.peer_channels import ChannelRows, channel_rows

@@ -1,2 +1,2 @@
-"""Framework integrations: Megatron-core and DeepSpeed (plain PyTorch needs none: see
-``ccld_plugin.workload``)."""
+"""Framework integrations: Megatron-core and DeepSpeed, each with its groups module. Plain
+PyTorch needs none: ``ccld_plugin.enable`` / ``register_group`` / ``mark_step``."""

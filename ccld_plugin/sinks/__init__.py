@@ -35,7 +35,7 @@ def build_sinks(cfg: SinksConfig) -> list[Sink]:
         try:
             # Imported here: the module never imports wandb itself, but the sink is
             # optional and nothing about it may stop the job from starting.
-            from ccld_plugin.sinks.wandb import WandbSink
+            from ccld_plugin.sinks.wandb.sink import WandbSink
 
             sinks.append(WandbSink(cfg.wandb))
         except Exception as exc:  # noqa: BLE001

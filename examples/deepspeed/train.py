@@ -39,6 +39,7 @@ from deepspeed.accelerator import get_accelerator
 import ccld_plugin
 import ccld_plugin.deepspeed as ccld_ds
 from ccld_plugin import ConfigError
+from ccld_plugin.harness.faults.deepspeed import attach_faults
 
 HERE = Path(__file__).resolve().parent
 # DeepSpeed calls torch's all_gather_into_tensor, deprecated in torch 2.13: one notice per
@@ -151,14 +152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(exc, file=sys.stderr)  # one line that names the key and what is allowed
         return 2
     rank, world = dist.get_rank(), dist.get_world_size()
-    if hooks is None:
-        # Plugin off: faults still apply (a baseline run sees the same fault); with no
-        # tracer to stretch compute before each collective, forward and backward are timed.
-        from ccld_plugin.faults import injector_for
-
-        injector = injector_for(rank, world=world)
-        if injector is not None:
-            ccld_ds.EngineHooks(engine, injector, mark_steps=False, time_compute=True)
+    # Test faults from CCLD_FAULTS, with the plugin on or off (a baseline run sees the same
+    # fault); None on unaffected ranks.
+    attach_faults(engine, hooks)
 
     torch.manual_seed(1234 + rank)  # each rank its own data; the target map is shared
     target = torch.Generator().manual_seed(42)
@@ -187,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.flush()
     result = {"rank": rank, "world": world, "steps": args.steps, "loss": loss_value,
               "zero_stage": engine.zero_optimization_stage(), "ccld": hooks is not None,
-              "traced": dist.all_reduce.__module__ == "ccld_plugin.tracer",
+              "traced": dist.all_reduce.__module__ == "ccld_plugin.runtime.tracer",
               "seconds": round(time.perf_counter() - t_start, 3)}
     print("result " + json.dumps(result), flush=True)
     dist.barrier()

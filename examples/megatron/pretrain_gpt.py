@@ -1,7 +1,7 @@
 """Pretrain a tiny GPT with megatron-core: tensor, pipeline, data and expert parallelism.
 
 Runs under torchrun. On a machine without CUDA it uses gloo and the CPU compatibility
-layer (``ccld_plugin.compat.megatron_cpu``); with CUDA it uses nccl and the layer stays off.
+layer (``ccld_plugin.harness.megatron_cpu``); with CUDA it uses nccl and the layer stays off.
 
     torchrun --nproc-per-node 4 examples/megatron/pretrain_gpt.py \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --train-iters 5
@@ -57,7 +57,7 @@ from megatron.core.transformer import TransformerConfig
 
 from ccld_plugin import ConfigError
 from ccld_plugin import megatron as ccld
-from ccld_plugin.integrations.megatron_faults import attach_faults
+from ccld_plugin.harness.faults.megatron import attach_faults
 
 __all__ = ["main", "parse_args"]
 
@@ -170,7 +170,7 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
-        from ccld_plugin.compat import megatron_cpu
+        from ccld_plugin.harness import megatron_cpu
 
         megatron_cpu.activate()
     dist.init_process_group(
@@ -333,7 +333,7 @@ def train(args: argparse.Namespace) -> list[float]:
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
 
-    # Test faults (CCLD_FAULTS or the plugin config's "faults"); None on unaffected ranks.
+    # Test faults (CCLD_FAULTS); None on unaffected ranks.
     faults = attach_faults()
     forward_backward = get_forward_backward_func()
     data = synthetic_batches(args)
@@ -378,7 +378,7 @@ def train(args: argparse.Namespace) -> list[float]:
 
 def print_groups() -> None:
     """One JSON line per rank: every parallel_state group with its role and global ranks."""
-    from ccld_plugin.integrations.megatron_groups import parallel_state_groups
+    from ccld_plugin.integrations.megatron.groups import parallel_state_groups
 
     groups = [
         [role, dist.get_process_group_ranks(group)] for group, role in parallel_state_groups()

@@ -46,8 +46,8 @@ class Stats(ctypes.Structure):
 
 def main(out: Path) -> int:
     import ccld_plugin
-    from ccld_plugin.nccl import nccl_plugin_path
-    from ccld_plugin.probe import BoardReader
+    from ccld_plugin.board.reader import BoardReader
+    from ccld_plugin.runtime.nccl_env import nccl_plugin_path
     from ccld_plugin.wire.topology import group_id_of
 
     out.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ for step in range(100):  # ~5 s: every rank runs the same steps
     ccld_plugin.mark_step(step)
     dist.all_reduce(t)
     time.sleep(0.05)
-agent = session.clock_source
+agent = session.services.agent
 print("CLOCK " + json.dumps({"resyncs": agent.resyncs, "offset_ns": agent.clock.offset_ns}),
       flush=True)
 ccld_plugin.disable()

@@ -26,15 +26,15 @@ def _load_example():
 
 
 def _is_traced(fn: object) -> bool:
-    # Tracer wrappers keep torch's name and doc but are defined in ccld_plugin.tracer.
-    return getattr(fn, "__module__", "") == "ccld_plugin.tracer"
+    # Tracer wrappers keep torch's name and doc but are defined in ccld_plugin.runtime.tracer.
+    return getattr(fn, "__module__", "") == "ccld_plugin.runtime.tracer"
 
 
 def _probe() -> dict:
     from megatron.core.distributed import param_and_grad_buffer as buffers
     from megatron.core.tensor_parallel import mappings
 
-    from ccld_plugin.session import current
+    from ccld_plugin.runtime.session import current
 
     names = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "isend",
              "irecv", "batch_isend_irecv", "_coalescing_manager")

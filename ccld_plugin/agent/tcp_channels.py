@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ccld_plugin import transport
+from ccld_plugin.agent import tcp_probe as transport
+from ccld_plugin.agent.tcp_probe import TcpConn, TcpProbe
 from ccld_plugin.errors import log, report_error
-from ccld_plugin.transport import TcpConn, TcpProbe
 from ccld_plugin.wire.peer_channels import (
     MAX_ENTRIES,
     WAIT_ORDER,

@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from ccld_plugin.channels import ChannelSampler
+from ccld_plugin.agent.nccl_channels import NcclChannels
+from ccld_plugin.agent.tcp_channels import ChannelSampler
+from ccld_plugin.board.reader import BoardReader
 from ccld_plugin.config import AgentConfig
 from ccld_plugin.control import ClockSync, ControlPlane, resync_epoch
 from ccld_plugin.errors import log, report_error
-from ccld_plugin.nccl_channels import NcclChannels
-from ccld_plugin.probe import BoardReader
 from ccld_plugin.wire.codes import FLAG_ASYNC, FLAG_P2P, STATE_DONE, STATE_ERROR, STATE_IN_FLIGHT
 from ccld_plugin.wire.peer_channels import MAX_ENTRIES, encode_channels, entry_order
 from ccld_plugin.wire.summary import (

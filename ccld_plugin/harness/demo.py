@@ -16,12 +16,12 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ccld_plugin.board_report import collective_table, print_collectives
+from ccld_plugin.board.reader import BoardError, BoardReader, board_files
+from ccld_plugin.board.report import collective_table, print_collectives
 from ccld_plugin.config import load_config
-from ccld_plugin.faults.spec import FaultSpec, parse_faults
-from ccld_plugin.launch import LocalJob
-from ccld_plugin.netjob import NetJob, available
-from ccld_plugin.probe import BoardError, BoardReader, board_files
+from ccld_plugin.harness.faults.spec import FaultSpec, parse_faults
+from ccld_plugin.harness.launch import LocalJob
+from ccld_plugin.harness.netjob import NetJob, available
 from ccld_plugin.sinks.console import render_verdict
 from ccld_plugin.sinks.jsonl import read_verdicts
 
@@ -140,7 +140,7 @@ DEEPSPEED_EXAMPLE = EXAMPLES / "deepspeed" / "train.py"
 def _framework_argv(opts: DemoOptions) -> list[str]:
     """The command of one rank for the chosen framework."""
     if opts.framework == "torch":
-        return ["-m", "ccld_plugin.workload", "--tp", str(opts.tp), "--pp", str(opts.pp),
+        return ["-m", "ccld_plugin.harness.workload", "--tp", str(opts.tp), "--pp", str(opts.pp),
                 "--steps", str(opts.steps)]
     if opts.framework == "megatron":
         if not MEGATRON_EXAMPLE.is_file():
@@ -176,7 +176,7 @@ def _wandb_overrides(out: Path) -> list[str]:
 def _print_wandb(console: Console, out: Path, started: float) -> None:
     if not (out / "wandb").exists():
         return
-    from ccld_plugin.wandb_summary import wait_for_run
+    from ccld_plugin.sinks.wandb.run_file import wait_for_run
 
     # The writer finishes the run after the job ends (a killed job too).
     run = wait_for_run(out / "wandb", timeout_s=30, since=started)

@@ -17,7 +17,7 @@ turns them into panels under ``ccld/`` and writes them out:
 
 Where it writes: into the process's existing run when there is one (``wandb.run``, which
 Megatron's and DeepSpeed's W&B writers also set), else into a run of its own, owned by a
-separate writer process (:mod:`ccld_plugin.sinks.wandb_worker`) so that the run survives
+separate writer process (:mod:`ccld_plugin.sinks.wandb.worker`) so that the run survives
 the end of a hung job and wandb's start-up never runs in the training process. Every
 failure, wandb missing included, is contained: reported once, and the sink goes quiet.
 """
@@ -47,7 +47,7 @@ import numpy as np
 from ccld_plugin.config import WandbConfig
 from ccld_plugin.diagnose.records import Verdict
 from ccld_plugin.errors import log, report_error
-from ccld_plugin.sinks.metrics import (
+from ccld_plugin.sinks.wandb.panels import (
     HangWatch,
     PanelMetrics,
     StepRow,
@@ -56,7 +56,7 @@ from ccld_plugin.sinks.metrics import (
     hang_watch,
     take_new_joined,
 )
-from ccld_plugin.sinks.wandb_worker import Applier, encode_message
+from ccld_plugin.sinks.wandb.worker import Applier, encode_message
 
 __all__ = ["VERDICT_COLUMNS", "WandbSink", "WandbUnavailable", "encode_png", "heatmap_rgb",
            "verdict_row"]
@@ -225,7 +225,7 @@ class _Attached:
 
 
 class _Writer:
-    """A writer process that owns the run (see :mod:`ccld_plugin.sinks.wandb_worker`)."""
+    """A writer process that owns the run (see :mod:`ccld_plugin.sinks.wandb.worker`)."""
 
     def __init__(self, init_kwargs: dict, python: str) -> None:
         worker = Path(__file__).with_name("wandb_worker.py")

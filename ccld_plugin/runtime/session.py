@@ -15,9 +15,9 @@ import sys
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -25,7 +25,10 @@ import torch.distributed.distributed_c10d as c10d
 from ccld_plugin import _native, errors
 from ccld_plugin.config import CcldConfig, ConfigSource, load_config
 from ccld_plugin.errors import log, report_error
-from ccld_plugin.tracer import Tracer
+from ccld_plugin.runtime.tracer import Tracer
+
+if TYPE_CHECKING:
+    from ccld_plugin.runtime.services import Services
 
 __all__ = [
     "Session",
@@ -46,12 +49,10 @@ class Session:
     rank: int
     world: int
     board_path: Path
-    board: Any
+    board: _native.Board
     tracer: Tracer
     started_ns: int = 0  # monotonic; on the diagnoser rank this is the job's start
-    services: list[Any] = field(default_factory=list)  # stopped in reverse order
-    steps: Any = None  # the agent's StepClock
-    clock_source: Any = None  # the agent, whose clock sync with the diagnoser it holds
+    services: Services | None = None
 
 
 _session: Session | None = None
@@ -82,8 +83,7 @@ def job_seconds(mono_ns: int) -> float | None:
     """A time of this rank's monotonic clock as seconds since job start on the diagnoser's
     clock (the timebase of verdicts), or None before the clock handshake."""
     s = _session
-    clock = getattr(s.clock_source, "clock", None) if s is not None else None
-    return None if clock is None else clock.job_seconds(mono_ns)
+    return None if s is None or s.services is None else s.services.job_seconds(mono_ns)
 
 
 def enable(config: ConfigSource = None, overrides: Iterable[str] = ()) -> Session | None:
@@ -97,7 +97,7 @@ def enable(config: ConfigSource = None, overrides: Iterable[str] = ()) -> Sessio
         return None
     if cfg.nccl_profiler:  # NCCL reads it once, at its first communicator: set it early
         try:
-            from ccld_plugin.nccl import enable_nccl_profiler_env
+            from ccld_plugin.runtime.nccl_env import enable_nccl_profiler_env
 
             enable_nccl_profiler_env()
         except Exception as exc:  # noqa: BLE001
@@ -135,9 +135,11 @@ def _start(cfg: CcldConfig) -> Session:
     _pending_roles.clear()
     atexit.register(_at_exit)
     _watch_uncaught_exceptions()
-    from ccld_plugin import services  # imported here: it needs the store, the tracer does not
+    # imported here: it needs the store, the tracer does not
+    from ccld_plugin.runtime import services
 
-    services.start(_session)
+    _session.services = services.start(cfg, rank, world, job_name(cfg), path, tracer,
+                                       _session.started_ns)
     log.info("ccld: tracing rank %d of %d, board %s", rank, world, path)
     return _session
 
@@ -214,8 +216,8 @@ def mark_step(step: int) -> None:
             step = int(step)
             s.board.set_step(step)
             s.tracer.current_step = step
-            if s.steps is not None:
-                s.steps.mark(step)
+            if s.services is not None:
+                s.services.steps.mark(step)
         except Exception as exc:  # noqa: BLE001
             report_error("session.mark_step", exc)
 
@@ -230,11 +232,8 @@ def disable(keep_board: bool = False) -> None:
         s, _session = _session, None
         if s is None:
             return
-        for svc in reversed(s.services):
-            try:
-                svc.stop()
-            except Exception as exc:  # noqa: BLE001
-                report_error("session.stop", exc)
+        if s.services is not None:
+            s.services.stop()
         try:
             s.tracer.uninstall()
         finally:

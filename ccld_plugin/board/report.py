@@ -13,7 +13,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from ccld_plugin.probe import BoardError, BoardReader, board_files
+from ccld_plugin.board.reader import BoardError, BoardReader, board_files
 from ccld_plugin.wire.codes import (
     FLAG_P2P,
     OP_NAMES,

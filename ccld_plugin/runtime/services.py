@@ -10,42 +10,67 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from ccld_plugin.agent import Agent, StepClock
+from ccld_plugin.agent.agent import Agent, StepClock
+from ccld_plugin.config import CcldConfig
 from ccld_plugin.control import ControlPlane, resync_epoch
 from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
-from ccld_plugin.diagnose.channels import Located, channel_evidence
-from ccld_plugin.diagnose.nccl_waits import nccl_evidence
+from ccld_plugin.diagnose.nccl_evidence import nccl_evidence
+from ccld_plugin.diagnose.tcp_evidence import Located, channel_evidence
 from ccld_plugin.diagnose.view import topology_of
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.sinks import Sink, build_sinks
 from ccld_plugin.wire.summary import RankSummary, decode_summary
 from ccld_plugin.wire.topology import GroupInfo, Topology
 
-__all__ = ["DiagnoserService", "start"]
+__all__ = ["DiagnoserService", "Services", "start"]
 
 MAX_ROUND_SHARE = 0.2  # of the diagnoser rank's time spent in diagnoser rounds
 
 
-def start(session: Any) -> None:
-    """Start the agent (and on the diagnoser rank, the diagnoser) of a session."""
-    cfg = session.config
-    control = ControlPlane(cfg.control, session.rank, session.world, _job(session),
-                           cfg.diagnoser.rank)
+@dataclass
+class Services:
+    """What runs beside training in one rank: its agent, and on the diagnoser rank the
+    diagnoser thread. ``steps`` is the agent's step clock (``mark_step`` feeds it)."""
+
+    agent: Agent
+    steps: StepClock
+    diagnoser: DiagnoserService | None = None
+
+    def stop(self) -> None:
+        """The agent first, then the diagnoser (its last round sees the agent's last
+        summary); each failure contained."""
+        for svc in (self.agent, self.diagnoser):
+            if svc is None:
+                continue
+            try:
+                svc.stop()
+            except Exception as exc:  # noqa: BLE001
+                report_error("services.stop", exc)
+
+    def job_seconds(self, mono_ns: int) -> float | None:
+        clock = self.agent.clock
+        return None if clock is None else clock.job_seconds(mono_ns)
+
+
+def start(cfg: CcldConfig, rank: int, world: int, job: str, board_path: Path, tracer: Any,
+          started_ns: int) -> Services:
+    """Start the agent (and on the diagnoser rank, the diagnoser) of a rank."""
+    control = ControlPlane(cfg.control, rank, world, job, cfg.diagnoser.rank)
     steps = StepClock()
-    session.steps = steps
     timeout = cfg.control.connect_timeout_s
-    if session.rank == cfg.diagnoser.rank:
-        diag = DiagnoserService(cfg, control.connect(), session.world,
-                                session.started_ns, build_sinks(cfg.sinks))
+    diag = None
+    if rank == cfg.diagnoser.rank:
+        diag = DiagnoserService(cfg, control.connect(), world, started_ns,
+                                build_sinks(cfg.sinks))
         diag.start()
-        session.services.append(diag)
-    agent = Agent(cfg.agent, control, session.board_path, session.rank, socket.gethostname(),
-                  os.getpid(), session.tracer, steps, timeout + 5)
+    agent = Agent(cfg.agent, control, board_path, rank, socket.gethostname(), os.getpid(),
+                  tracer, steps, timeout + 5)
     agent.start()
-    session.services.append(agent)
-    session.clock_source = agent
+    return Services(agent, steps, diag)
 
 
 @contextlib.contextmanager
@@ -71,14 +96,8 @@ def located_by_channels(view: JobView, group: GroupInfo, members: list[int]
     return nccl_evidence(view, group, members) or channel_evidence(view, group, members)
 
 
-def _job(session: Any) -> str:
-    from ccld_plugin.session import job_name
-
-    return job_name(session.config)
-
-
 class DiagnoserService:
-    def __init__(self, cfg: Any, control: ControlPlane, world: int, job_start_ns: int,
+    def __init__(self, cfg: CcldConfig, control: ControlPlane, world: int, job_start_ns: int,
                  sinks: list[Sink]) -> None:
         self.cfg = cfg
         self.control = control

@@ -1,8 +1,8 @@
 """Compute-fault injection in a Megatron job (tests, benchmarks and the demo; DESIGN 2.9).
 
-``attach_faults()`` returns the rank's :class:`~ccld_plugin.faults.Injector` (faults from
-``CCLD_FAULTS`` and the plugin config's ``faults``), bound to Megatron's DP and TP groups,
-or None when no compute fault targets this rank. The training loop calls
+``attach_faults()`` returns the rank's :class:`~ccld_plugin.harness.faults.Injector`
+(faults from ``CCLD_FAULTS``), bound to Megatron's DP and TP groups, or None when no
+compute fault targets this rank. The training loop calls
 ``injector.before_step(iteration)`` at each iteration start: a compute-hang blocks there,
 a mismatch issues its odd collective there, and a compute-slow hooks into the tracer,
 which then stretches the compute before every collective Megatron issues. No hook on the
@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ccld_plugin.faults import Injector, injector_for
+from ccld_plugin.harness.faults import Injector, injector_for
 
 __all__ = ["attach_faults"]
 
 
 def attach_faults() -> Injector | None:
-    """The rank's fault injector; call after ``ccld_plugin.megatron.install``, so that
-    faults from the plugin config are seen."""
+    """The rank's fault injector; call after ``initialize_model_parallel`` (and after
+    ``ccld_plugin.megatron.install``, so a compute-slow fault finds the tracer)."""
     injector = injector_for(dist.get_rank(), world=dist.get_world_size())
     if injector is None:
         return None

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ccld_plugin.faults.spec import FaultSpec, parse_faults
+from ccld_plugin.harness.faults.spec import FaultSpec, parse_faults
 
 __all__ = ["Injector", "injector_for"]
 
@@ -55,7 +55,7 @@ class Injector:
 
     def _hook_into_tracer(self) -> None:
         """Stretch compute right before every traced communication, in any framework."""
-        from ccld_plugin.session import current
+        from ccld_plugin.runtime.session import current
 
         s = current()
         if s is not None:
@@ -85,7 +85,7 @@ class Injector:
 
     @staticmethod
     def _board() -> Any:
-        from ccld_plugin.session import current
+        from ccld_plugin.runtime.session import current
 
         s = current()
         return s.board if s is not None else None
@@ -103,7 +103,7 @@ class Injector:
     def _record(self, fault: FaultSpec, step: int) -> None:
         if self.log_path is None:
             return
-        from ccld_plugin.session import job_seconds
+        from ccld_plugin.runtime.session import job_seconds
 
         now = time.monotonic_ns()
         entry = {"fault": str(fault), "kind": fault.kind, "rank": fault.rank, "step": step,
@@ -115,15 +115,10 @@ class Injector:
 
 def injector_for(rank: int, specs: Sequence[str] | None = None,
                  world: int | None = None) -> Injector | None:
-    """The injector for this rank from ``specs``, else from the plugin config's ``faults``
-    and the ``CCLD_FAULTS`` environment variable (specs separated by ';'). None when no
-    compute fault targets this rank."""
+    """The injector for this rank from ``specs``, else from the ``CCLD_FAULTS`` environment
+    variable (specs separated by ';'). None when no compute fault targets this rank."""
     if specs is None:
-        from ccld_plugin.session import current
-
-        s = current()
-        specs = list(s.config.faults) if s is not None else []
-        specs += [t for t in os.environ.get("CCLD_FAULTS", "").split(";") if t.strip()]
+        specs = [t for t in os.environ.get("CCLD_FAULTS", "").split(";") if t.strip()]
     faults = parse_faults(specs, world)
     log = os.environ.get("CCLD_FAULT_LOG")
     inj = Injector(rank, faults, Path(log) if log else None, world)

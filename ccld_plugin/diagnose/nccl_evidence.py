@@ -1,7 +1,7 @@
 """Hangs of NCCL collectives, located from the wait states of their channels.
 
 The NCCL profiler plugin records, per channel, peer and direction, which state the oldest
-unfinished transfer step waits in (``ccld_plugin.nccl_channels`` turns the records into
+unfinished transfer step waits in (``ccld_plugin.agent.nccl_channels`` turns the records into
 "nccl" entries of the summary). Each state says whom the step waits for:
 
 - **local**: this rank's GPU. A send step waits for the kernel to produce the data, a
@@ -28,14 +28,14 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 
-from ccld_plugin.diagnose.channels import (
+from ccld_plugin.diagnose.records import Cause
+from ccld_plugin.diagnose.tcp_evidence import (
     STALL_S,
     Located,
     fmt_bytes,
     is_silent,
     report_of,
 )
-from ccld_plugin.diagnose.records import Cause
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.wire.peer_channels import PeerChannel
 from ccld_plugin.wire.topology import GroupInfo
