@@ -228,7 +228,7 @@ class _Writer:
     """A writer process that owns the run (see :mod:`ccld_plugin.sinks.wandb.worker`)."""
 
     def __init__(self, init_kwargs: dict, python: str) -> None:
-        worker = Path(__file__).with_name("wandb_worker.py")
+        worker = Path(__file__).with_name("worker.py")
         # Its own session: the launcher's kill of the job's process group must not take
         # it down before it has finished the run.
         self.proc = subprocess.Popen([python, str(worker)], stdin=subprocess.PIPE,
