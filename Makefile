@@ -8,7 +8,9 @@ TORCH_SPEC ?= torch==2.13.0
 DEPS := $(VENV)/.deps-installed
 NATIVE := $(VENV)/.native-built
 
-.PHONY: demo test lint bench clean
+PY_FILES := $(VENV)/.py-files
+
+.PHONY: demo test unit native jobs check lint bench clean FORCE
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,19 +25,44 @@ $(DEPS): pyproject.toml | $(VPY)
 	  assert torch.__version__ == v, f'torch was replaced: {v} -> {torch.__version__}'"
 	touch $@ $(NATIVE)
 
+# The package's module list: the editable install maps each module to its file, so a module
+# added, moved or removed needs a reinstall, as a changed C source does.
+$(PY_FILES): FORCE | $(VPY)
+	@find ccld_plugin -name '*.py' | sort > $@.new
+	@cmp -s $@.new $@ || mv $@.new $@
+	@rm -f $@.new
+
 # Rebuild the native probe when its sources change.
-$(NATIVE): $(DEPS) CMakeLists.txt $(wildcard ccld_plugin/csrc/*)
+$(NATIVE): $(DEPS) CMakeLists.txt $(wildcard ccld_plugin/csrc/*) $(PY_FILES)
 	$(VPY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
 demo: $(NATIVE)
 	$(VENV)/bin/ccld demo
 
+# Everything: unit, native and jobs tiers (real multi-process jobs: ~12 minutes).
 test: $(NATIVE)
 	$(VPY) -m pytest -q
 
-lint: $(NATIVE)
-	$(VENV)/bin/ruff check ccld_plugin tests benchmarks examples
+# Synthetic analysis tests, in-process, seconds.
+unit: $(NATIVE)
+	$(VPY) -m pytest -q tests/unit
+
+native: $(NATIVE)
+	$(VPY) -m pytest -q tests/native
+
+jobs: $(NATIVE)
+	$(VPY) -m pytest -q tests/jobs
+
+LINTED := ccld_plugin tests benchmarks examples
+
+# Lint, format and types.
+check: $(NATIVE)
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/mypy
+
+lint: check
 
 bench: $(NATIVE)
 	$(VPY) benchmarks/hook_overhead.py

@@ -1,11 +1,23 @@
-"""Fixtures shared by the test modules."""
+"""Fixtures shared by the test tiers (unit/, native/, jobs/)."""
 
 from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from cbuild import build_probe_library
+
+TIERS = ("unit", "native", "jobs")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test with its tier, the folder it lives in (``-m unit`` and so on)."""
+    for item in items:
+        tier = next((t for t in TIERS if t in item.path.parts), None)
+        if tier is not None:
+            item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture
@@ -15,3 +27,10 @@ def sockets() -> Iterator[list[socket.socket]]:
     yield opened
     for s in opened:
         s.close()
+
+
+@pytest.fixture(scope="session")
+def probe_library(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The native probe library built from the checkout once per session (path, compiler
+    output): the tests read the C sources they check, not an installed copy."""
+    return build_probe_library(tmp_path_factory.mktemp("probe_library"))

@@ -132,9 +132,26 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
     return 0 if launched and diagnosed else 1
 
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-MEGATRON_EXAMPLE = EXAMPLES / "megatron" / "pretrain_gpt.py"
-DEEPSPEED_EXAMPLE = EXAMPLES / "deepspeed" / "train.py"
+EXAMPLE_SCRIPTS = {"megatron": "megatron/pretrain_gpt.py", "deepspeed": "deepspeed/train.py"}
+
+
+def example_script(framework: str) -> Path:
+    """A framework's example training script: shipped in the wheel (``ccld_plugin/examples``,
+    installed by CMakeLists.txt) or, in a source checkout, ``examples/``."""
+    package = Path(__file__).resolve().parents[1]
+    rel = EXAMPLE_SCRIPTS[framework]
+    for root in (package / "examples", package.parent / "examples"):
+        if (root / rel).is_file():
+            return root / rel
+    raise FileNotFoundError(f"the {framework} example ({rel}) is neither in the installed "
+                            "package nor in a source checkout")
+
+
+def _example(framework: str) -> Path:
+    try:
+        return example_script(framework)
+    except FileNotFoundError as exc:
+        raise DemoError(f"{exc}: reinstall ccld-plugin, or use --framework torch") from None
 
 
 def _framework_argv(opts: DemoOptions) -> list[str]:
@@ -143,22 +160,14 @@ def _framework_argv(opts: DemoOptions) -> list[str]:
         return ["-m", "ccld_plugin.harness.workload", "--tp", str(opts.tp), "--pp", str(opts.pp),
                 "--steps", str(opts.steps)]
     if opts.framework == "megatron":
-        if not MEGATRON_EXAMPLE.is_file():
-            raise DemoError(f"--framework megatron runs {MEGATRON_EXAMPLE.name} from a source "
-                            "checkout (examples/megatron); not found here: use --framework "
-                            "torch")
         # A model big enough that compute, not Python overhead, dominates a step.
-        return [str(MEGATRON_EXAMPLE), "--tensor-model-parallel-size", str(opts.tp),
+        return [str(_example(opts.framework)), "--tensor-model-parallel-size", str(opts.tp),
                 "--pipeline-model-parallel-size", str(opts.pp), "--train-iters",
                 str(opts.steps), "--hidden-size", "128", "--seq-length", "64",
                 "--micro-batch-size", "4", "--ccld"]
     if opts.framework == "deepspeed":
-        if not DEEPSPEED_EXAMPLE.is_file():
-            raise DemoError(f"--framework deepspeed runs {DEEPSPEED_EXAMPLE.name} from a "
-                            "source checkout (examples/deepspeed); not found here: use "
-                            "--framework torch")
-        return [str(DEEPSPEED_EXAMPLE), "--zero-stage", str(opts.zero_stage), "--steps",
-                str(opts.steps), "--hidden", "512"]
+        return [str(_example(opts.framework)), "--zero-stage", str(opts.zero_stage),
+                "--steps", str(opts.steps), "--hidden", "512"]
     raise DemoError(f"unknown framework {opts.framework!r}; choose megatron, deepspeed or "
                     "torch")
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import ipaddress
 import json
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,7 +23,6 @@ from ccld_plugin.agent import tcp_probe as transport
 from ccld_plugin.harness.faults import netns
 from ccld_plugin.harness.faults.netns import PREFIX, ClosedNetwork
 
-ROOT = Path(__file__).resolve().parents[1]
 NETNS_PY = Path(netns.__file__).resolve()
 TRANSPORT_PY = Path(transport.__file__).resolve()
 PORT = 5001
@@ -320,15 +318,8 @@ stop.set()
 
 
 @pytest.fixture(scope="module")
-def probe_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if shutil.which("gcc") is None:
-        pytest.skip("gcc not available to build the probe library")
-    out = tmp_path_factory.mktemp("probe") / "libnccl-profiler-ccld.so"
-    csrc = ROOT / "ccld_plugin" / "csrc"
-    cmd = ["gcc", "-shared", "-fPIC", "-O2", str(csrc / "board.c"), str(csrc / "tcp_probe.c"),
-           "-o", str(out)]  # fmt: skip
-    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-    return out
+def probe_lib(probe_library: tuple[Path, str]) -> Path:
+    return probe_library[0]
 
 
 @pytest.mark.parametrize("fault", ["shape", "cut"])

@@ -2,7 +2,6 @@
 killed writer, and clear errors for files that are not boards."""
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -11,25 +10,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cbuild import compile_c
+from paths import CSRC, NATIVE_TESTS
 
 from ccld_plugin import _native
 from ccld_plugin.board.reader import BoardError, BoardReader
 from ccld_plugin.wire.codes import OP_CODES
 
-CSRC = Path(__file__).parents[1] / "ccld_plugin" / "csrc"
-NATIVE_TESTS = Path(__file__).parent / "native"
 STRUCTS = {"header": "ccld_header", "group": "ccld_group", "op": "ccld_op_record",
            "channel": "ccld_channel"}
 
 
 def _compile(tmp_path: Path, name: str, source: str) -> Path:
-    if shutil.which("gcc") is None:
-        pytest.skip("gcc is not installed")
     exe = tmp_path / name
     src = tmp_path / f"{name}.c"
     src.write_text(source)
-    subprocess.run(["gcc", "-O2", "-pthread", f"-I{CSRC}", str(src), str(CSRC / "board.c"),
-                    "-o", str(exe)], check=True)
+    compile_c(exe, [src, CSRC / "board.c"])
     return exe
 
 

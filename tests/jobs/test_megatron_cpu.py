@@ -15,9 +15,9 @@ import re
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from paths import REPO
 
 from ccld_plugin.harness.launch import free_port
 
@@ -25,7 +25,6 @@ pytest.importorskip("megatron.core")
 
 __all__: list[str] = []
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "megatron" / "pretrain_gpt.py"
 ITERATION = re.compile(r"^iteration (\d+)/(\d+) \| loss (\S+) \| grad norm (\S+)", re.M)
 GROUPS = re.compile(r"^groups (\{.*\})$", re.M)

@@ -1,13 +1,13 @@
 """Config: defaults, overrides, and one-line errors for bad keys and values."""
 
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from paths import CONFIGS
 
 from ccld_plugin.config import CcldConfig, ConfigError, load_config
 
-DEFAULT_YAML = Path(__file__).parents[1] / "configs" / "default.yaml"
+DEFAULT_YAML = CONFIGS / "default.yaml"
 
 
 def test_default_yaml_matches_the_schema():

@@ -17,20 +17,17 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
-import shutil
 import struct
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cbuild import compile_c
+from paths import NATIVE_TESTS
 
-ROOT = Path(__file__).resolve().parents[1]
-CSRC = ROOT / "ccld_plugin" / "csrc"
-HARNESS_SRC = Path(__file__).resolve().parent / "nccl_harness.c"
+HARNESS_SRC = NATIVE_TESTS / "nccl_harness.c"
 VERSIONS = [4, 5, 6]
 
 # board.h values
@@ -62,26 +59,11 @@ class Build:
 
 
 @pytest.fixture(scope="module")
-def build(tmp_path_factory: pytest.TempPathFactory) -> Build:
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.skip("gcc is not installed: the plugin and its harness are compiled with gcc")
-    out = tmp_path_factory.mktemp("nccl_plugin")
-    lib, harness = out / "libnccl-profiler-ccld.so", out / "nccl_harness"
-    warn = ["-Wall", "-Wextra"]
-    commands = [
-        [gcc, "-shared", "-fPIC", "-O2", "-std=c11", *warn, str(CSRC / "board.c"),
-         str(CSRC / "nccl_profiler.c"), str(CSRC / "nccl_links.c"), "-o", str(lib)],
-        [gcc, "-O2", "-std=c11", *warn, f"-I{CSRC}", str(HARNESS_SRC), "-o", str(harness),
-         "-ldl", "-pthread"],
-    ]
-    output = []
-    for cmd in commands:
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            pytest.fail(f"COMPILE FAILED: {' '.join(cmd)}\n{r.stderr}", pytrace=False)
-        output.append(r.stderr)
-    return Build(lib, harness, "".join(output))
+def build(probe_library: tuple[Path, str], tmp_path_factory: pytest.TempPathFactory) -> Build:
+    lib, output = probe_library
+    harness = tmp_path_factory.mktemp("nccl_harness") / "nccl_harness"
+    output += compile_c(harness, [HARNESS_SRC], "-Wall", "-Wextra", libs=("-ldl",))
+    return Build(lib, harness, output)
 
 
 def run(build: Build, scenario: str, board: Path | str = "-", version: int = 0,
@@ -314,80 +296,6 @@ def test_ring_without_fault_has_no_stalled_channels(build: Build, tmp_path: Path
     assert nccl_stalls(view, group.ranks) == {}
 
 
-# ----------------------------------------------------------------------------- live job
-@pytest.fixture(scope="module")
-def harness_lib(build: Build) -> Path:
-    """nccl_harness.c as a library that raises NCCL's events inside a live job."""
-    lib = build.lib.parent / "libnccl_harness.so"
-    cmd = ["gcc", "-shared", "-fPIC", "-O2", "-std=c11", "-Wall", "-Wno-unused-function",
-           "-DCCLD_HARNESS_LIB", f"-I{CSRC}", str(HARNESS_SRC), "-o", str(lib), "-ldl",
-           "-pthread"]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    return lib
-
-
-@pytest.mark.parametrize(("fault", "where", "ranks", "cause"), [
-    (FAULT_GPU, 1, [2], "compute"),
-    (FAULT_LINK, 2, [1, 3], "communication"),  # global 3 -> 1, the ring's wrap-around
-    (FAULT_NONE, 0, None, None),
-])
-def test_live_job_names_the_fault_from_nccl_channels(harness_lib: Path, tmp_path: Path,
-                                                     fault: int, where: int,
-                                                     ranks: list[int] | None,
-                                                     cause: str | None) -> None:
-    """A real 4-rank gloo job (agent, control plane, diagnoser, JSONL sink as they run)
-    whose ranks 1-3 run one all-reduce through the plugin: the verdict comes from the
-    plugin's channel records on the ranks' boards, and a fault-free run has none."""
-    from jobs import run_job
-
-    from ccld_plugin.sinks.jsonl import read_verdicts
-
-    out = tmp_path / "job"
-    res = run_job("nccl_ring_fault.py", 4, out,
-                  (str(harness_lib), str(fault), str(where), str(out)),
-                  timeout_s=120).check()
-    for r in (1, 2, 3):
-        assert res.json_lines(r, "HARNESS") == [{"bad_returns": 0}]
-    verdicts = read_verdicts(out / "verdicts.jsonl")
-    if fault == FAULT_NONE:
-        assert verdicts == []
-        return
-    assert len(verdicts) == 1, verdicts
-    v = verdicts[0]
-    assert (v["kind"], v["cause"], v["ranks"]) == ("hang", cause, ranks), v["evidence"]
-    assert v["group"]["role"] == "dp" and v["group"]["ranks"] == [1, 2, 3]
-    assert v["op"] == "all_reduce" and v.get("link") == (ranks if fault == FAULT_LINK else None)
-    assert any("channel" in line and "no progress for" in line for line in v["evidence"])
-    if cause == "compute":  # where the culprit's host thread is
-        assert v["stack"] and any("nccl_ring_fault.py" in f for f in v["stack"])
-
-
-@pytest.mark.parametrize("slow_rank", [1, -1])
-def test_live_job_names_a_slow_nccl_link(harness_lib: Path, tmp_path: Path,
-                                        slow_rank: int) -> None:
-    """A real 4-rank gloo job running one NCCL-shaped ring all-reduce per step: when rank
-    1's send steps spend 25x longer handed to the network, the plugin's per-link totals
-    make the running diagnoser name the link 1 -> 2; a fault-free run has no verdict."""
-    from jobs import run_job
-
-    from ccld_plugin.sinks.jsonl import read_verdicts
-
-    out = tmp_path / "job"
-    run_job("nccl_ring_slow.py", 4, out, (str(harness_lib), str(slow_rank), str(out)),
-            timeout_s=180).check()
-    verdicts = read_verdicts(out / "verdicts.jsonl")
-    if slow_rank < 0:
-        assert verdicts == []
-        return
-    assert len(verdicts) == 1, verdicts
-    v = verdicts[0]
-    assert (v["kind"], v["cause"], v["ranks"], v["link"]) == (
-        "slow", "communication", [1, 2], [1, 2]), v["evidence"]
-    assert v["group"]["ranks"] == [0, 1, 2, 3]
-    assert any("rank 1 -> 2 (NCCL)" in line for line in v["evidence"])
-
-
 # ----------------------------------------------------------------------------- p2p
 @pytest.mark.parametrize("version", VERSIONS)
 def test_p2p_pair_maps_peers_to_global_ranks(build: Build, tmp_path: Path,
@@ -506,47 +414,6 @@ def test_cost_per_event_benchmark(build: Build, tmp_path: Path,
 
 
 # ----------------------------------------------------------------------------- python side
-def test_enable_env_keeps_a_value_already_set() -> None:
-    from ccld_plugin.runtime.nccl_env import enable_nccl_profiler_env
-
-    env = {"NCCL_PROFILER_PLUGIN": "/opt/other/libnccl-profiler-x.so"}
-    assert enable_nccl_profiler_env(env) == "/opt/other/libnccl-profiler-x.so"
-    assert env == {"NCCL_PROFILER_PLUGIN": "/opt/other/libnccl-profiler-x.so"}
-
-
-def test_enable_env_points_at_the_installed_library(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ccld_plugin.runtime.nccl_env import (
-        LIBRARY_NAME,
-        enable_nccl_profiler_env,
-        nccl_plugin_path,
-    )
-
-    try:
-        path = Path(nccl_plugin_path())
-    except FileNotFoundError:
-        pytest.skip("ccld_plugin is not installed with its native part")
-    assert path.is_absolute() and path.is_file() and path.name == LIBRARY_NAME
-    assert any(path.parent.glob("_native*.so")), "not beside the extension"
-    env: dict[str, str] = {}
-    assert enable_nccl_profiler_env(env) == str(path) == env["NCCL_PROFILER_PLUGIN"]
-    monkeypatch.delenv("NCCL_PROFILER_PLUGIN", raising=False)
-    enable_nccl_profiler_env()
-    assert os.environ["NCCL_PROFILER_PLUGIN"] == str(path)
-
-
-def test_config_key_sets_the_plugin_env_before_nccl_starts(tmp_path):
-    """``nccl_profiler: true`` points NCCL_PROFILER_PLUGIN at the library the extension
-    loaded, as soon as the plugin is enabled (before init_process_group here)."""
-    code = (
-        "import os, ccld_plugin\n"
-        "from ccld_plugin.runtime.nccl_env import nccl_plugin_path\n"
-        "os.environ.pop('NCCL_PROFILER_PLUGIN', None)\n"
-        "ccld_plugin.enable(overrides=['nccl_profiler=true'])\n"
-        "assert os.environ['NCCL_PROFILER_PLUGIN'] == nccl_plugin_path(), os.environ\n"
-        "print('ok')\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
 def test_agent_entries_from_nccl_records() -> None:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from jobs import run_job
+from job_runner import run_job
 
 from ccld_plugin.harness.launch import LocalJob
 

@@ -3,7 +3,7 @@
 import json
 from collections import defaultdict
 
-from jobs import run_job
+from job_runner import run_job
 
 COLLECTIVE_OPS = {"all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce",
                   "all_to_all_single", "barrier", "gather", "scatter", "coalesced"}

@@ -12,18 +12,16 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from jobs import JobResult, run_job
+from job_runner import JobResult, run_job
+from paths import REPO
 
-from ccld_plugin import ConfigError
 from ccld_plugin.board.reader import BoardReader
-from ccld_plugin.deepspeed import ccld_block, read_config
 from ccld_plugin.wire.codes import OP_NAMES
 
 pytest.importorskip("deepspeed")
 
 __all__: list[str] = []
 
-REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "deepspeed" / "train.py"
 DS_CONFIG = REPO / "examples" / "deepspeed" / "ds_config.json"
 ENV = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "TORCHDYNAMO_DISABLE": "1",
@@ -37,7 +35,6 @@ DENSE_BYTES = 4 * 2 * (HIDDEN * 4 * HIDDEN + 4 * HIDDEN + 4 * HIDDEN * HIDDEN + 
 GATE_BYTES = 4 * HIDDEN * 4
 # Two local experts of Linear(h, 2h) + Linear(2h, h) each.
 EXPERT_BYTES = 4 * 2 * (HIDDEN * 2 * HIDDEN + 2 * HIDDEN + 2 * HIDDEN * HIDDEN + HIDDEN)
-REDUCES = {"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"}
 
 
 def train(tmp: Path, world: int, *args: str, config: Path = DS_CONFIG) -> JobResult:
@@ -162,32 +159,3 @@ def test_bad_value_stops_at_start(tmp_path: Path) -> None:
         assert lines == ["ccld config: agent.interval_s=0.0 is not allowed; expected 0.05..60"]
         assert "Traceback" not in log and "step 1/" not in log
     assert not (tmp_path / "boards").exists()
-
-
-# ---------------------------------------------------------------------- in-process
-def test_block_from_dict_and_file(tmp_path: Path) -> None:
-    assert ccld_block({"train_batch_size": 8}) is None
-    assert read_config({"train_batch_size": 8}, ["enabled=true"]) is None  # no block: off
-    path = tmp_path / "c.json"
-    path.write_text(json.dumps({"ccld": {"diagnoser": {"hang_min_s": 3}}}))
-    assert ccld_block(path) == {"diagnoser": {"hang_min_s": 3}}
-    cfg = read_config(str(path), ["agent.interval_s=0.5"])
-    assert cfg is not None and cfg.enabled
-    assert (cfg.diagnoser.hang_min_s, cfg.agent.interval_s) == (3, 0.5)
-    off = read_config({"ccld": {"enabled": False}})
-    assert off is not None and not off.enabled
-
-
-@pytest.mark.parametrize(("block", "overrides", "names"), [
-    ({"diagnoser": {"window_steps": 0}}, [], "diagnoser.window_steps"),
-    ({"agent": {"intervall_s": 1}}, [], "agent.intervall_s"),
-    ({}, ["control.store=nearby"], "control.store"),
-    ({"enabled": False, "board": {"ring_size": 3}}, [], "board.ring_size"),
-    ("on", [], "'ccld' must be an object"),
-])
-def test_bad_block_is_one_line_naming_the_key(block: object, overrides: list[str],
-                                              names: str) -> None:
-    with pytest.raises(ConfigError) as err:
-        read_config({"ccld": block}, overrides)
-    msg = str(err.value)
-    assert names in msg and "\n" not in msg

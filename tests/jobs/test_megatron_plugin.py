@@ -15,7 +15,6 @@ singleton groups (dp, dp_cp, cp, ep, pos_embd) read as "dp", etp reads as "tp", 
 
 from __future__ import annotations
 
-import argparse
 import re
 from collections import Counter
 from pathlib import Path
@@ -24,9 +23,8 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from jobs import JobResult, run_job  # noqa: E402
+from job_runner import JobResult, run_job  # noqa: E402
 
-from ccld_plugin import megatron as ccld  # noqa: E402
 from ccld_plugin.board.reader import BoardReader  # noqa: E402
 from ccld_plugin.wire.codes import OP_NAMES
 
@@ -218,22 +216,3 @@ def test_bad_ccld_set_key_stops_with_one_line(tmp_path: Path) -> None:
     assert len(errors) == 1, log[-2000:]
     assert "unknown key 'board.nosuch'" in errors[0] and "allowed keys" in errors[0]
     assert "Traceback" not in log and not re.search(r"^iteration \d", log, re.M)
-
-
-# ------------------------------------------------------------------------- arguments
-def test_args_provider_alone_and_chained() -> None:
-    parser = ccld.add_ccld_args(argparse.ArgumentParser())
-    args = parser.parse_args([])
-    assert (args.ccld, args.ccld_config, args.ccld_set) == (False, None, None)
-    assert ccld.install(args) is None  # off: returns before touching anything
-
-    def mine(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        p.add_argument("--my-flag", type=int, default=0)
-        return p
-
-    provider = ccld.combine_providers(mine, None, ccld.add_ccld_args)
-    args = provider(argparse.ArgumentParser()).parse_args(
-        ["--my-flag", "3", "--ccld", "--ccld-config", "c.yaml",
-         "--ccld-set", "a.b=1", "--ccld-set", "job=x"])
-    assert (args.my_flag, args.ccld, args.ccld_config) == (3, True, "c.yaml")
-    assert args.ccld_set == ["a.b=1", "job=x"]

@@ -14,8 +14,6 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from ccld_plugin.board.reader import BoardReader, board_files
 from ccld_plugin.harness.demo import DemoOptions, run_demo
 from ccld_plugin.harness.faults import netns
@@ -25,13 +23,6 @@ FAST = ["diagnoser.hang_min_s=3", "agent.stack_after_s=1", "agent.interval_s=0.5
 # Tests of slowness keep the default hang floor: on a loaded 2-core host a first step can
 # keep the other ranks waiting 3 s, which the short floor of the hang tests would flag.
 NO_SHORT_HANGS = ("diagnoser.hang_min_s=10",)
-
-
-@pytest.fixture(autouse=True)
-def closed_network() -> None:
-    ok, why = netns.available()
-    if not ok:
-        pytest.skip(why)
 
 
 def _ours() -> list[str]:
