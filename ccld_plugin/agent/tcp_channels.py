@@ -2,16 +2,16 @@
 
 Each tick the agent calls :meth:`ChannelSampler.tick`, which
 
-1. samples this process's TCP connections with the native probe (``transport.TcpProbe``:
+1. samples this process's TCP connections with the native probe (``tcp_probe.TcpProbe``:
    one cheap exact-lookup refresh per tick, a kernel dump only when sockets appear);
 2. drops the control plane's own connections (the TCPStore's port), which are not data
    channels of the job;
 3. publishes this rank's local endpoints through the control plane when they change, and
    maps each connection to the peer rank whose published endpoint is its remote end
-   (``transport.map_peers``), re-reading the peers' endpoints while some connection is
+   (``tcp_peers.map_peers``), re-reading the peers' endpoints while some connection is
    still unmapped, with back-off;
 4. classifies, from the previous sample of each connection, what it waited on
-   (``transport.classify_wait``: peer not reading, network, local, none);
+   (``tcp_wait.classify_wait``: peer not reading, network, local, none);
 5. writes one channel record per connection into the board's channel table (what
    ``ccld inspect`` and a post-mortem read), claiming and releasing slots as connections
    come and go;
@@ -27,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
+import sys
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -34,9 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ccld_plugin.agent import tcp_probe as transport
-from ccld_plugin.agent.tcp_probe import TcpConn, TcpProbe
+from ccld_plugin.agent.tcp_peers import map_peers
+from ccld_plugin.agent.tcp_probe import LIBRARY_GLOB, TcpConn, TcpProbe, find_library
+from ccld_plugin.agent.tcp_wait import classify_wait
 from ccld_plugin.errors import log, report_error
+from ccld_plugin.wire.codes import DIRECTION_RECV, DIRECTION_SEND, SOURCE_TCP, WAIT_CODES
 from ccld_plugin.wire.peer_channels import (
     MAX_ENTRIES,
     WAIT_ORDER,
@@ -45,7 +49,7 @@ from ccld_plugin.wire.peer_channels import (
     entry_order,
 )
 
-__all__ = ["ChannelSample", "ChannelSampler", "store_ports"]
+__all__ = ["ChannelSample", "ChannelSampler", "channel_fields", "store_ports"]
 
 REMAP_MIN_S = 1.0
 REMAP_MAX_S = 30.0
@@ -112,8 +116,8 @@ def _default_probe() -> TcpProbe:
         # An editable install keeps the built library next to the extension module.
         from ccld_plugin import _native
 
-        return TcpProbe(transport.find_library(
-            next(Path(_native.__file__).parent.glob(transport.LIBRARY_GLOB))))
+        return TcpProbe(find_library(
+            next(Path(_native.__file__).parent.glob(LIBRARY_GLOB))))
 
 
 class ChannelSampler:
@@ -215,13 +219,13 @@ class ChannelSampler:
 
     def _advance(self, st: _Conn, prev: TcpConn | None, cur: TcpConn) -> None:
         if prev is not None and cur.sample_ns > prev.sample_ns:
-            st.wait = transport.classify_wait(prev, cur)
+            st.wait = classify_wait(prev, cur)
             if cur.bytes_acked > prev.bytes_acked or cur.bytes_received > prev.bytes_received:
                 st.progress_ns = cur.sample_ns
             if cur.queued_bytes == 0 or cur.bytes_acked > prev.bytes_acked:
                 st.acked_ns = cur.sample_ns
         st.prev, st.written_peer = cur, st.peer
-        fields = transport.channel_fields(cur, st.wait, st.peer)
+        fields = channel_fields(cur, st.wait, st.peer)
         self.board.channel_write(st.slot, **fields, first_ns=st.first_ns,
                                  last_progress_ns=st.progress_ns)
 
@@ -284,12 +288,12 @@ class ChannelSampler:
         unmapped = [st.prev for st in self._conns.values() if st.peer == _NO_PEER]
         if not unmapped or time.monotonic() < self._remap_at:
             return
-        found = transport.map_peers(unmapped, self._endpoints)
+        found = map_peers(unmapped, self._endpoints)
         if len(found) < len(unmapped):
             others = [r for r in range(self.world) if r != self.rank]
             self._endpoints = self.control.read_endpoints(others)
             self._read_at = time.monotonic()
-            found = transport.map_peers(unmapped, self._endpoints)
+            found = map_peers(unmapped, self._endpoints)
         for c, peer in found.items():
             self._conns[_key(c)].peer = peer
         if len(found) < len(unmapped):  # peers not published yet, or not a rank at all
@@ -330,3 +334,33 @@ class ChannelSampler:
         out = {"ticks": len(xs), "median_us": xs[len(xs) // 2] / 1e3, "max_us": xs[-1] / 1e3}
         log.debug("ccld channel sampling cost: %s", out)
         return out
+
+
+def channel_fields(conn: TcpConn, wait: str, peer: int = -1) -> dict[str, int]:
+    """The TCP-derived fields of a board channel record (struct ccld_channel) for `conn`.
+
+    The caller adds what the probe cannot know: group_id, seq, first_ns and
+    last_progress_ns. The direction is the one that carries more bytes. Units follow the
+    board, which differs from TcpConn in one place: delivery_rate is bytes per second.
+    """
+    send = conn.bytes_acked >= conn.bytes_received
+    remote_addr = 0
+    with contextlib.suppress(OSError):  # IPv6 peers have no IPv4 form: 0, as board.h says
+        remote_addr = int.from_bytes(socket.inet_aton(conn.remote[0]), sys.byteorder)
+    return {
+        "source": SOURCE_TCP,
+        "direction": DIRECTION_SEND if send else DIRECTION_RECV,
+        "wait": WAIT_CODES[wait],
+        "peer": peer,
+        "bytes_done": conn.bytes_acked if send else conn.bytes_received,
+        "bytes_queued": conn.queued_bytes if send else conn.unread_bytes,
+        "rtt_us": conn.rtt_us,
+        "retrans": conn.retrans,
+        "rwnd_limited_us": conn.rwnd_limited_us,
+        "sndbuf_limited_us": conn.sndbuf_limited_us,
+        "busy_us": conn.busy_us,
+        "delivery_rate": conn.delivery_rate_bps // 8,
+        "local_port": conn.local[1],
+        "remote_port": conn.remote[1],
+        "remote_addr": remote_addr,
+    }

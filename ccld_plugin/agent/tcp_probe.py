@@ -1,13 +1,12 @@
-"""TCP transport probe: per-connection kernel counters, peer mapping and wait classification.
+"""TCP transport probe: per-connection kernel counters of this process's sockets.
 
 gloo, the NCCL socket transport and the control plane move their bytes over TCP, and the
-kernel already measures what this module needs for every connection: bytes acknowledged,
+kernel already measures what the agent needs for every connection: bytes acknowledged,
 bytes still queued, RTT, retransmissions, and how long the sender was stalled by the
 peer's receive window or by its own send buffer. The native probe
 (``csrc/tcp_probe.c``) reads them through sock_diag for this process's sockets; this
-module turns the records into :class:`TcpConn` values, joins connections to peer ranks
-(:func:`map_peers`) and says from two samples what a connection is waiting on
-(:func:`classify_wait`).
+module turns the records into :class:`TcpConn` values. ``tcp_peers`` joins connections
+to peer ranks, ``tcp_wait`` says from two samples what a connection waits on.
 
 The library is loaded with ctypes, not through the nanobind extension: the probe is plain
 C and must stay usable (tests, ``ccld inspect``) without the extension built.
@@ -15,47 +14,26 @@ C and must stay usable (tests, ``ccld inspect``) without the extension built.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
-import ipaddress
 import os
 import socket
 import struct
-import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ccld_plugin.wire.codes import (
-    DIRECTION_RECV,
-    DIRECTION_SEND,
-    SOURCE_TCP,
-    WAIT_CODES,
-    WAIT_LOCAL,
-    WAIT_NETWORK,
-    WAIT_NONE,
-    WAIT_PEER,
-)
-
 __all__ = [
     "LIBRARY_GLOB",
-    "LOCAL_SNDBUF_SHARE",
-    "PEER_RWND_SHARE",
-    "RTT_EXCESS_MIN_US",
-    "RTT_INFLATION",
     "STATES_CONNECTED",
     "STATES_LISTEN",
     "Endpoint",
     "TcpConn",
     "TcpProbe",
-    "channel_fields",
-    "classify_wait",
     "find_library",
     "local_endpoints",
-    "map_peers",
     "sample_connections",
 ]
 
@@ -81,29 +59,6 @@ _TCP_STATE_NAMES = {
 STATES_CONNECTED = sum(1 << s for s in (1, 2, 3, 4, 5, 8, 9, 11))
 STATES_LISTEN = 1 << 10
 
-
-# --- Classification thresholds ---------------------------------------------------------
-#
-# PEER_RWND_SHARE: share of the interval the sender could not send because the peer's
-# receive window was full. A receiver that keeps up closes its window only in short
-# bursts; one that stopped reading (its process is computing, or stuck) closes it for
-# good and the share goes to ~1. Half the interval separates the two with a wide margin
-# on either side, and the kernel's jiffy-resolution timers (1-4 ms) do not matter at it.
-PEER_RWND_SHARE = 0.5
-# LOCAL_SNDBUF_SHARE: share of the interval during which everything in our send buffer
-# was already in flight and the application could write no more. Same reasoning as above.
-LOCAL_SNDBUF_SHARE = 0.5
-# RTT inflation over the connection's own floor (the kernel's windowed min_rtt) means
-# bytes sit in a queue somewhere on the path. Both conditions must hold: the ratio alone
-# fires on microsecond jitter of loopback or same-rack paths, the absolute excess alone
-# ignores that a long path has a high floor. Healthy datacenter fabrics add well under a
-# millisecond of queueing; a link shaped to 20 Mbit/s measured 6-17 ms over a 30-40 us
-# floor here, and a congested switch port adds as much or more. 2 ms sits between.
-# A link that is slow without a queue (a NIC that renegotiated a lower speed: TCP small
-# queues keep the local backlog short) shows no inflation; the diagnoser's bandwidth
-# comparison across sibling groups catches that, not this rule.
-RTT_INFLATION = 4.0
-RTT_EXCESS_MIN_US = 2_000
 
 # --- Native library -----------------------------------------------------------------------
 
@@ -420,152 +375,3 @@ def local_endpoints(library: str | os.PathLike[str] | None = None) -> list[Endpo
     return _probe(None if library is None else str(library)).local_endpoints()
 
 
-# --- Board channel records -----------------------------------------------------------------
-
-
-def channel_fields(conn: TcpConn, wait: str, peer: int = -1) -> dict[str, int]:
-    """The TCP-derived fields of a board channel record (struct ccld_channel) for `conn`.
-
-    The caller adds what the probe cannot know: group_id, seq, first_ns and
-    last_progress_ns. The direction is the one that carries more bytes. Units follow the
-    board, which differs from TcpConn in one place: delivery_rate is bytes per second.
-    """
-    send = conn.bytes_acked >= conn.bytes_received
-    remote_addr = 0
-    with contextlib.suppress(OSError):  # IPv6 peers have no IPv4 form: 0, as board.h says
-        remote_addr = int.from_bytes(socket.inet_aton(conn.remote[0]), sys.byteorder)
-    return {
-        "source": SOURCE_TCP,
-        "direction": DIRECTION_SEND if send else DIRECTION_RECV,
-        "wait": WAIT_CODES[wait],
-        "peer": peer,
-        "bytes_done": conn.bytes_acked if send else conn.bytes_received,
-        "bytes_queued": conn.queued_bytes if send else conn.unread_bytes,
-        "rtt_us": conn.rtt_us,
-        "retrans": conn.retrans,
-        "rwnd_limited_us": conn.rwnd_limited_us,
-        "sndbuf_limited_us": conn.sndbuf_limited_us,
-        "busy_us": conn.busy_us,
-        "delivery_rate": conn.delivery_rate_bps // 8,
-        "local_port": conn.local[1],
-        "remote_port": conn.remote[1],
-        "remote_addr": remote_addr,
-    }
-
-
-# --- Peer mapping ---------------------------------------------------------------------
-
-_AMBIGUOUS = -(2**31)
-
-
-def _canonical(ep: tuple[str, int]) -> Endpoint:
-    host, port = ep
-    addr = ipaddress.ip_address(host)
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
-    return (str(addr), int(port))
-
-
-def map_peers(
-    conns: Iterable[TcpConn], endpoints_by_rank: Mapping[int, Iterable[tuple[str, int]]]
-) -> dict[TcpConn, int]:
-    """Join connections to the ranks at their other end.
-
-    A connection belongs to rank r when its remote endpoint is one that r published
-    (:func:`local_endpoints`). On a network without NAT the remote end of our socket is
-    exactly the local end of the peer's, so the join is exact. A rank that published a
-    wildcard listener (0.0.0.0:port) matches by port, and only when no other rank claims
-    that port. An endpoint claimed by two ranks (stale data) maps to neither. Connections
-    that match nobody (a store, a data service) are left out.
-    """
-    exact: dict[Endpoint, int] = {}
-    wildcard: dict[int, int] = {}
-    for rank, eps in endpoints_by_rank.items():
-        for ep in eps:
-            host, port = _canonical(ep)
-            if ipaddress.ip_address(host).is_unspecified:
-                seen = wildcard.get(port, rank)
-                wildcard[port] = rank if seen == rank else _AMBIGUOUS
-            else:
-                seen = exact.get((host, port), rank)
-                exact[(host, port)] = rank if seen == rank else _AMBIGUOUS
-    out: dict[TcpConn, int] = {}
-    for c in conns:
-        if c.remote[1] == 0:
-            continue
-        rank = exact.get(_canonical(c.remote))
-        if rank is None:
-            rank = wildcard.get(c.remote[1])
-        if rank is not None and rank != _AMBIGUOUS:
-            out[c] = rank
-    return out
-
-
-# --- Wait classification -----------------------------------------------------------------
-
-
-def classify_wait(prev: TcpConn, cur: TcpConn, dt_s: float | None = None) -> str:
-    """What the connection waited on between two samples: peer, network, local or none.
-
-    `dt_s` defaults to the time between the samples. Decided from counter deltas, in this
-    order (the first that holds wins):
-
-    - **peer**: we had data to send and the peer's receive window stayed full for at least
-      PEER_RWND_SHARE of the interval. The peer's kernel is alive (it acknowledges and
-      advertises a window) but its application does not read: the peer is compute-bound
-      or stuck outside communication.
-    - **network**: we have bytes outstanding and the path shows trouble: retransmissions
-      in the interval, a retransmission timeout still unrecovered, sent bytes that were
-      not acknowledged at all over the interval (a cut link or a dead host: a live kernel
-      acknowledges even when its process is stopped), or an RTT inflated over the path's
-      floor by RTT_INFLATION and RTT_EXCESS_MIN_US (a queue builds on a slow link).
-    - **local**: the cause is on this host. Either the send buffer was the limit for at
-      least LOCAL_SNDBUF_SHARE of the interval (all of it in flight on a healthy path, so
-      SO_SNDBUF / tcp_wmem is too small for the path's bandwidth-delay product; an RTT
-      that grows until the buffer is too small is caught as "network" above), or we are
-      the receiver that does not read: bytes that were waiting at the previous sample
-      are still unread. The latter is the same stall as the peer's "peer", seen from the
-      other end.
-    - **none**: nothing queued, or bytes flowing with no sign of trouble. An application
-      that simply has nothing to send looks like this too; the collective tracer, not
-      this probe, tells a late arrival.
-    """
-    if (prev.cookie, prev.inode) != (cur.cookie, cur.inode):
-        raise ValueError(
-            f"samples of different sockets: {prev.local}->{prev.remote} vs "
-            f"{cur.local}->{cur.remote}"
-        )
-    if dt_s is None:
-        dt_s = (cur.sample_ns - prev.sample_ns) / 1e9
-    if dt_s <= 0:
-        raise ValueError(f"interval must be positive, got {dt_s} s")
-    interval_us = dt_s * 1e6
-
-    def delta(name: str) -> int:
-        return max(0, getattr(cur, name) - getattr(prev, name))
-
-    queued = cur.queued_bytes > 0
-    if queued and delta("rwnd_limited_us") >= PEER_RWND_SHARE * interval_us:
-        return WAIT_PEER
-
-    if cur.unacked_bytes > 0 or cur.notsent_bytes > 0:
-        if delta("retrans") > 0 or cur.consecutive_rtos > 0:
-            return WAIT_NETWORK
-        if prev.unacked_bytes > 0 and cur.unacked_bytes > 0 and delta("bytes_acked") == 0:
-            return WAIT_NETWORK
-        floor = cur.min_rtt_us
-        if (
-            floor > 0
-            and cur.rtt_us >= RTT_INFLATION * floor
-            and (cur.rtt_us - floor >= RTT_EXCESS_MIN_US)
-        ):
-            return WAIT_NETWORK
-
-    if queued and delta("sndbuf_limited_us") >= LOCAL_SNDBUF_SHARE * interval_us:
-        return WAIT_LOCAL
-
-    # What the application read = what arrived minus how much the unread queue grew.
-    consumed = delta("bytes_received") - (cur.unread_bytes - prev.unread_bytes)
-    if prev.unread_bytes > 0 and cur.unread_bytes > 0 and consumed < prev.unread_bytes:
-        return WAIT_LOCAL
-    return WAIT_NONE

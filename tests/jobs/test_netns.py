@@ -19,12 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from ccld_plugin.agent import tcp_probe as transport
 from ccld_plugin.harness.faults import netns
 from ccld_plugin.harness.faults.netns import PREFIX, ClosedNetwork
 
 NETNS_PY = Path(netns.__file__).resolve()
-TRANSPORT_PY = Path(transport.__file__).resolve()
 PORT = 5001
 TIMEOUT_S = 20
 
@@ -279,12 +277,10 @@ def test_sweep_removes_runs_of_dead_owners_only(net: ClosedNetwork) -> None:
 # Inside rank 1: a paced sender (~8 MB/s, bounded by the script's ~3 s life) that reports
 # how the TCP probe classifies its connection before and after the parent applies a fault.
 SENDER = """
-import importlib.util, os, socket, sys, threading, time
-spec = importlib.util.spec_from_file_location("ccld_transport", sys.argv[4])
-tp = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = tp
-spec.loader.exec_module(tp)
-probe = tp.TcpProbe(sys.argv[3])
+import os, socket, sys, threading, time
+from ccld_plugin.agent.tcp_probe import TcpProbe
+from ccld_plugin.agent.tcp_wait import classify_wait
+probe = TcpProbe(sys.argv[3])
 c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)
 c.settimeout(0.2)
 ino = os.fstat(c.fileno()).st_ino
@@ -305,7 +301,7 @@ def interval():
     conn = lambda: next(x for x in probe.sample() if x.inode == ino)
     a = conn()
     time.sleep(0.5)
-    return tp.classify_wait(a, conn())
+    return classify_wait(a, conn())
 
 threading.Thread(target=pump, daemon=True).start()
 time.sleep(0.5)
@@ -328,7 +324,7 @@ def test_probe_reads_a_faulted_link_as_network(
 ) -> None:
     server = start_server(net, 0)
     argv = [*net.exec_prefix(1), sys.executable, "-c", SENDER, net.address(0), str(PORT),
-            str(probe_lib), str(TRANSPORT_PY)]  # fmt: skip
+            str(probe_lib)]  # fmt: skip
     sender = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         before = sender.stdout.readline().split()  # type: ignore[union-attr]

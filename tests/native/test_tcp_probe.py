@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from ccld_plugin.agent import tcp_probe as transport
-from ccld_plugin.agent.tcp_probe import TcpConn, TcpProbe, classify_wait, map_peers
+from ccld_plugin.agent.tcp_peers import map_peers
+from ccld_plugin.agent.tcp_probe import TcpConn, TcpProbe
+from ccld_plugin.agent.tcp_wait import classify_wait
 from ccld_plugin.wire import codes
 
 

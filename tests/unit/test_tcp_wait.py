@@ -8,8 +8,10 @@ import sys
 
 import pytest
 
-from ccld_plugin.agent import tcp_probe as transport
-from ccld_plugin.agent.tcp_probe import TcpConn, classify_wait, map_peers
+from ccld_plugin.agent.tcp_channels import channel_fields
+from ccld_plugin.agent.tcp_peers import map_peers
+from ccld_plugin.agent.tcp_probe import TcpConn
+from ccld_plugin.agent.tcp_wait import classify_wait
 from ccld_plugin.wire import codes
 
 
@@ -79,11 +81,11 @@ def test_classify_wait_rules() -> None:
 def test_channel_fields_use_board_units() -> None:
     c = conn(bytes_acked=5000, bytes_received=10, unacked_bytes=300, notsent_bytes=200,
              delivery_rate_bps=8_000_000, remote=("127.0.0.1", 29500))  # fmt: skip
-    f = transport.channel_fields(c, codes.WAIT_NETWORK, peer=3)
+    f = channel_fields(c, codes.WAIT_NETWORK, peer=3)
     assert f["direction"] == codes.DIRECTION_SEND
     assert (f["bytes_done"], f["bytes_queued"]) == (5000, 500)
     assert f["delivery_rate"] == 1_000_000  # bytes per second on the board
     assert f["wait"] == 3 and f["peer"] == 3 and f["remote_port"] == 29500
     assert f["remote_addr"].to_bytes(4, sys.byteorder) == bytes([127, 0, 0, 1])
-    r = transport.channel_fields(conn(bytes_received=10**6, unread_bytes=7), "local")
+    r = channel_fields(conn(bytes_received=10**6, unread_bytes=7), "local")
     assert (r["direction"], r["bytes_queued"], r["wait"]) == (codes.DIRECTION_RECV, 7, 1)
