@@ -26,13 +26,10 @@ from ccld_plugin.errors import contained_errors
 from ccld_plugin.harness.demo import DemoOptions, run_demo
 from ccld_plugin.sinks import build_sinks
 from ccld_plugin.sinks.jsonl import read_verdicts
+from ccld_plugin.sinks.wandb.backends import WriterProcess
 from ccld_plugin.sinks.wandb.run_file import find_run_files, iter_records, wait_for_run
-from ccld_plugin.sinks.wandb.sink import (
-    VERDICT_COLUMNS,
-    WandbSink,
-    _Writer,
-    verdict_row,
-)
+from ccld_plugin.sinks.wandb.sink import WandbSink
+from ccld_plugin.sinks.wandb.verdicts import VERDICT_COLUMNS, verdict_row
 from ccld_plugin.wire.summary import GroupProgress, RankSummary, StepStat
 from ccld_plugin.wire.topology import GroupInfo, group_id_of
 
@@ -137,7 +134,7 @@ def test_broken_wandb_in_the_writer_process_is_contained(tmp_path, monkeypatch):
     (stub / "__init__.py").write_text("raise ImportError('broken wandb install')\n")
     monkeypatch.setenv("PYTHONPATH", str(stub.parent))
     before = contained_errors().get("sinks.wandb", 0)
-    writer = _Writer({"project": "p", "mode": "offline"}, sys.executable)
+    writer = WriterProcess({"project": "p", "mode": "offline"}, sys.executable)
     assert writer.proc.wait(timeout=30) == 1
     writer._status.join(timeout=10)
     assert writer.failure and "ImportError: broken wandb install" in writer.failure

@@ -19,14 +19,10 @@ from ccld_plugin.diagnose import Diagnoser, JobView
 from ccld_plugin.diagnose.arrivals import Joined
 from ccld_plugin.diagnose.records import Cause, Kind, Verdict
 from ccld_plugin.sinks import build_sinks
+from ccld_plugin.sinks.wandb.heatmap import encode_png, heatmap_rgb
 from ccld_plugin.sinks.wandb.panels import PanelMetrics, group_key, hang_watch, take_new_joined
-from ccld_plugin.sinks.wandb.sink import (
-    VERDICT_COLUMNS,
-    WandbSink,
-    encode_png,
-    heatmap_rgb,
-    verdict_row,
-)
+from ccld_plugin.sinks.wandb.sink import WandbSink
+from ccld_plugin.sinks.wandb.verdicts import VERDICT_COLUMNS, verdict_row
 from ccld_plugin.wire.codes import OP_CODES
 from ccld_plugin.wire.summary import GroupProgress, InFlightOp, RankSummary, StepStat
 from ccld_plugin.wire.topology import GroupInfo, group_id_of

@@ -25,28 +25,20 @@ failure, wandb missing included, is contained: reported once, and the sink goes 
 from __future__ import annotations
 
 import base64
-import dataclasses
-import fcntl
-import html
 import importlib.util
-import json
 import os
 import statistics
-import struct
-import subprocess
 import sys
 import threading
 import time
-import zlib
 from collections import deque
-from pathlib import Path
-from typing import Any, Protocol
-
-import numpy as np
+from typing import Any
 
 from ccld_plugin.config import WandbConfig
 from ccld_plugin.diagnose.records import Verdict
-from ccld_plugin.errors import log, report_error
+from ccld_plugin.errors import report_error
+from ccld_plugin.sinks.wandb.backends import AttachedRun, Backend, WandbUnavailable, WriterProcess
+from ccld_plugin.sinks.wandb.heatmap import heatmap_panel
 from ccld_plugin.sinks.wandb.panels import (
     HangWatch,
     PanelMetrics,
@@ -56,10 +48,9 @@ from ccld_plugin.sinks.wandb.panels import (
     hang_watch,
     take_new_joined,
 )
-from ccld_plugin.sinks.wandb.worker import Applier, encode_message
+from ccld_plugin.sinks.wandb.verdicts import VERDICT_COLUMNS, alert_message, verdict_row
 
-__all__ = ["VERDICT_COLUMNS", "WandbSink", "WandbUnavailable", "encode_png", "heatmap_rgb",
-           "verdict_row"]
+__all__ = ["WandbSink"]
 
 # Rounds waiting for the sink's thread; beyond it the oldest are dropped. A view holds
 # every rank's summary, so a long queue would cost real memory on a large job.
@@ -67,95 +58,9 @@ MAX_QUEUE = 8
 MAX_EARLY_OPS = 512  # messages kept while deciding which run to log into
 OPEN_AFTER_S = 30.0  # decide even if no step has been marked by then
 HEATMAP_STEPS = 100
-HEATMAP_MAX_ROWS = 512  # more ranks than this are binned (the slowest of a bin shows)
 MAX_SERIES = 32  # groups per role drawn as their own series
 MAX_TABLE_ROWS = 4096  # per-rank table: beyond this, the ranks furthest above their cohort
 MAX_BARS = 256  # bar chart: beyond this, the ranks with the most compute
-PIPE_SIZE = 1 << 20  # room for what the writer process has not read yet (it starts slowly)
-_STUCK_KINDS = {"hang", "deadlock", "unresponsive", "mismatch"}
-
-VERDICT_COLUMNS: list[str] = [
-    *(f.name for f in dataclasses.fields(Verdict) if f.name != "group"),
-    "group_role", "group_ranks", "group_id", "schema"]
-
-
-class WandbUnavailable(RuntimeError):
-    """W&B cannot be written to (not installed, broken, or its writer died)."""
-
-
-# ---------------------------------------------------------------------- pictures
-def encode_png(rgb: np.ndarray) -> bytes:
-    """A minimal PNG encoder (8-bit RGB, no filtering): pillow is not needed."""
-    h, w, _ = rgb.shape
-    raw = np.concatenate([np.zeros((h, 1), np.uint8),
-                          np.ascontiguousarray(rgb, np.uint8).reshape(h, w * 3)], axis=1)
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (struct.pack(">I", len(data)) + kind + data
-                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
-
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(raw.tobytes(), 6)) + chunk(b"IEND", b""))
-
-
-# Diverging map over log2(ratio to the step's median): blue 0.5x, white 1x, red 2x+.
-_ANCHORS = np.array([[49, 54, 149], [116, 173, 209], [247, 247, 247], [244, 109, 67],
-                     [165, 0, 38]], float)
-_MISSING = np.array([110, 110, 110], float)
-
-
-def heatmap_rgb(matrix: np.ndarray, max_rows: int = HEATMAP_MAX_ROWS) -> np.ndarray:
-    """Ranks x steps compute times as colours, each relative to its step's median."""
-    m = np.where(np.isfinite(matrix), matrix, np.nan)
-    med = np.full(m.shape[1], np.nan)
-    cols = ~np.isnan(m).all(axis=0)  # all-NaN columns would make nanmedian warn
-    if cols.any():
-        med[cols] = np.nanmedian(m[:, cols], axis=0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        t = np.clip(np.log2(m / np.where(med > 0, med, np.nan)), -1.0, 1.0)
-    if t.shape[0] > max_rows:  # bin rows by their worst value, so a straggler stays visible
-        k = -(-t.shape[0] // max_rows)
-        pad = np.full((k * max_rows - t.shape[0], t.shape[1]), np.nan)
-        binned = np.vstack([t, pad]).reshape(max_rows, k, t.shape[1])
-        worst = np.where(np.isnan(binned), -np.inf, binned).max(axis=1)
-        t = np.where(np.isneginf(worst), np.nan, worst)
-    pos = (np.nan_to_num(t, nan=0.0) + 1.0) * 2.0  # 0..4 over the five anchors
-    lo = np.clip(np.floor(pos).astype(int), 0, 3)
-    frac = (pos - lo)[..., None]
-    rgb = _ANCHORS[lo] * (1 - frac) + _ANCHORS[lo + 1] * frac
-    rgb[np.isnan(t)] = _MISSING
-    return rgb.round().astype(np.uint8)
-
-
-def _scale(rgb: np.ndarray) -> tuple[np.ndarray, int, int]:
-    rows, cols = rgb.shape[:2]
-    cw = max(2, min(16, 640 // max(cols, 1)))
-    ch = max(2, min(24, 320 // max(rows, 1)))
-    return np.repeat(np.repeat(rgb, ch, axis=0), cw, axis=1), cw, ch
-
-
-def _heatmap_html(png: bytes, ranks: list[int], steps: list[int], ch: int, k: int,
-                  slowest: str) -> str:
-    src = "data:image/png;base64," + base64.b64encode(png).decode()
-    labels = ""
-    if k == 1 and ch >= 10 and len(ranks) <= 64:
-        labels = "".join(f'<div style="height:{ch}px;line-height:{ch}px">rank {r}</div>'
-                         for r in ranks)
-        labels = f'<div style="text-align:right;padding-right:4px">{labels}</div>'
-    rows = f"ranks {ranks[0]}-{ranks[-1]}" if ranks else "no ranks"
-    if k > 1:
-        rows += f", {k} ranks per row (the slowest of them)"
-    gradient = ",".join(f"rgb({int(a[0])},{int(a[1])},{int(a[2])})" for a in _ANCHORS)
-    return (
-        '<div style="font-family:sans-serif;font-size:11px">'
-        f'<div style="display:flex">{labels}<img src="{src}" '
-        'style="image-rendering:pixelated"/></div>'
-        f"<div>rows: {html.escape(rows)} (top to bottom); columns: steps "
-        f"{steps[0] if steps else '-'}-{steps[-1] if steps else '-'} (left to right)</div>"
-        '<div>colour: compute time relative to the step\'s median '
-        f'<span style="display:inline-block;width:120px;height:9px;'
-        f'background:linear-gradient(to right,{gradient})"></span> 0.5x - 1x - 2x; '
-        f"grey: not reported</div><div>{html.escape(slowest)}</div></div>")
 
 
 def _top(rows: list, n: int, key: Any) -> list:
@@ -165,128 +70,6 @@ def _top(rows: list, n: int, key: Any) -> list:
     return sorted(sorted(rows, key=key, reverse=True)[:n], key=lambda r: r.rank)
 
 
-# ---------------------------------------------------------------------- verdicts
-def verdict_row(v: dict) -> list:
-    """A verdict record as a table row in :data:`VERDICT_COLUMNS` order: lists of numbers
-    as JSON, lines of text (evidence, stack) one per line, the group in three columns."""
-    g = v.get("group") or {}
-    cells = {**v, "group_role": g.get("role"), "group_ranks": g.get("ranks"),
-             "group_id": g.get("group_id")}
-    row = []
-    for col in VERDICT_COLUMNS:
-        x = cells.get(col)
-        if isinstance(x, list):
-            x = "\n".join(map(str, x)) if x and isinstance(x[0], str) else json.dumps(x)
-        row.append(x)
-    return row
-
-
-def _alert(v: dict) -> dict:
-    g = v.get("group") or {}
-    ranks = ", ".join(map(str, v["ranks"]))
-    where = f" in {g['role']}{g['ranks']}" if g else ""
-    title = f"ccld {v['kind']}: rank {ranks} ({v['cause']})"
-    lines = [f"{v['kind']} verdict, {v['cause']}-bound: rank {ranks}{where}"
-             + (f" at {v['op']}" if v.get("op") else "")
-             + (f", {v['severity']}x" if v.get("severity") and v["kind"] == "slow" else "")
-             + f" (step {v.get('step')}, detected {v.get('detected_s')} s)",
-             *[f"- {e}" for e in v.get("evidence", [])[:6]]]
-    return {"op": "alert", "title": title, "text": "\n".join(lines),
-            "level": "ERROR" if v["kind"] in _STUCK_KINDS else "WARN"}
-
-
-# ---------------------------------------------------------------------- backends
-class _Backend(Protocol):
-    failure: str | None
-
-    def send(self, msgs: list[dict]) -> None: ...
-
-    def close(self, wait_s: float) -> None: ...
-
-
-class _Attached:
-    """The process's own run: apply in this thread, and leave the run open at close."""
-
-    def __init__(self, wandb: Any, run: Any) -> None:
-        self.applier = Applier(wandb, run, attached=True)
-        self.failure: str | None = None
-        self._failed: set[str] = set()
-        log.info("ccld: W&B panels go into the existing run %s", getattr(run, "id", "?"))
-
-    def send(self, msgs: list[dict]) -> None:
-        for m in msgs:
-            try:
-                self.applier.apply(m)
-            except Exception as exc:  # noqa: BLE001 - one panel must not stop the others
-                report_error(f"sinks.wandb.{m.get('op')}", exc)
-
-    def close(self, wait_s: float) -> None:
-        pass
-
-
-class _Writer:
-    """A writer process that owns the run (see :mod:`ccld_plugin.sinks.wandb.worker`)."""
-
-    def __init__(self, init_kwargs: dict, python: str) -> None:
-        worker = Path(__file__).with_name("worker.py")
-        # Its own session: the launcher's kill of the job's process group must not take
-        # it down before it has finished the run.
-        self.proc = subprocess.Popen([python, str(worker)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, start_new_session=True)
-        try:
-            fcntl.fcntl(self.proc.stdin.fileno(), 1031, PIPE_SIZE)  # F_SETPIPE_SZ
-        except OSError:
-            pass  # the default 64 KiB pipe works too, only with less slack
-        self.failure: str | None = None
-        self.ready = threading.Event()
-        self.run_dir: str | None = None
-        self._status = threading.Thread(target=self._read_status, name="ccld-wandb-status",
-                                        daemon=True)
-        self._status.start()
-        self.send([{"op": "init", "kwargs": init_kwargs}])
-
-    def _read_status(self) -> None:
-        for line in self.proc.stdout:
-            try:
-                st = json.loads(line)
-            except ValueError:
-                continue
-            if st.get("ready"):
-                self.run_dir = st.get("dir")
-                self.ready.set()
-            elif st.get("failed"):  # one kind of panel failed; the run goes on
-                report_error(f"sinks.wandb.{st['failed']}", WandbUnavailable(st.get("error")))
-            elif st.get("error"):
-                self.failure = f"the W&B writer could not open a run: {st['error']}"
-                report_error("sinks.wandb", WandbUnavailable(self.failure))
-        if not self.ready.is_set() and self.failure is None:
-            code = self.proc.wait()
-            self.failure = f"the W&B writer exited with code {code} before opening a run"
-            report_error("sinks.wandb", WandbUnavailable(self.failure))
-
-    def send(self, msgs: list[dict]) -> None:
-        if self.failure:
-            raise WandbUnavailable(self.failure)
-        try:
-            self.proc.stdin.write(b"".join(encode_message(m) for m in msgs))
-            self.proc.stdin.flush()
-        except (BrokenPipeError, ValueError, OSError) as exc:
-            self.failure = self.failure or f"the W&B writer is gone ({exc})"
-            raise WandbUnavailable(self.failure) from None
-
-    def close(self, wait_s: float) -> None:
-        try:
-            self.send([{"op": "finish"}])
-            self.proc.stdin.close()
-        except (WandbUnavailable, OSError):
-            pass
-        try:
-            self.proc.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            log.info("ccld: the W&B writer is still finishing the run; it ends on its own")
-
-
-# ---------------------------------------------------------------------- the sink
 class WandbSink:
     def __init__(self, cfg: WandbConfig, python: str = sys.executable) -> None:
         self.cfg = cfg
@@ -296,7 +79,7 @@ class WandbSink:
         self._queue: deque[tuple] = deque()
         self._cv = threading.Condition()
         self._last_joined: Any = None
-        self._backend: _Backend | None = None
+        self._backend: Backend | None = None
         self._dead = False
         self._early: deque[dict] = deque(maxlen=MAX_EARLY_OPS)
         self._first_round: float | None = None
@@ -413,7 +196,7 @@ class WandbSink:
         if msgs and self._backend is not None:
             self._backend.send(msgs)
 
-    def _open(self) -> _Backend | None:
+    def _open(self) -> Backend | None:
         """Decide where to log, once: the first time there is something worth logging,
         which gives the user's own ``wandb.init`` time to have run."""
         mode = os.environ.get("WANDB_MODE") or self.cfg.mode
@@ -423,7 +206,7 @@ class WandbSink:
         wb = sys.modules.get("wandb")  # never imported here unless the user did
         run = getattr(wb, "run", None) if wb is not None else None
         if run is not None:
-            return _Attached(wb, run)
+            return AttachedRun(wb, run)
         try:
             found = importlib.util.find_spec("wandb") is not None
         except (ImportError, ValueError) as exc:
@@ -435,7 +218,7 @@ class WandbSink:
         kwargs = {"project": self.cfg.project, "entity": self.cfg.entity,
                   "name": self.cfg.run_name, "mode": mode, "dir": self.cfg.dir,
                   "job_type": "ccld", "config": {"ccld_world": self._world}}
-        return _Writer({k: v for k, v in kwargs.items() if v is not None}, self.python)
+        return WriterProcess({k: v for k, v in kwargs.items() if v is not None}, self.python)
 
     # -------------------------------------------------------------- panels
     @staticmethod
@@ -517,21 +300,8 @@ class WandbSink:
         m, ranks, steps = self.metrics.compute_matrix(HEATMAP_STEPS)
         if not m.size:
             return None
-        rgb = heatmap_rgb(m)
-        k = -(-len(ranks) // rgb.shape[0])
-        big, _, ch = _scale(rgb)
-        png = encode_png(big)
-        slowest = ""
-        with np.errstate(all="ignore"):
-            mean = np.nanmean(m, axis=1)
-        if np.isfinite(mean).any():
-            i = int(np.nanargmax(mean))
-            others = np.delete(mean, i)
-            med = float(np.nanmedian(others)) if np.isfinite(others).any() else 0.0
-            ratio = f" ({mean[i] / med:.2f}x the median rank)" if med > 0 else ""
-            slowest = f"slowest: rank {ranks[i]}, {mean[i]:.1f} ms compute per step{ratio}"
-        data["ccld/heatmap/compute"] = {"_ccld": "html",
-                                        "html": _heatmap_html(png, ranks, steps, ch, k, slowest)}
+        png, page = heatmap_panel(m, ranks, steps)
+        data["ccld/heatmap/compute"] = {"_ccld": "html", "html": page}
         return png
 
     def _verdict_msgs(self, v: dict) -> list[dict]:
@@ -543,4 +313,4 @@ class WandbSink:
                 # Also in the summary: in someone else's run a history row is only written
                 # when they next log, which a hung job never does.
                 {"op": "summary", "data": {"ccld/verdicts/table": table}},
-                _alert(v)]
+                alert_message(v)]
