@@ -20,10 +20,12 @@ from rich.console import Console
 from ccld_plugin.harness.demo import DemoOptions, run_demo
 
 CASES = {
-    "compute-hang": dict(framework="torch", world=4, tp=2, pp=2, steps=60,
-                         faults=["compute-hang@2:step=5"]),
-    "compute-slow": dict(framework="torch", world=4, tp=1, pp=1, steps=40,
-                         faults=["compute-slow@1:factor=2,step=3"]),
+    "compute-hang": dict(
+        framework="torch", world=4, tp=2, pp=2, steps=60, faults=["compute-hang@2:step=5"]
+    ),
+    "compute-slow": dict(
+        framework="torch", world=4, tp=1, pp=1, steps=40, faults=["compute-slow@1:factor=2,step=3"]
+    ),
 }
 
 
@@ -37,8 +39,9 @@ def main() -> int:
     for case, kw in CASES.items():
         for i in range(args.runs):
             with tempfile.TemporaryDirectory() as tmp:
-                opts = DemoOptions(**kw, out=Path(tmp), overrides=[
-                    f"diagnoser.hang_min_s={args.hang_min_s}"])
+                opts = DemoOptions(
+                    **kw, out=Path(tmp), overrides=[f"diagnoser.hang_min_s={args.hang_min_s}"]
+                )
                 run_demo(opts, quiet)
                 m = json.loads((Path(tmp) / "summary.json").read_text())["latency_s"][0]
             value = m["latency_s"] if case == "compute-hang" else m["steps_to_verdict"]
@@ -49,8 +52,10 @@ def main() -> int:
     for case, unit in (("compute-hang", "s"), ("compute-slow", "steps")):
         vals = results[case]
         if vals:
-            print(f"{case}: median {statistics.median(vals):.2f} {unit}, worst {max(vals):.2f} "
-                  f"{unit}, diagnosed {len(vals)}/{args.runs}")
+            print(
+                f"{case}: median {statistics.median(vals):.2f} {unit}, worst {max(vals):.2f} "
+                f"{unit}, diagnosed {len(vals)}/{args.runs}"
+            )
         else:
             print(f"{case}: never diagnosed")
     return 0

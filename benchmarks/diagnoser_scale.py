@@ -55,29 +55,58 @@ def layout(world: int) -> dict[int, list[GroupInfo]]:
         tp = [d * TP * PP + p * TP + i for i in range(TP)]
         pp = [d * TP * PP + i * TP + t for i in range(PP)]
         dpg = [i * TP * PP + p * TP + t for i in range(dp)]
-        tables[r] = [world_g, *(GroupInfo(group_id_of(g), role, tuple(g))
-                                for role, g in (("tp", tp), ("pp", pp), ("dp", dpg)))]
+        tables[r] = [
+            world_g,
+            *(
+                GroupInfo(group_id_of(g), role, tuple(g))
+                for role, g in (("tp", tp), ("pp", pp), ("dp", dpg))
+            ),
+        ]
     return tables
 
 
 def summary(rank: int, world: int, step: int, now: int) -> bytes:
     seq = (step + 1) * OPS_PER_STEP
     start = now - STEP_NS
-    groups = [GroupProgress(slot, seq, seq, OPS_PER_STEP, 20_000, 1 << 22, 3_000)
-              for slot in range(4)]
-    samples = [ArrivalSample(slot, seq - 2 * i, start + i * 50_000_000 + rank % 7 * 1000,
-                             2_000, 1 << 20) for slot in range(4) for i in range(8)]
+    groups = [
+        GroupProgress(slot, seq, seq, OPS_PER_STEP, 20_000, 1 << 22, 3_000) for slot in range(4)
+    ]
+    samples = [
+        ArrivalSample(slot, seq - 2 * i, start + i * 50_000_000 + rank % 7 * 1000, 2_000, 1 << 20)
+        for slot in range(4)
+        for i in range(8)
+    ]
     # the next rank of its TP, PP and DP rings
     block = rank - rank % (TP * PP)
-    peers = [rank - rank % TP + (rank + 1) % TP, block + (rank - block + TP) % (TP * PP),
-             (rank + TP * PP) % world]
-    channels = encode_channels([PeerChannel(p, "none", "send", 2, 0, 1 << 20, 1 << 20, 0, 120,
-                                            40, 0, 0.0, 0.0, 0.1, 0.0) for p in peers], 1.0, 6)
-    s = RankSummary(rank=rank, pid=1000 + rank, host=f"node{rank // 8}", time_ns=now,
-                    heartbeat_ns=now, step=step, last_progress_ns=now - 1000,
-                    groups_version=1, groups=groups,
-                    steps=[StepStat(step - 1, start, 1_000_000, 700_000 + rank % 13 * 100)],
-                    samples=samples, channels=channels)
+    peers = [
+        rank - rank % TP + (rank + 1) % TP,
+        block + (rank - block + TP) % (TP * PP),
+        (rank + TP * PP) % world,
+    ]
+    channels = encode_channels(
+        [
+            PeerChannel(
+                p, "none", "send", 2, 0, 1 << 20, 1 << 20, 0, 120, 40, 0, 0.0, 0.0, 0.1, 0.0
+            )
+            for p in peers
+        ],
+        1.0,
+        6,
+    )
+    s = RankSummary(
+        rank=rank,
+        pid=1000 + rank,
+        host=f"node{rank // 8}",
+        time_ns=now,
+        heartbeat_ns=now,
+        step=step,
+        last_progress_ns=now - 1000,
+        groups_version=1,
+        groups=groups,
+        steps=[StepStat(step - 1, start, 1_000_000, 700_000 + rank % 13 * 100)],
+        samples=samples,
+        channels=channels,
+    )
     return encode_summary(s)
 
 
@@ -104,8 +133,14 @@ def bench(world: int, rounds: int, store: dist.Store) -> dict[str, float]:
             summaries = {r: decode_summary(b) for r, b in raw.items()}
             t2 = time.perf_counter()
             # the diagnoser service rebuilds the topology only when a table changes
-            view = JobView(summaries=summaries, tables=tables, now_ns=now, job_start_ns=0,
-                           world=world, topology=topology)
+            view = JobView(
+                summaries=summaries,
+                tables=tables,
+                now_ns=now,
+                job_start_ns=0,
+                world=world,
+                topology=topology,
+            )
             t3 = time.perf_counter()
             verdicts = diag.round(view)
             t4 = time.perf_counter()
@@ -124,17 +159,23 @@ def main() -> None:
     ap.add_argument("--worlds", default="512,2048,16384")
     ap.add_argument("--rounds", type=int, default=12)
     args = ap.parse_args()
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30),
-                          wait_for_workers=False)
-    print("medians over the rounds; 'worst' is the slowest round (one that closes a "
-          "slow-detector window)")
-    print(f"{'ranks':>7} {'summary B':>9} {'read ms':>8} {'decode ms':>9} {'view ms':>8} "
-          f"{'analyze ms':>10} {'round ms':>9} {'worst ms':>9}")
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30), wait_for_workers=False)
+    print(
+        "medians over the rounds; 'worst' is the slowest round (one that closes a "
+        "slow-detector window)"
+    )
+    print(
+        f"{'ranks':>7} {'summary B':>9} {'read ms':>8} {'decode ms':>9} {'view ms':>8} "
+        f"{'analyze ms':>10} {'round ms':>9} {'worst ms':>9}"
+    )
     for world in (int(w) for w in args.worlds.split(",")):
         r = bench(world, args.rounds, store)
-        print(f"{world:>7} {r['bytes']:>9} {r['read']:>8.1f} {r['decode']:>9.1f} "
-              f"{r['view']:>8.1f} {r['analyze']:>10.1f} {r['round']:>9.1f} "
-              f"{r['worst']:>9.1f}", flush=True)
+        print(
+            f"{world:>7} {r['bytes']:>9} {r['read']:>8.1f} {r['decode']:>9.1f} "
+            f"{r['view']:>8.1f} {r['analyze']:>10.1f} {r['round']:>9.1f} "
+            f"{r['worst']:>9.1f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -62,24 +62,35 @@ def rank_main(args: argparse.Namespace) -> None:
             if label == "1-rank" and name == "broadcast":
                 kwargs["src"] = rank
             _batch(orig, 100, t, **kwargs)  # warm up
-            rows.append((f"{name} 4 B, {label} group",
-                         *_paired(orig, wrapped, args.batches, args.calls, t, **kwargs)))
+            rows.append(
+                (
+                    f"{name} 4 B, {label} group",
+                    *_paired(orig, wrapped, args.batches, args.calls, t, **kwargs),
+                )
+            )
 
     def noop(tensor, op=None, group=None, async_op=False):
         return None
 
     traced_noop = tracer._wrap_collective("all_reduce", noop)
-    rows.append(("wrapper alone (no-op collective)",
-                 *_paired(noop, traced_noop, args.batches, args.calls * 20, t, group=pair)))
+    rows.append(
+        (
+            "wrapper alone (no-op collective)",
+            *_paired(noop, traced_noop, args.batches, args.calls * 20, t, group=pair),
+        )
+    )
     dist.barrier()
     if rank == 0:
-        print(f"{'call':40s} {'untraced us':>12s} {'traced us':>10s} {'added us':>9s} "
-              f"{'ratio':>6s}")
+        print(
+            f"{'call':40s} {'untraced us':>12s} {'traced us':>10s} {'added us':>9s} {'ratio':>6s}"
+        )
         for label, base, traced, added in rows:
             ratio = traced / base if base > 0 else float("nan")
             print(f"{label:40s} {base:12.2f} {traced:10.2f} {added:9.2f} {ratio:6.3f}")
-        print(f"({args.batches} interleaved batch pairs of {args.calls} calls; 'added' is the "
-              "median of paired differences)")
+        print(
+            f"({args.batches} interleaved batch pairs of {args.calls} calls; 'added' is the "
+            "median of paired differences)"
+        )
     ccld_plugin.disable()
     dist.destroy_process_group()
 
@@ -96,15 +107,30 @@ def main() -> int:
     from ccld_plugin.harness.launch import LocalJob
 
     with tempfile.TemporaryDirectory() as tmp:
-        job = LocalJob(world=2, argv=[__file__, "--batches", str(args.batches), "--calls",
-                                      str(args.calls), "--board-dir", tmp],
-                       log_dir=Path(tmp) / "logs")
+        job = LocalJob(
+            world=2,
+            argv=[
+                __file__,
+                "--batches",
+                str(args.batches),
+                "--calls",
+                str(args.calls),
+                "--board-dir",
+                tmp,
+            ],
+            log_dir=Path(tmp) / "logs",
+        )
         job.start()
         ok = job.wait(600)
         codes = job.stop()
         log = (Path(tmp) / "logs" / "rank0.log").read_text()
-        print("\n".join(line for line in log.splitlines() if "Warning" not in line
-                        and "return func" not in line))
+        print(
+            "\n".join(
+                line
+                for line in log.splitlines()
+                if "Warning" not in line and "return func" not in line
+            )
+        )
         if not ok or any(codes):
             print((Path(tmp) / "logs" / "rank1.log").read_text(), file=sys.stderr)
             return 1

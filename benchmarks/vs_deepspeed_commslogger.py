@@ -28,11 +28,28 @@ FAULT = "compute-slow@1:factor=2,step=3"
 
 
 def run_comms_logger(out: Path, steps: int, every: int) -> dict:
-    job = LocalJob(world=4, argv=[str(DEEPSPEED_EXAMPLE), "--zero-stage", "2", "--steps",
-                                  str(steps), "--hidden", "512", "--comms-logger-every",
-                                  str(every), "--ccld-set", "enabled=false"],
-                   log_dir=out / "logs", env={"CCLD_FAULTS": FAULT, "DS_ACCELERATOR": "cpu",
-                                              "CCLD_FAULT_LOG": str(out / "faults.jsonl")})
+    job = LocalJob(
+        world=4,
+        argv=[
+            str(DEEPSPEED_EXAMPLE),
+            "--zero-stage",
+            "2",
+            "--steps",
+            str(steps),
+            "--hidden",
+            "512",
+            "--comms-logger-every",
+            str(every),
+            "--ccld-set",
+            "enabled=false",
+        ],
+        log_dir=out / "logs",
+        env={
+            "CCLD_FAULTS": FAULT,
+            "DS_ACCELERATOR": "cpu",
+            "CCLD_FAULT_LOG": str(out / "faults.jsonl"),
+        },
+    )
     job.start()
     job.wait(600)
     job.stop()
@@ -44,16 +61,27 @@ def run_comms_logger(out: Path, steps: int, every: int) -> dict:
         mark = json.loads(head)
         # The straggler table: from its title to the next step line.
         table = body.split("Breakdown with straggler effect", 1)[-1].splitlines()
-        lines = [ln for ln in table if ln.strip() and not ln.startswith(("step ", "[", "W"))
-                 ][:10]
-        reports.append({"step": mark["step"], "after_onset_s": round(
-            mark["wall_time"] - onset["wall_time"], 2), "lines": lines})
+        lines = [ln for ln in table if ln.strip() and not ln.startswith(("step ", "[", "W"))][:10]
+        reports.append(
+            {
+                "step": mark["step"],
+                "after_onset_s": round(mark["wall_time"] - onset["wall_time"], 2),
+                "lines": lines,
+            }
+        )
     return {"onset_step": onset["step"], "reports": reports}
 
 
 def run_ccld(out: Path, steps: int) -> dict:
-    opts = DemoOptions(framework="deepspeed", world=4, steps=steps, faults=[FAULT], out=out,
-                       overrides=["agent.interval_s=0.5"], zero_stage=2)
+    opts = DemoOptions(
+        framework="deepspeed",
+        world=4,
+        steps=steps,
+        faults=[FAULT],
+        out=out,
+        overrides=["agent.interval_s=0.5"],
+        zero_stage=2,
+    )
     run_demo(opts, Console(quiet=True))
     summary = json.loads((out / "summary.json").read_text())
     return summary
@@ -68,18 +96,24 @@ def main() -> int:
         base = run_comms_logger(Path(tmp) / "ds", args.steps, args.every)
         ours = run_ccld(Path(tmp) / "ccld", args.steps)
     print(f"fault: {FAULT} (onset at step {base['onset_step']})\n")
-    print("DeepSpeed comms logger (straggler summary every "
-          f"{args.every} steps; it names op types, not ranks):")
+    print(
+        "DeepSpeed comms logger (straggler summary every "
+        f"{args.every} steps; it names op types, not ranks):"
+    )
     for r in base["reports"]:
-        print(f"  step {r['step']} ({r['step'] - base['onset_step']} steps, "
-              f"{r['after_onset_s']} s after onset):")
+        print(
+            f"  step {r['step']} ({r['step'] - base['onset_step']} steps, "
+            f"{r['after_onset_s']} s after onset):"
+        )
         for line in r["lines"]:
             print(f"    {line.strip()}")
     print("\nccld:")
     for v, m in zip(ours["verdicts"], ours["latency_s"], strict=False):
-        print(f"  {v['kind']} {v['cause']}-bound, ranks {v['ranks']} in {v['group']['role']}"
-              f"{v['group']['ranks']}, severity {v['severity']}x, at step {v['step']} "
-              f"({m['steps_to_verdict']} steps, {m['latency_s']} s after onset)")
+        print(
+            f"  {v['kind']} {v['cause']}-bound, ranks {v['ranks']} in {v['group']['role']}"
+            f"{v['group']['ranks']}, severity {v['severity']}x, at step {v['step']} "
+            f"({m['steps_to_verdict']} steps, {m['latency_s']} s after onset)"
+        )
         for e in v["evidence"]:
             print(f"    - {e}")
     if not ours["verdicts"]:

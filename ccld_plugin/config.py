@@ -58,8 +58,7 @@ class BoardConfig:
         _check(bool(self.dir), "board.dir", self.dir, "a directory path")
         _check(16 <= self.ring_size <= 1 << 20, "board.ring_size", self.ring_size, "16..1048576")
         _check(1 <= self.max_groups <= 65535, "board.max_groups", self.max_groups, "1..65535")
-        _check(0 <= self.max_channels <= 65536, "board.max_channels", self.max_channels,
-               "0..65536")
+        _check(0 <= self.max_channels <= 65536, "board.max_channels", self.max_channels, "0..65536")
 
 
 @dataclass(kw_only=True)
@@ -68,8 +67,12 @@ class TracerConfig:
     """How often the completion poller checks async work (GPU ops always go through it)."""
 
     def __post_init__(self) -> None:
-        _check(0.1 <= self.poll_interval_ms <= 1000, "tracer.poll_interval_ms",
-               self.poll_interval_ms, "0.1..1000")
+        _check(
+            0.1 <= self.poll_interval_ms <= 1000,
+            "tracer.poll_interval_ms",
+            self.poll_interval_ms,
+            "0.1..1000",
+        )
 
 
 @dataclass(kw_only=True)
@@ -85,8 +88,12 @@ class AgentConfig:
     def __post_init__(self) -> None:
         _check(0.05 <= self.interval_s <= 60, "agent.interval_s", self.interval_s, "0.05..60")
         _check(self.stack_after_s >= 0, "agent.stack_after_s", self.stack_after_s, ">= 0")
-        _check(self.clock_resync_s == 0 or self.clock_resync_s >= 2 * self.interval_s,
-               "agent.clock_resync_s", self.clock_resync_s, "0 or >= 2 x agent.interval_s")
+        _check(
+            self.clock_resync_s == 0 or self.clock_resync_s >= 2 * self.interval_s,
+            "agent.clock_resync_s",
+            self.clock_resync_s,
+            "0 or >= 2 x agent.interval_s",
+        )
 
 
 @dataclass(kw_only=True)
@@ -103,12 +110,17 @@ class ControlConfig:
     connect_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        _check(self.store in ("auto", "dedicated"), "control.store", self.store,
-               "one of auto, dedicated")
+        _check(
+            self.store in ("auto", "dedicated"),
+            "control.store",
+            self.store,
+            "one of auto, dedicated",
+        )
         _check(0 <= self.port <= 65535, "control.port", self.port, "0..65535")
         _check(1 <= self.chunk_keys <= 16384, "control.chunk_keys", self.chunk_keys, "1..16384")
-        _check(self.connect_timeout_s > 0, "control.connect_timeout_s", self.connect_timeout_s,
-               "> 0")
+        _check(
+            self.connect_timeout_s > 0, "control.connect_timeout_s", self.connect_timeout_s, "> 0"
+        )
 
 
 @dataclass(kw_only=True)
@@ -136,8 +148,7 @@ class DiagnoserConfig:
         _check(self.hang_k >= 1, "diagnoser.hang_k", self.hang_k, ">= 1")
         _check(self.unresponsive_s > 0, "diagnoser.unresponsive_s", self.unresponsive_s, "> 0")
         _check(self.window_steps >= 1, "diagnoser.window_steps", self.window_steps, ">= 1")
-        _check(self.confirm_windows >= 1, "diagnoser.confirm_windows", self.confirm_windows,
-               ">= 1")
+        _check(self.confirm_windows >= 1, "diagnoser.confirm_windows", self.confirm_windows, ">= 1")
         _check(self.slow_ratio > 1, "diagnoser.slow_ratio", self.slow_ratio, "> 1")
         _check(self.mad_k > 0, "diagnoser.mad_k", self.mad_k, "> 0")
 
@@ -164,14 +175,30 @@ class WandbConfig:
     finishes it on its own after that."""
 
     def __post_init__(self) -> None:
-        _check(self.mode in ("offline", "online", "disabled"), "sinks.wandb.mode", self.mode,
-               "one of offline, online, disabled")
-        _check(self.dir is None or bool(self.dir), "sinks.wandb.dir", self.dir,
-               "a directory path or null")
-        _check(self.log_interval_steps >= 1, "sinks.wandb.log_interval_steps",
-               self.log_interval_steps, ">= 1")
-        _check(self.finish_timeout_s >= 0, "sinks.wandb.finish_timeout_s",
-               self.finish_timeout_s, ">= 0")
+        _check(
+            self.mode in ("offline", "online", "disabled"),
+            "sinks.wandb.mode",
+            self.mode,
+            "one of offline, online, disabled",
+        )
+        _check(
+            self.dir is None or bool(self.dir),
+            "sinks.wandb.dir",
+            self.dir,
+            "a directory path or null",
+        )
+        _check(
+            self.log_interval_steps >= 1,
+            "sinks.wandb.log_interval_steps",
+            self.log_interval_steps,
+            ">= 1",
+        )
+        _check(
+            self.finish_timeout_s >= 0,
+            "sinks.wandb.finish_timeout_s",
+            self.finish_timeout_s,
+            ">= 0",
+        )
 
 
 @dataclass(kw_only=True)

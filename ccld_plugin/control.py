@@ -78,8 +78,9 @@ class ClockSync:
 
 
 class ControlPlane:
-    def __init__(self, cfg: ControlConfig, rank: int, world: int, job: str,
-                 diagnoser_rank: int) -> None:
+    def __init__(
+        self, cfg: ControlConfig, rank: int, world: int, job: str, diagnoser_rank: int
+    ) -> None:
         self.cfg = cfg
         self.rank = rank
         self.world = world
@@ -99,9 +100,14 @@ class ControlPlane:
         base = _own_client(self.cfg) if self.cfg.store == "auto" else None
         if base is None:
             host, port = self._dedicated_address()
-            base = dist.TCPStore(host, port, self.world, False,
-                                 timedelta(seconds=self.cfg.connect_timeout_s),
-                                 wait_for_workers=False)
+            base = dist.TCPStore(
+                host,
+                port,
+                self.world,
+                False,
+                timedelta(seconds=self.cfg.connect_timeout_s),
+                wait_for_workers=False,
+            )
         other.store = dist.PrefixStore(self.store_prefix, base)
         return other
 
@@ -111,9 +117,14 @@ class ControlPlane:
 
     def _dedicated_store(self) -> Any:
         host, port = self._dedicated_address()
-        return dist.TCPStore(host, port, self.world, self.rank == self.diagnoser_rank,
-                             timedelta(seconds=self.cfg.connect_timeout_s),
-                             wait_for_workers=False)
+        return dist.TCPStore(
+            host,
+            port,
+            self.world,
+            self.rank == self.diagnoser_rank,
+            timedelta(seconds=self.cfg.connect_timeout_s),
+            wait_for_workers=False,
+        )
 
     # ---------------------------------------------------------------- summaries
     def publish(self, rank: int, summary: bytes) -> None:
@@ -127,14 +138,18 @@ class ControlPlane:
         """The values of ``<prefix>/<rank>`` that exist, read in chunks (one multi_get of
         many keys is slower than several of a few hundred)."""
         ranks = list(ranks)
-        present = [r for r, ok in zip(ranks, self._exist([f"{prefix}/{r}" for r in ranks]),
-                                      strict=True) if ok]
+        present = [
+            r
+            for r, ok in zip(ranks, self._exist([f"{prefix}/{r}" for r in ranks]), strict=True)
+            if ok
+        ]
         out: dict[int, bytes] = {}
         step = self.cfg.chunk_keys
         for i in range(0, len(present), step):
             chunk = present[i : i + step]
-            for r, value in zip(chunk, self.store.multi_get([f"{prefix}/{r}" for r in chunk]),
-                                strict=True):
+            for r, value in zip(
+                chunk, self.store.multi_get([f"{prefix}/{r}" for r in chunk]), strict=True
+            ):
                 out[r] = bytes(value)
         return out
 
@@ -146,14 +161,21 @@ class ControlPlane:
 
     # ---------------------------------------------------------------- groups
     def publish_groups(self, rank: int, groups: list[GroupInfo], version: int) -> None:
-        self.store.set(f"g/{rank}", json.dumps(
-            {"version": version, "groups": [[f"{g.group_id:016x}", g.role, list(g.ranks)]
-                                            for g in groups]}))
+        self.store.set(
+            f"g/{rank}",
+            json.dumps(
+                {
+                    "version": version,
+                    "groups": [[f"{g.group_id:016x}", g.role, list(g.ranks)] for g in groups],
+                }
+            ),
+        )
 
     def read_groups(self, rank: int) -> tuple[int, list[GroupInfo]]:
         data = json.loads(bytes(self.store.get(f"g/{rank}")))
-        return data["version"], [GroupInfo(int(gid, 16), role, tuple(ranks))
-                                 for gid, role, ranks in data["groups"]]
+        return data["version"], [
+            GroupInfo(int(gid, 16), role, tuple(ranks)) for gid, role, ranks in data["groups"]
+        ]
 
     # ---------------------------------------------------------------- endpoints
     def publish_endpoints(self, rank: int, endpoints: Iterable[tuple[str, int]]) -> None:
@@ -161,8 +183,10 @@ class ControlPlane:
 
     def read_endpoints(self, ranks: Iterable[int]) -> dict[int, list[tuple[str, int]]]:
         """Published endpoints of ``ranks``; ranks that published none are left out."""
-        return {r: [(str(h), int(p)) for h, p in json.loads(value)]
-                for r, value in self._read_per_rank("ep", ranks).items()}
+        return {
+            r: [(str(h), int(p)) for h, p in json.loads(value)]
+            for r, value in self._read_per_rank("ep", ranks).items()
+        }
 
     # ---------------------------------------------------------------- clock
     def serve_clock(self, job_start_ns: int, timeout_s: float) -> None:
@@ -224,6 +248,10 @@ def _own_client(cfg: ControlConfig) -> Any | None:
         store = store.underlying_store
     if not isinstance(store, dist.TCPStore):
         return None
-    return dist.TCPStore(store.host, store.port, is_master=False,
-                         timeout=timedelta(seconds=cfg.connect_timeout_s),
-                         wait_for_workers=False)
+    return dist.TCPStore(
+        store.host,
+        store.port,
+        is_master=False,
+        timeout=timedelta(seconds=cfg.connect_timeout_s),
+        wait_for_workers=False,
+    )

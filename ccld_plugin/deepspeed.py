@@ -11,5 +11,4 @@ from ccld_plugin.integrations.deepspeed import (
     read_config,
 )
 
-__all__ = ["EngineHooks", "ccld_block", "deepspeed_groups", "initialize", "install",
-           "read_config"]
+__all__ = ["EngineHooks", "ccld_block", "deepspeed_groups", "initialize", "install", "read_config"]

@@ -22,9 +22,13 @@ def report_error(where: str, exc: BaseException) -> None:
             _counts[where] += 1
             first = _counts[where] == 1
         if first:
-            log.warning("ccld: contained error in %s: %s: %s (training continues; "
-                        "further errors here are counted, not logged)",
-                        where, type(exc).__name__, exc)
+            log.warning(
+                "ccld: contained error in %s: %s: %s (training continues; "
+                "further errors here are counted, not logged)",
+                where,
+                type(exc).__name__,
+                exc,
+            )
         for callback in list(_on_error):
             callback()
     except Exception:  # noqa: BLE001 - the error path itself must never fail

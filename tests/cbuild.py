@@ -20,13 +20,24 @@ def gcc() -> str:
     return path
 
 
-def compile_c(out: Path, sources: list[Path], *flags: str, shared: bool = False,
-              libs: tuple[str, ...] = ()) -> str:
+def compile_c(
+    out: Path, sources: list[Path], *flags: str, shared: bool = False, libs: tuple[str, ...] = ()
+) -> str:
     """Compile ``sources`` into ``out`` (a shared library with ``shared``); the compiler's
     warnings output. A failure fails the test with the compiler's message."""
-    cmd = [gcc(), "-O2", "-std=gnu11", "-pthread", f"-I{CSRC}", *flags,
-           *(("-shared", "-fPIC") if shared else ()), *map(str, sources), "-o", str(out),
-           *libs]
+    cmd = [
+        gcc(),
+        "-O2",
+        "-std=gnu11",
+        "-pthread",
+        f"-I{CSRC}",
+        *flags,
+        *(("-shared", "-fPIC") if shared else ()),
+        *map(str, sources),
+        "-o",
+        str(out),
+        *libs,
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     if r.returncode != 0:
         pytest.fail(f"COMPILE FAILED: {' '.join(cmd)}\n{r.stderr}", pytrace=False)

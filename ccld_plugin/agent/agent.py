@@ -60,9 +60,18 @@ class StepClock:
 
 
 class Agent:
-    def __init__(self, cfg: AgentConfig, control: ControlPlane, board_path: Any, rank: int,
-                 host: str, pid: int, tracer: Any, steps: StepClock,
-                 clock_timeout_s: float) -> None:
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        control: ControlPlane,
+        board_path: Any,
+        rank: int,
+        host: str,
+        pid: int,
+        tracer: Any,
+        steps: StepClock,
+        clock_timeout_s: float,
+    ) -> None:
         self.cfg = cfg
         self.control = control
         self.rank = rank
@@ -109,8 +118,7 @@ class Agent:
             report_error("agent.clock", exc)
             self.clock = ClockSync(0, self._reader.header().start_mono_ns)
         self._board.set_clock_offset(self.clock.offset_ns)
-        self._epoch = resync_epoch(self.clock.to_diag(time.monotonic_ns()),
-                                   self.cfg.clock_resync_s)
+        self._epoch = resync_epoch(self.clock.to_diag(time.monotonic_ns()), self.cfg.clock_resync_s)
         backoff = self.cfg.interval_s
         while not self._stop.is_set():
             try:
@@ -142,9 +150,14 @@ class Agent:
             return
         was = self.clock.offset_ns
         taken = self.clock.take(offset, time.monotonic_ns())
-        log.debug("ccld rank %d: clock re-synced, offset %+d us (was %+d us; measured %+d us%s)",
-                  self.rank, self.clock.offset_ns // 1000, was // 1000, offset // 1000,
-                  "" if taken else ", late: the earlier estimate stands")
+        log.debug(
+            "ccld rank %d: clock re-synced, offset %+d us (was %+d us; measured %+d us%s)",
+            self.rank,
+            self.clock.offset_ns // 1000,
+            was // 1000,
+            offset // 1000,
+            "" if taken else ", late: the earlier estimate stands",
+        )
         self._board.set_clock_offset(self.clock.offset_ns)
         self.resyncs += 1
 
@@ -181,18 +194,32 @@ class Agent:
         progress = []
         for slot, rec in enumerate(table):
             mine = done["group_slot"] == slot
-            progress.append(GroupProgress(
-                slot=slot, entered_seq=int(rec["entered_seq"]),
-                completed_seq=int(rec["completed_seq"]), ops=int(mine.sum()),
-                blocked_us=int(dur_ns[mine & sync].sum() // 1000),
-                bytes=int(done["bytes"][mine].sum()),
-                max_dur_us=int(dur_ns[mine].max() // 1000) if mine.any() else 0))
+            progress.append(
+                GroupProgress(
+                    slot=slot,
+                    entered_seq=int(rec["entered_seq"]),
+                    completed_seq=int(rec["completed_seq"]),
+                    ops=int(mine.sum()),
+                    blocked_us=int(dur_ns[mine & sync].sum() // 1000),
+                    bytes=int(done["bytes"][mine].sum()),
+                    max_dur_us=int(dur_ns[mine].max() // 1000) if mine.any() else 0,
+                )
+            )
         flights = ops[ops["state"] == STATE_IN_FLIGHT][:MAX_IN_FLIGHT]
         errors = ops[ops["state"] == STATE_ERROR][-2:]
-        in_flight = [InFlightOp(int(r["group_slot"]), int(r["op"]), int(r["flags"]),
-                                int(r["peer"]), int(r["seq"]), int(r["bytes"]),
-                                diag(int(r["enter_ns"])), int(r["state"]))
-                     for r in (*flights, *errors)]
+        in_flight = [
+            InFlightOp(
+                int(r["group_slot"]),
+                int(r["op"]),
+                int(r["flags"]),
+                int(r["peer"]),
+                int(r["seq"]),
+                int(r["bytes"]),
+                diag(int(r["enter_ns"])),
+                int(r["state"]),
+            )
+            for r in (*flights, *errors)
+        ]
         last_step = self.steps.starts[-1][1] if self.steps.starts else header.start_mono_ns
         last_exit = int(ops["exit_ns"].max()) if len(ops) else 0
         last_progress = max(last_step, last_exit)
@@ -200,13 +227,23 @@ class Agent:
         stuck_for = max(now - oldest, now - last_progress) / 1e9
         flags = (FLAG_EXITED if final else 0) | (FLAG_ERRORED if len(errors) else 0)
         return RankSummary(
-            rank=self.rank, pid=self.pid, host=self.host, time_ns=diag(now),
-            heartbeat_ns=diag(now), step=header.step, last_progress_ns=diag(last_progress),
-            groups_version=self._groups_version, flags=flags, errors=header.errors,
-            groups=progress, in_flight=in_flight, steps=self._step_stats(ops, diag),
+            rank=self.rank,
+            pid=self.pid,
+            host=self.host,
+            time_ns=diag(now),
+            heartbeat_ns=diag(now),
+            step=header.step,
+            last_progress_ns=diag(last_progress),
+            groups_version=self._groups_version,
+            flags=flags,
+            errors=header.errors,
+            groups=progress,
+            in_flight=in_flight,
+            steps=self._step_stats(ops, diag),
             samples=self._samples(done, diag),
             channels=self._channel_evidence(now),
-            stack=self._main_stack() if stuck_for >= self.cfg.stack_after_s else [])
+            stack=self._main_stack() if stuck_for >= self.cfg.stack_after_s else [],
+        )
 
     def _channel_evidence(self, now_ns: int) -> bytes:
         """The summary's per-peer channel entries: NCCL channels and TCP connections."""
@@ -232,11 +269,15 @@ class Agent:
             if step <= self._published_step:
                 continue
             mine = sync_done[sync_done["step"] == step]
-            blocked = int((np.minimum(mine["exit_ns"], t1)
-                           - np.maximum(mine["enter_ns"], t0)).clip(min=0).sum())
+            blocked = int(
+                (np.minimum(mine["exit_ns"], t1) - np.maximum(mine["enter_ns"], t0))
+                .clip(min=0)
+                .sum()
+            )
             blocked += waits.get(step, 0)
-            stats.append(StepStat(step, diag(t0), (t1 - t0) // 1000,
-                                  max(0, t1 - t0 - blocked) // 1000))
+            stats.append(
+                StepStat(step, diag(t0), (t1 - t0) // 1000, max(0, t1 - t0 - blocked) // 1000)
+            )
         if stats:
             self._published_step = stats[-1].step
         return stats[-MAX_STEPS:]
@@ -252,14 +293,23 @@ class Agent:
             mine = coll[coll["group_slot"] == slot]
             every = 1 << max(0, int(np.ceil(np.log2(max(1, len(mine)) / SAMPLES_PER_GROUP))))
             recs = mine[mine["seq"] % every == 0][-SAMPLES_PER_GROUP:]
-            out += [ArrivalSample(int(slot), int(r["seq"]), diag(int(r["enter_ns"])),
-                                  int((r["exit_ns"] - r["enter_ns"]) // 1000), int(r["bytes"]))
-                    for r in recs]
+            out += [
+                ArrivalSample(
+                    int(slot),
+                    int(r["seq"]),
+                    diag(int(r["enter_ns"])),
+                    int((r["exit_ns"] - r["enter_ns"]) // 1000),
+                    int(r["bytes"]),
+                )
+                for r in recs
+            ]
         return out
 
     def _main_stack(self) -> list[str]:
         frame = sys._current_frames().get(self._main_ident)
         if frame is None:
             return []
-        return [f"{f.filename}:{f.lineno} in {f.name}"
-                for f in traceback.extract_stack(frame)[-STACK_FRAMES:]]
+        return [
+            f"{f.filename}:{f.lineno} in {f.name}"
+            for f in traceback.extract_stack(frame)[-STACK_FRAMES:]
+        ]

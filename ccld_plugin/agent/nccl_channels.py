@@ -55,13 +55,22 @@ class NcclChannels:
         self._last_bytes = last
         waits = self._totals(recs[total], moved)
         keys = sorted(set(live) | set(waits))
-        out = [self._entry(peer, direction, live.get((peer, direction), []),
-                           moved[(peer, direction)], waits.get((peer, direction)), now_ns)
-               for peer, direction in keys]
+        out = [
+            self._entry(
+                peer,
+                direction,
+                live.get((peer, direction), []),
+                moved[(peer, direction)],
+                waits.get((peer, direction)),
+                now_ns,
+            )
+            for peer, direction in keys
+        ]
         return [e for e in out if e is not None]
 
-    def _totals(self, recs: np.ndarray, moved: dict[tuple[int, int], int]
-                ) -> dict[tuple[int, int], tuple[int, int, int]]:
+    def _totals(
+        self, recs: np.ndarray, moved: dict[tuple[int, int], int]
+    ) -> dict[tuple[int, int], tuple[int, int, int]]:
         """Per (peer, direction): the (local, peer, network) wait in us since the last tick,
         from the per-link totals; their bytes replace the in-flight records' in ``moved``
         (an op's bytes reach the totals when it completes: counting both would count it
@@ -71,8 +80,12 @@ class NcclChannels:
         for rec in recs:
             key = (int(rec["peer"]), int(rec["direction"]))
             ident = (int(rec["pid"]), int(rec["group_id"]), *key, int(rec["first_ns"]))
-            now = (int(rec["bytes_done"]), int(rec["sndbuf_limited_us"]),
-                   int(rec["rwnd_limited_us"]), int(rec["busy_us"]))
+            now = (
+                int(rec["bytes_done"]),
+                int(rec["sndbuf_limited_us"]),
+                int(rec["rwnd_limited_us"]),
+                int(rec["busy_us"]),
+            )
             before = self._last_totals.get(ident, (0, 0, 0, 0))
             d = [max(0, a - b) for a, b in zip(now, before, strict=True)]
             seen[ident] = now
@@ -86,8 +99,14 @@ class NcclChannels:
         return {k: (v[0], v[1], v[2]) for k, v in waits.items()}
 
     @staticmethod
-    def _entry(peer: int, direction: int, rows: list[np.void], moved: int,
-               waits: tuple[int, int, int] | None, now_ns: int) -> PeerChannel | None:
+    def _entry(
+        peer: int,
+        direction: int,
+        rows: list[np.void],
+        moved: int,
+        waits: tuple[int, int, int] | None,
+        now_ns: int,
+    ) -> PeerChannel | None:
         pending = 0
         wait, stalled_ns = "none", 0
         steps_done = bytes_done = 0
@@ -110,9 +129,23 @@ class NcclChannels:
         per_step = bytes_done // steps_done if steps_done else 0
         send = direction == 0
         return PeerChannel(
-            peer=peer, wait=wait, direction="send" if send else "recv", conns=len(rows),
-            rtos=0, sent=moved if send else 0, received=0 if send else moved,
-            queued=pending * max(1, per_step), rtt_us=0, min_rtt_us=0, retrans=0,
-            rwnd_share=0.0, sndbuf_share=0.0, busy_share=0.0,
-            stalled_s=stalled_ns / 1e9, source="nccl", local_wait_us=local_us,
-            peer_wait_us=peer_us, net_wait_us=net_us)
+            peer=peer,
+            wait=wait,
+            direction="send" if send else "recv",
+            conns=len(rows),
+            rtos=0,
+            sent=moved if send else 0,
+            received=0 if send else moved,
+            queued=pending * max(1, per_step),
+            rtt_us=0,
+            min_rtt_us=0,
+            retrans=0,
+            rwnd_share=0.0,
+            sndbuf_share=0.0,
+            busy_share=0.0,
+            stalled_s=stalled_ns / 1e9,
+            source="nccl",
+            local_wait_us=local_us,
+            peer_wait_us=peer_us,
+            net_wait_us=net_us,
+        )

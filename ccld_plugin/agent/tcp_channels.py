@@ -81,10 +81,16 @@ class _Conn:
 
 def _idle(st: _Conn, prev: TcpConn, cur: TcpConn) -> bool:
     """Nothing moved, nothing is pending either way, and its board record is current."""
-    return (st.wait == "none" and st.written_peer == st.peer and cur.queued_bytes == 0
-            and cur.unread_bytes == 0 and cur.bytes_acked == prev.bytes_acked
-            and cur.bytes_received == prev.bytes_received and cur.retrans == prev.retrans
-            and cur.state == prev.state)
+    return (
+        st.wait == "none"
+        and st.written_peer == st.peer
+        and cur.queued_bytes == 0
+        and cur.unread_bytes == 0
+        and cur.bytes_acked == prev.bytes_acked
+        and cur.bytes_received == prev.bytes_received
+        and cur.retrans == prev.retrans
+        and cur.state == prev.state
+    )
 
 
 def _key(c: TcpConn) -> tuple[int, int]:
@@ -116,8 +122,7 @@ def _default_probe() -> TcpProbe:
         # An editable install keeps the built library next to the extension module.
         from ccld_plugin import _native
 
-        return TcpProbe(find_library(
-            next(Path(_native.__file__).parent.glob(LIBRARY_GLOB))))
+        return TcpProbe(find_library(next(Path(_native.__file__).parent.glob(LIBRARY_GLOB))))
 
 
 class ChannelSampler:
@@ -125,9 +130,16 @@ class ChannelSampler:
     docstring. Not thread-safe: the agent thread calls it (and the exit path after the
     thread has stopped)."""
 
-    def __init__(self, board: Any, control: Any, rank: int, world: int,
-                 probe: TcpProbe | None = None, exclude_ports: Iterable[int] = (),
-                 trace_dir: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        board: Any,
+        control: Any,
+        rank: int,
+        world: int,
+        probe: TcpProbe | None = None,
+        exclude_ports: Iterable[int] = (),
+        trace_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.board = board
         self.control = control
         self.rank = rank
@@ -147,8 +159,14 @@ class ChannelSampler:
     def create(cls, board: Any, control: Any, rank: int, world: int) -> ChannelSampler | None:
         """A sampler for the agent, or None (logged once) where the probe cannot run."""
         try:
-            return cls(board, control, rank, world, exclude_ports=store_ports(control),
-                       trace_dir=os.environ.get("CCLD_CHANNEL_TRACE") or None)
+            return cls(
+                board,
+                control,
+                rank,
+                world,
+                exclude_ports=store_ports(control),
+                trace_dir=os.environ.get("CCLD_CHANNEL_TRACE") or None,
+            )
         except Exception as exc:  # noqa: BLE001 - no channel evidence, training goes on
             report_error("channels.init", exc)
             return None
@@ -171,9 +189,11 @@ class ChannelSampler:
             self.costs_ns.append(time.perf_counter_ns() - t0)
 
     def _sample(self) -> ChannelSample:
-        conns = [c for c in self.probe.sample()
-                 if c.local[1] not in self.exclude_ports
-                 and c.remote[1] not in self.exclude_ports]
+        conns = [
+            c
+            for c in self.probe.sample()
+            if c.local[1] not in self.exclude_ports and c.remote[1] not in self.exclude_ports
+        ]
         self._publish_endpoints(conns)
         seen: set[tuple[int, int]] = set()
         fresh: list[TcpConn] = []
@@ -206,12 +226,22 @@ class ChannelSampler:
             self._advance(st, prev, cur)
             if st.peer != _NO_PEER:
                 per_peer.setdefault(st.peer, []).append((st, prev, cur))
-        entries = [e for e in (self._entry(p, rows, n_conns[p]) for p, rows in per_peer.items())
-                   if e is not None]
+        entries = [
+            e
+            for e in (self._entry(p, rows, n_conns[p]) for p, rows in per_peer.items())
+            if e is not None
+        ]
         entries.sort(key=entry_order)
         entries = entries[:MAX_ENTRIES]
-        interval = max((cur.sample_ns - prev.sample_ns) / 1e9 for _, prev, cur in deltas
-                       if prev is not None) if any(p is not None for _, p, _ in deltas) else 0.0
+        interval = (
+            max(
+                (cur.sample_ns - prev.sample_ns) / 1e9
+                for _, prev, cur in deltas
+                if prev is not None
+            )
+            if any(p is not None for _, p, _ in deltas)
+            else 0.0
+        )
         if self._trace is not None:
             self._write_trace(entries, interval)
         mapped = sum(1 for st in self._conns.values() if st.peer != _NO_PEER)
@@ -226,11 +256,13 @@ class ChannelSampler:
                 st.acked_ns = cur.sample_ns
         st.prev, st.written_peer = cur, st.peer
         fields = channel_fields(cur, st.wait, st.peer)
-        self.board.channel_write(st.slot, **fields, first_ns=st.first_ns,
-                                 last_progress_ns=st.progress_ns)
+        self.board.channel_write(
+            st.slot, **fields, first_ns=st.first_ns, last_progress_ns=st.progress_ns
+        )
 
-    def _entry(self, peer: int, rows: list[tuple[_Conn, TcpConn | None, TcpConn]],
-               conns: int) -> PeerChannel | None:
+    def _entry(
+        self, peer: int, rows: list[tuple[_Conn, TcpConn | None, TcpConn]], conns: int
+    ) -> PeerChannel | None:
         """One peer's connections over the interval, as one summary entry."""
         sent = recv = retrans = queued = unread = rtos = 0
         rwnd = sndbuf = busy = stalled = 0.0
@@ -249,8 +281,9 @@ class ChannelSampler:
             unread += cur.unread_bytes
             rtos = max(rtos, cur.consecutive_rtos)
             rwnd = max(rwnd, min(1.0, max(0, cur.rwnd_limited_us - prev.rwnd_limited_us) / dt_us))
-            sndbuf = max(sndbuf, min(1.0, max(0, cur.sndbuf_limited_us - prev.sndbuf_limited_us)
-                                     / dt_us))
+            sndbuf = max(
+                sndbuf, min(1.0, max(0, cur.sndbuf_limited_us - prev.sndbuf_limited_us) / dt_us)
+            )
             busy = max(busy, min(1.0, max(0, cur.busy_us - prev.busy_us) / dt_us))
             if cur.queued_bytes > 0:
                 stalled = max(stalled, (cur.sample_ns - st.acked_ns) / 1e9)
@@ -265,10 +298,23 @@ class ChannelSampler:
             direction, pending = "send", queued
         else:
             direction, pending = "recv", unread
-        return PeerChannel(peer=peer, wait=wait, direction=direction, conns=conns,
-                           rtos=rtos, sent=sent, received=recv, queued=pending, rtt_us=rtt,
-                           min_rtt_us=floor, retrans=retrans, rwnd_share=rwnd,
-                           sndbuf_share=sndbuf, busy_share=busy, stalled_s=stalled)
+        return PeerChannel(
+            peer=peer,
+            wait=wait,
+            direction=direction,
+            conns=conns,
+            rtos=rtos,
+            sent=sent,
+            received=recv,
+            queued=pending,
+            rtt_us=rtt,
+            min_rtt_us=floor,
+            retrans=retrans,
+            rwnd_share=rwnd,
+            sndbuf_share=sndbuf,
+            busy_share=busy,
+            stalled_s=stalled,
+        )
 
     # ------------------------------------------------------------------ peers
     def _publish_endpoints(self, conns: list[TcpConn]) -> None:
@@ -301,17 +347,25 @@ class ChannelSampler:
             # Peers publish within a tick of connecting: retry at the minimum while some
             # unmapped connection is young, back off for ones that never map (not ranks).
             now_ns = time.monotonic_ns()  # first_ns is a sample time: the same clock
-            young = any(now_ns - self._conns[_key(c)].first_ns < REMAP_YOUNG_S * 1e9
-                        for c in unmapped if c not in found)
+            young = any(
+                now_ns - self._conns[_key(c)].first_ns < REMAP_YOUNG_S * 1e9
+                for c in unmapped
+                if c not in found
+            )
             if not young:
                 self._remap_backoff = min(2 * self._remap_backoff, REMAP_MAX_S)
 
     # ------------------------------------------------------------------ misc
     def _write_trace(self, entries: list[PeerChannel], interval: float) -> None:
         assert self._trace is not None
-        line = {"rank": self.rank, "t_ns": time.monotonic_ns(), "interval_s": interval,
-                "conns": len(self._conns), "entries": [e._asdict() for e in entries],
-                "prev_tick_us": self.costs_ns[-1] / 1e3 if self.costs_ns else None}
+        line = {
+            "rank": self.rank,
+            "t_ns": time.monotonic_ns(),
+            "interval_s": interval,
+            "conns": len(self._conns),
+            "entries": [e._asdict() for e in entries],
+            "prev_tick_us": self.costs_ns[-1] / 1e3 if self.costs_ns else None,
+        }
         try:
             self._trace.parent.mkdir(parents=True, exist_ok=True)
             with open(self._trace, "a") as fh:

@@ -54,5 +54,3 @@ def map_peers(
         if rank is not None and rank != _AMBIGUOUS:
             out[c] = rank
     return out
-
-

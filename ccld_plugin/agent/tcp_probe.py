@@ -373,5 +373,3 @@ def sample_connections(library: str | os.PathLike[str] | None = None) -> list[Tc
 def local_endpoints(library: str | os.PathLike[str] | None = None) -> list[Endpoint]:
     """The endpoints this process publishes so that peers can map connections to it."""
     return _probe(None if library is None else str(library)).local_endpoints()
-
-

@@ -53,6 +53,7 @@ GROUP_DTYPE = _dtype("group")
 OP_DTYPE = _dtype("op")
 CHANNEL_DTYPE = _dtype("channel")
 
+
 class BoardError(ValueError):
     """A file that is not a readable board; the message says what is wrong."""
 
@@ -114,10 +115,13 @@ class BoardReader:
         self.max_groups = int(h["max_groups"])
         self.max_channels = int(h["max_channels"])
         self._groups = self._table(int(h["groups_off"]), self.max_groups, GROUP_DTYPE)
-        self._ring = self._buf[int(h["ring_off"]) : int(h["ring_off"])
-                               + self.ring_size * OP_DTYPE.itemsize]
-        self._channels = self._buf[int(h["channels_off"]) : int(h["channels_off"])
-                                   + self.max_channels * CHANNEL_DTYPE.itemsize]
+        self._ring = self._buf[
+            int(h["ring_off"]) : int(h["ring_off"]) + self.ring_size * OP_DTYPE.itemsize
+        ]
+        self._channels = self._buf[
+            int(h["channels_off"]) : int(h["channels_off"])
+            + self.max_channels * CHANNEL_DTYPE.itemsize
+        ]
         pool_off = int(h["rank_pool_off"])
         self._rank_pool = self._buf[pool_off : pool_off + 4 * int(h["rank_pool_size"])].view("<i4")
 
@@ -141,13 +145,19 @@ class BoardReader:
     def header(self) -> BoardHeader:
         h = self._hdr[0]
         return BoardHeader(
-            rank=int(h["rank"]), world=int(h["world"]), pid=int(h["pid"]),
+            rank=int(h["rank"]),
+            world=int(h["world"]),
+            pid=int(h["pid"]),
             host=bytes(h["host"]).decode(errors="replace"),
             job=bytes(h["job"]).decode(errors="replace"),
-            start_wall_ns=int(h["start_wall_ns"]), start_mono_ns=int(h["start_mono_ns"]),
-            heartbeat_ns=int(h["heartbeat_ns"]), step=int(h["step"]),
-            step_start_ns=int(h["step_start_ns"]), ops_written=int(h["ops_written"]),
-            errors=int(h["errors"]), clock_offset_ns=int(h["clock_offset_ns"]),
+            start_wall_ns=int(h["start_wall_ns"]),
+            start_mono_ns=int(h["start_mono_ns"]),
+            heartbeat_ns=int(h["heartbeat_ns"]),
+            step=int(h["step"]),
+            step_start_ns=int(h["step_start_ns"]),
+            ops_written=int(h["ops_written"]),
+            errors=int(h["errors"]),
+            clock_offset_ns=int(h["clock_offset_ns"]),
             closed=bool(h["closed"]),
         )
 

@@ -23,8 +23,14 @@ from ccld_plugin.wire.codes import (
     wait_name,
 )
 
-__all__ = ["GroupOps", "RankStatus", "collective_table", "inspect_boards", "print_collectives",
-           "print_status"]
+__all__ = [
+    "GroupOps",
+    "RankStatus",
+    "collective_table",
+    "inspect_boards",
+    "print_collectives",
+    "print_status",
+]
 
 
 MAX_CHANNELS_SHOWN = 3  # per rank in the table; the JSON output has all
@@ -97,23 +103,40 @@ def rank_status(reader: BoardReader, now_ns: int | None = None) -> RankStatus:
     table = reader.group_table()
     by_id = {g.group_id: g for g in groups}
     status = RankStatus(
-        path=str(reader.path), rank=h.rank, world=h.world, pid=h.pid, host=h.host,
-        process=_process_state(h.pid, h.host, h.closed), step=h.step,
-        heartbeat_age_s=max(0.0, (now - h.heartbeat_ns) / 1e9), ops_recorded=h.ops_written,
-        errors=h.errors)
+        path=str(reader.path),
+        rank=h.rank,
+        world=h.world,
+        pid=h.pid,
+        host=h.host,
+        process=_process_state(h.pid, h.host, h.closed),
+        step=h.step,
+        heartbeat_age_s=max(0.0, (now - h.heartbeat_ns) / 1e9),
+        ops_recorded=h.ops_written,
+        errors=h.errors,
+    )
     for g, rec in zip(groups, table, strict=True):
-        status.groups.append({"role": g.role, "ranks": list(g.ranks),
-                              "group_id": f"{g.group_id:016x}",
-                              "entered_seq": int(rec["entered_seq"]),
-                              "completed_seq": int(rec["completed_seq"])})
+        status.groups.append(
+            {
+                "role": g.role,
+                "ranks": list(g.ranks),
+                "group_id": f"{g.group_id:016x}",
+                "entered_seq": int(rec["entered_seq"]),
+                "completed_seq": int(rec["completed_seq"]),
+            }
+        )
     ops = reader.ops()
     for r in ops[ops["state"] == STATE_IN_FLIGHT]:
         g = by_id.get(int(r["group_id"]))
-        status.in_flight.append(InFlight(
-            op=OP_NAMES.get(int(r["op"]), "unknown"), group_role=g.role if g else "?",
-            group_ranks=list(g.ranks) if g else [], seq=int(r["seq"]),
-            peer=int(r["peer"]) if int(r["flags"]) & FLAG_P2P else None,
-            age_s=max(0.0, (now - int(r["enter_ns"])) / 1e9)))
+        status.in_flight.append(
+            InFlight(
+                op=OP_NAMES.get(int(r["op"]), "unknown"),
+                group_role=g.role if g else "?",
+                group_ranks=list(g.ranks) if g else [],
+                seq=int(r["seq"]),
+                peer=int(r["peer"]) if int(r["flags"]) & FLAG_P2P else None,
+                age_s=max(0.0, (now - int(r["enter_ns"])) / 1e9),
+            )
+        )
     status.waiting_channels = _waiting_channels(reader.channels(), now)
     return status
 
@@ -130,12 +153,19 @@ def _waiting_channels(recs: np.ndarray, now: int) -> list[WaitingChannel]:
         else:
             continue
         peer = int(r["peer"])
-        out.append(WaitingChannel(
-            source=source, channel=int(r["channel_id"]),
-            direction="recv" if int(r["direction"]) else "send",
-            peer=peer if peer >= 0 else None, wait=wait_name(int(r["wait"]), "?"),
-            pending=pending, group_id=f"{int(r['group_id']):016x}", seq=int(r["seq"]),
-            idle_s=max(0.0, (now - int(r["last_progress_ns"])) / 1e9)))
+        out.append(
+            WaitingChannel(
+                source=source,
+                channel=int(r["channel_id"]),
+                direction="recv" if int(r["direction"]) else "send",
+                peer=peer if peer >= 0 else None,
+                wait=wait_name(int(r["wait"]), "?"),
+                pending=pending,
+                group_id=f"{int(r['group_id']):016x}",
+                seq=int(r["seq"]),
+                idle_s=max(0.0, (now - int(r["last_progress_ns"])) / 1e9),
+            )
+        )
     return sorted(out, key=lambda c: -c.idle_s)
 
 
@@ -154,30 +184,55 @@ def inspect_boards(path: str | os.PathLike[str]) -> list[RankStatus]:
 def print_status(statuses: Sequence[RankStatus], console: Console | None = None) -> None:
     console = console or Console()
     table = Table(title="ccld boards", show_lines=False)
-    columns = ["rank", "pid", "process", "step", "heartbeat", "groups (role: entered/done)",
-               "in flight"]
+    columns = [
+        "rank",
+        "pid",
+        "process",
+        "step",
+        "heartbeat",
+        "groups (role: entered/done)",
+        "in flight",
+    ]
     show_channels = any(s.waiting_channels for s in statuses)
     if show_channels:
         columns.append("waiting channels")
     for col in columns:
         table.add_column(col)
     for s in statuses:
-        groups = ", ".join(f"{g['role']}{g['ranks']}: {g['entered_seq']}/{g['completed_seq']}"
-                           for g in s.groups)
-        flight = "; ".join(
-            f"{f.op} on {f.group_role}{f.group_ranks} seq {f.seq}"
-            + (f" peer {f.peer}" if f.peer is not None else "") + f" for {f.age_s:.1f}s"
-            for f in s.in_flight) or "-"
-        row = [str(s.rank), str(s.pid), s.process, str(s.step), f"{s.heartbeat_age_s:.1f}s ago",
-               groups, flight]
+        groups = ", ".join(
+            f"{g['role']}{g['ranks']}: {g['entered_seq']}/{g['completed_seq']}" for g in s.groups
+        )
+        flight = (
+            "; ".join(
+                f"{f.op} on {f.group_role}{f.group_ranks} seq {f.seq}"
+                + (f" peer {f.peer}" if f.peer is not None else "")
+                + f" for {f.age_s:.1f}s"
+                for f in s.in_flight
+            )
+            or "-"
+        )
+        row = [
+            str(s.rank),
+            str(s.pid),
+            s.process,
+            str(s.step),
+            f"{s.heartbeat_age_s:.1f}s ago",
+            groups,
+            flight,
+        ]
         if show_channels:
             shown = s.waiting_channels[:MAX_CHANNELS_SHOWN]
             more = len(s.waiting_channels) - len(shown)
-            row.append("; ".join(
-                f"{c.source} ch{c.channel} {c.direction} "
-                f"{'->' if c.direction == 'send' else '<-'} {c.peer}: {c.pending}, waits "
-                f"{c.wait}, {c.idle_s:.1f}s" for c in shown) + (f"; +{more} more" if more else "")
-                or "-")
+            row.append(
+                "; ".join(
+                    f"{c.source} ch{c.channel} {c.direction} "
+                    f"{'->' if c.direction == 'send' else '<-'} {c.peer}: {c.pending}, waits "
+                    f"{c.wait}, {c.idle_s:.1f}s"
+                    for c in shown
+                )
+                + (f"; +{more} more" if more else "")
+                or "-"
+            )
         table.add_row(*row)
     console.print(table)
 
@@ -219,9 +274,16 @@ def collective_table(path: str | os.PathLike[str]) -> list[GroupOps]:
         if gid not in counts:
             continue
         d = np.concatenate(durations[gid]) if durations[gid] else np.array([])
-        rows.append(GroupOps(role=info.role, ranks=list(info.ranks), group_id=f"{gid:016x}",
-                             op_counts=dict(counts[gid]), bytes=max(nbytes[gid].values()),
-                             mean_duration_ms=float(d.mean()) if d.size else 0.0))
+        rows.append(
+            GroupOps(
+                role=info.role,
+                ranks=list(info.ranks),
+                group_id=f"{gid:016x}",
+                op_counts=dict(counts[gid]),
+                bytes=max(nbytes[gid].values()),
+                mean_duration_ms=float(d.mean()) if d.size else 0.0,
+            )
+        )
     order = {"world": 0, "tp": 1, "cp": 2, "ep": 3, "dp": 4, "pp": 5}
     return sorted(rows, key=lambda r: (order.get(r.role, 9), r.ranks))
 
@@ -233,8 +295,9 @@ def print_collectives(rows: Sequence[GroupOps], console: Console | None = None) 
         table.add_column(col)
     for r in rows:
         ops = ", ".join(f"{k} {v}" for k, v in sorted(r.op_counts.items()))
-        table.add_row(r.role, str(r.ranks), ops, _human_bytes(r.bytes),
-                      f"{r.mean_duration_ms:.2f} ms")
+        table.add_row(
+            r.role, str(r.ranks), ops, _human_bytes(r.bytes), f"{r.mean_duration_ms:.2f} ms"
+        )
     console.print(table)
 
 
@@ -244,4 +307,3 @@ def _human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
-

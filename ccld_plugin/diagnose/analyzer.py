@@ -30,8 +30,12 @@ FIRST_OP_FACTOR = 2.0
 
 
 class Diagnoser:
-    def __init__(self, cfg: DiagnoserConfig, interval_s: float,
-                 channel_evidence: ChannelEvidence | None = None) -> None:
+    def __init__(
+        self,
+        cfg: DiagnoserConfig,
+        interval_s: float,
+        channel_evidence: ChannelEvidence | None = None,
+    ) -> None:
         self.cfg = cfg
         self.min_wait_s = 2 * interval_s
         self.channel_evidence = channel_evidence
@@ -53,8 +57,7 @@ class Diagnoser:
     def round(self, view: JobView) -> list[Verdict]:
         # Rounds run about twice per agent tick: a summary read again holds nothing new,
         # and its durations, steps and samples must be taken in once.
-        fresh = [s for rank, s in view.summaries.items()
-                 if self._seen_ns.get(rank, -1) < s.time_ns]
+        fresh = [s for rank, s in view.summaries.items() if self._seen_ns.get(rank, -1) < s.time_ns]
         for s in fresh:
             self._seen_ns[s.rank] = s.time_ns
             for gp in s.groups:
@@ -65,10 +68,15 @@ class Diagnoser:
         mismatches = find_mismatches(view)
         explained = {r for v in unresponsive for r in v.ranks}
         explained_groups = {v.group["group_id"] for v in mismatches if v.group}
-        hangs = [v for v in find_hangs(view, self.threshold_s, self.min_wait_s,
-                                       self.channel_evidence)
-                 if v.group is None or (v.group["group_id"] not in explained_groups
-                                        and not explained & set(v.group["ranks"]))]
+        hangs = [
+            v
+            for v in find_hangs(view, self.threshold_s, self.min_wait_s, self.channel_evidence)
+            if v.group is None
+            or (
+                v.group["group_id"] not in explained_groups
+                and not explained & set(v.group["ranks"])
+            )
+        ]
         if mismatches or self.reported(Kind.MISMATCH):
             hangs = self._fold_into_mismatch(hangs, mismatches)
         self.slow.ingest(view, fresh)
@@ -86,8 +94,14 @@ class Diagnoser:
         groups stall behind it. Communication hangs that no channel evidence located (all
         members named) are its effects: listed under a fresh mismatch, not reported on
         their own. Located hangs and compute hangs stand."""
-        effects = [v for v in hangs if v.cause == Cause.COMMUNICATION and v.link is None
-                   and v.group is not None and sorted(v.ranks) == sorted(v.group["ranks"])]
+        effects = [
+            v
+            for v in hangs
+            if v.cause == Cause.COMMUNICATION
+            and v.link is None
+            and v.group is not None
+            and sorted(v.ranks) == sorted(v.group["ranks"])
+        ]
         for m in mismatches[:1]:
             m.evidence += [f"stalled behind it: {v.evidence[0]}" for v in effects[:4]]
             if len(effects) > 4:

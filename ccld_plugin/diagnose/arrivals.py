@@ -27,8 +27,17 @@ PENDING_TTL_NS = 60_000_000_000  # a sample whose group never completes is dropp
 
 # One sample, placed: its group (index into ArrivalJoin.groups), seq, the member, its
 # times on the diagnoser's clock, and when the diagnoser first saw it.
-_ROW = np.dtype([("group", "<i8"), ("seq", "<i8"), ("rank", "<i8"), ("enter_ns", "<i8"),
-                 ("exit_ns", "<i8"), ("bytes", "<i8"), ("seen_ns", "<i8")])
+_ROW = np.dtype(
+    [
+        ("group", "<i8"),
+        ("seq", "<i8"),
+        ("rank", "<i8"),
+        ("enter_ns", "<i8"),
+        ("exit_ns", "<i8"),
+        ("bytes", "<i8"),
+        ("seen_ns", "<i8"),
+    ]
+)
 
 
 @dataclass(slots=True)
@@ -48,8 +57,9 @@ class Joined:
     def waits_ns(self) -> dict[int, int]:
         """Per member: how long it waited for the last arriver (built when asked: only
         verdicts and metrics read it)."""
-        return dict(zip(self.members.tolist(), (self.time_ns - self.enters_ns).tolist(),
-                        strict=True))
+        return dict(
+            zip(self.members.tolist(), (self.time_ns - self.enters_ns).tolist(), strict=True)
+        )
 
 
 class ArrivalJoin:
@@ -78,8 +88,10 @@ class ArrivalJoin:
         source = (view.tables.get(rank), view.topology)
         known = self._tables.get(rank)
         if known is None or known[0][0] is not source[0] or known[0][1] is not source[1]:
-            known = self._tables[rank] = (source, [self._group_index(g)
-                                                   for g in view.groups_at(rank)])
+            known = self._tables[rank] = (
+                source,
+                [self._group_index(g) for g in view.groups_at(rank)],
+            )
         return known[1]
 
     def add(self, view: JobView, fresh: list[RankSummary]) -> list[Joined]:
@@ -94,9 +106,11 @@ class ArrivalJoin:
         # By collective (group, seq), then member; a member's duplicate keeps its first.
         rows = rows[np.lexsort((rows["enter_ns"], rows["rank"], rows["seq"], rows["group"]))]
         if len(rows) > 1:
-            same = ((rows["group"][1:] == rows["group"][:-1])
-                    & (rows["seq"][1:] == rows["seq"][:-1])
-                    & (rows["rank"][1:] == rows["rank"][:-1]))
+            same = (
+                (rows["group"][1:] == rows["group"][:-1])
+                & (rows["seq"][1:] == rows["seq"][:-1])
+                & (rows["rank"][1:] == rows["rank"][:-1])
+            )
             rows = rows[np.concatenate([[True], ~same])]
         new = np.ones(len(rows), bool)
         new[1:] = (rows["group"][1:] != rows["group"][:-1]) | (rows["seq"][1:] != rows["seq"][:-1])
@@ -119,16 +133,16 @@ class ArrivalJoin:
             groups = self._slot_groups(view, s.rank)
             completed = {gp.slot: gp.completed_seq for gp in s.groups}
             raws.append(raw)
-            owners.append((s.rank, s.time_ns, len(raw) // SAMPLE_DTYPE.itemsize,
-                           len(groups), base))
+            owners.append((s.rank, s.time_ns, len(raw) // SAMPLE_DTYPE.itemsize, len(groups), base))
             slot_group += groups
             slot_seq += [completed.get(i, 0) for i in range(len(groups))]
             base += len(groups)
         if not raws:
             return np.zeros(0, _ROW)
         samples = np.frombuffer(b"".join(raws), SAMPLE_DTYPE)
-        rank, time_ns, n, n_slots, first_slot = (np.array(c, np.int64) for c in zip(*owners,
-                                                                                   strict=True))
+        rank, time_ns, n, n_slots, first_slot = (
+            np.array(c, np.int64) for c in zip(*owners, strict=True)
+        )
         owner = np.repeat(np.arange(len(owners)), n)
         slot = samples["slot"].astype(np.int64)
         known = slot < n_slots[owner]
@@ -144,8 +158,7 @@ class ArrivalJoin:
         rows["seen_ns"] = view.now_ns
         return rows
 
-    def _join(self, rows: np.ndarray, complete: np.ndarray, counts: np.ndarray
-              ) -> list[Joined]:
+    def _join(self, rows: np.ndarray, complete: np.ndarray, counts: np.ndarray) -> list[Joined]:
         """The complete collectives (``complete`` per segment of ``rows``), oldest first."""
         if not complete.any():
             return []
@@ -160,10 +173,19 @@ class ArrivalJoin:
         transfer = np.maximum(0, np.minimum.reduceat(rows["exit_ns"], starts) - t_last)
         nbytes = np.maximum.reduceat(rows["bytes"], starts)
         ranks = rows["rank"]
-        out = [Joined(self.groups[g], q, t, r, x, b, ranks[i:i + n], enters[i:i + n])
-               for g, q, t, r, x, b, i, n in zip(
-                   rows["group"][starts].tolist(), rows["seq"][starts].tolist(),
-                   t_last.tolist(), last.tolist(), transfer.tolist(), nbytes.tolist(),
-                   starts.tolist(), counts.tolist(), strict=True)]
+        out = [
+            Joined(self.groups[g], q, t, r, x, b, ranks[i : i + n], enters[i : i + n])
+            for g, q, t, r, x, b, i, n in zip(
+                rows["group"][starts].tolist(),
+                rows["seq"][starts].tolist(),
+                t_last.tolist(),
+                last.tolist(),
+                transfer.tolist(),
+                nbytes.tolist(),
+                starts.tolist(),
+                counts.tolist(),
+                strict=True,
+            )
+        ]
         out.sort(key=lambda j: j.time_ns)
         return out

@@ -24,8 +24,17 @@ from ccld_plugin.wire.topology import GroupInfo
 __all__ = ["find_hangs", "find_mismatches", "find_unresponsive", "wait_for_graph"]
 
 # Ops whose sizes may legitimately differ across members (uneven splits, root-only lists).
-_SIZE_MAY_DIFFER = {"all_to_all", "all_to_all_single", "gather", "scatter", "all_gather",
-                    "reduce_scatter", "coalesced", "barrier", "monitored_barrier"}
+_SIZE_MAY_DIFFER = {
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "all_gather",
+    "reduce_scatter",
+    "coalesced",
+    "barrier",
+    "monitored_barrier",
+}
 
 ChannelEvidence = Callable[[JobView, GroupInfo, list[int]], chan.Located | None]
 
@@ -39,9 +48,14 @@ def waits_for(view: JobView, b: Blocked, blocked: dict[int, Blocked]) -> list[in
     if b.p2p:
         peer = b.op.peer
         other = blocked.get(peer)
-        if other is not None and other.p2p and other.op.peer == b.rank and \
-                other.group.group_id == b.group.group_id and other.sends != b.sends and \
-                other.op.seq == b.op.seq:
+        if (
+            other is not None
+            and other.p2p
+            and other.op.peer == b.rank
+            and other.group.group_id == b.group.group_id
+            and other.sends != b.sends
+            and other.op.seq == b.op.seq
+        ):
             return []  # both ends are in the matching transfer
         return [peer] if peer >= 0 else []
     missing = []
@@ -70,7 +84,7 @@ def _walk(graph: dict[int, list[int]], start: int) -> tuple[set[int], list[int] 
         nonlocal cycle
         if r in on_path:
             if cycle is None:
-                cycle = path[path.index(r):]
+                cycle = path[path.index(r) :]
             return
         if r in seen:
             return
@@ -90,8 +104,12 @@ def _walk(graph: dict[int, list[int]], start: int) -> tuple[set[int], list[int] 
     return roots, cycle
 
 
-def find_hangs(view: JobView, threshold_s: Callable[[int], float], min_wait_s: float,
-               channel_evidence: ChannelEvidence | None = None) -> list[Verdict]:
+def find_hangs(
+    view: JobView,
+    threshold_s: Callable[[int], float],
+    min_wait_s: float,
+    channel_evidence: ChannelEvidence | None = None,
+) -> list[Verdict]:
     """Hang verdicts for ops in flight longer than their group's threshold."""
     blocked = {r: b for r, b in view.blocked().items() if b.age_s >= min_wait_s}
     # A rank cut off from the network: its last summary predates the cut and says nothing
@@ -99,8 +117,11 @@ def find_hangs(view: JobView, threshold_s: Callable[[int], float], min_wait_s: f
     # of the graph, it is a root, reported as a communication hang by _root_hang.
     for r in chan.cut_off_ranks(view):
         blocked.pop(r, None)
-    stuck = [b for b in blocked.values()
-             if b.age_s >= threshold_s(b.group.group_id) and view.idle_s(b.rank) >= min_wait_s]
+    stuck = [
+        b
+        for b in blocked.values()
+        if b.age_s >= threshold_s(b.group.group_id) and view.idle_s(b.rank) >= min_wait_s
+    ]
     if not stuck:
         return []
     graph = wait_for_graph(view, blocked)
@@ -113,8 +134,11 @@ def find_hangs(view: JobView, threshold_s: Callable[[int], float], min_wait_s: f
             cycles.append(cycle)
     # A root must itself have stopped making progress; one that is merely slow to arrive
     # but still progressing is a straggler, not a hang.
-    roots = {r for r in roots if r in view.summaries and r not in view.gone
-             and view.idle_s(r) >= min_wait_s}
+    roots = {
+        r
+        for r in roots
+        if r in view.summaries and r not in view.gone and view.idle_s(r) >= min_wait_s
+    }
     verdicts = [_root_hang(view, r, blocked, graph) for r in sorted(roots)]
     if not verdicts:
         verdicts += [_deadlock(view, c, blocked) for c in cycles]
@@ -123,17 +147,24 @@ def find_hangs(view: JobView, threshold_s: Callable[[int], float], min_wait_s: f
     return verdicts
 
 
-def _compute_hang(view: JobView, root: int, blocked: dict[int, Blocked],
-                  graph: dict[int, list[int]]) -> Verdict:
+def _compute_hang(
+    view: JobView, root: int, blocked: dict[int, Blocked], graph: dict[int, list[int]]
+) -> Verdict:
     waiting = [blocked[r] for r, targets in graph.items() if root in targets]
     by_group: dict[int, list[Blocked]] = {}
     for b in waiting:
         by_group.setdefault(b.group.group_id, []).append(b)
     # The group where the hang shows: most members waiting on the root; collectives before
     # P2P; then the larger group; then the longer wait.
-    gid = max(by_group, key=lambda g: (len(by_group[g]), not by_group[g][0].p2p,
-                                       by_group[g][0].group.size,
-                                       max(b.age_s for b in by_group[g])))
+    gid = max(
+        by_group,
+        key=lambda g: (
+            len(by_group[g]),
+            not by_group[g][0].p2p,
+            by_group[g][0].group.size,
+            max(b.age_s for b in by_group[g]),
+        ),
+    )
     first = max(by_group[gid], key=lambda b: b.age_s)
     g = first.group
     s = view.summaries[root]
@@ -146,17 +177,27 @@ def _compute_hang(view: JobView, root: int, blocked: dict[int, Blocked],
     ]
     others = sorted(r for r in blocked if r not in {b.rank for b in by_group[gid]})
     if others:
-        chains = [f"{r}->{'/'.join(map(str, graph[r]))} ({blocked[r].group.role})"
-                  for r in others]
+        chains = [f"{r}->{'/'.join(map(str, graph[r]))} ({blocked[r].group.role})" for r in others]
         evidence.append("blocked elsewhere, traced back to the root: " + ", ".join(chains))
-    return Verdict(kind=Kind.HANG, cause=Cause.COMPUTE, ranks=[root], group=g.to_dict(),
-                   op=first.op_name, trace_id=first.trace_id, step=s.step,
-                   onset_s=view.seconds(s.last_progress_ns), detected_s=view.seconds(view.now_ns),
-                   severity=round(idle, 1), evidence=evidence, stack=s.stack or None)
+    return Verdict(
+        kind=Kind.HANG,
+        cause=Cause.COMPUTE,
+        ranks=[root],
+        group=g.to_dict(),
+        op=first.op_name,
+        trace_id=first.trace_id,
+        step=s.step,
+        onset_s=view.seconds(s.last_progress_ns),
+        detected_s=view.seconds(view.now_ns),
+        severity=round(idle, 1),
+        evidence=evidence,
+        stack=s.stack or None,
+    )
 
 
-def _root_hang(view: JobView, root: int, blocked: dict[int, Blocked],
-               graph: dict[int, list[int]]) -> Verdict:
+def _root_hang(
+    view: JobView, root: int, blocked: dict[int, Blocked], graph: dict[int, list[int]]
+) -> Verdict:
     """A root's hang, with what its peers' connections to it show (channel evidence).
 
     A root that went silent while its peers' connections to it stall unacknowledged is
@@ -173,9 +214,12 @@ def _root_hang(view: JobView, root: int, blocked: dict[int, Blocked],
     stuck = [blocked[r] for r in waiters]
     age = max(b.age_s for b in stuck)
     v.cause, v.link, v.stack = Cause.COMMUNICATION, cut.link, None
-    v.evidence = [f"ranks {waiters} wait for rank {root} in {v.op} on "
-                  f"{v.group['role']}{v.group['ranks']} ({age:.1f} s); its last summary "
-                  f"predates the stall", *cut.lines]
+    v.evidence = [
+        f"ranks {waiters} wait for rank {root} in {v.op} on "
+        f"{v.group['role']}{v.group['ranks']} ({age:.1f} s); its last summary "
+        f"predates the stall",
+        *cut.lines,
+    ]
     v.onset_s = view.seconds(min(b.op.enter_ns for b in stuck))
     v.step = max(view.summaries[r].step for r in waiters)  # the root's own is stale
     v.severity = round(age, 1)
@@ -185,20 +229,35 @@ def _root_hang(view: JobView, root: int, blocked: dict[int, Blocked],
 def _deadlock(view: JobView, cycle: list[int], blocked: dict[int, Blocked]) -> Verdict:
     ops = [blocked[r] for r in cycle]
     first = ops[0]
-    evidence = [f"rank {b.rank} waits in {b.op_name} seq {b.op.seq} on {_fmt_group(b.group)}"
-                + (f" for peer {b.op.peer}" if b.p2p else "") + f" ({b.age_s:.1f} s)"
-                for b in ops]
+    evidence = [
+        f"rank {b.rank} waits in {b.op_name} seq {b.op.seq} on {_fmt_group(b.group)}"
+        + (f" for peer {b.op.peer}" if b.p2p else "")
+        + f" ({b.age_s:.1f} s)"
+        for b in ops
+    ]
     evidence.append("the waits form a cycle: " + " -> ".join(map(str, [*cycle, cycle[0]])))
     onset = min(b.op.enter_ns for b in ops)
-    return Verdict(kind=Kind.DEADLOCK, cause=Cause.SOFTWARE, ranks=sorted(cycle),
-                   group=first.group.to_dict(), op=first.op_name, trace_id=first.trace_id,
-                   step=view.summaries[first.rank].step, onset_s=view.seconds(onset),
-                   detected_s=view.seconds(view.now_ns),
-                   severity=round(max(b.age_s for b in ops), 1), evidence=evidence)
+    return Verdict(
+        kind=Kind.DEADLOCK,
+        cause=Cause.SOFTWARE,
+        ranks=sorted(cycle),
+        group=first.group.to_dict(),
+        op=first.op_name,
+        trace_id=first.trace_id,
+        step=view.summaries[first.rank].step,
+        onset_s=view.seconds(onset),
+        detected_s=view.seconds(view.now_ns),
+        severity=round(max(b.age_s for b in ops), 1),
+        evidence=evidence,
+    )
 
 
-def _comm_hangs(view: JobView, stuck: list[Blocked], graph: dict[int, list[int]],
-                channel_evidence: ChannelEvidence | None) -> list[Verdict]:
+def _comm_hangs(
+    view: JobView,
+    stuck: list[Blocked],
+    graph: dict[int, list[int]],
+    channel_evidence: ChannelEvidence | None,
+) -> list[Verdict]:
     """Everyone arrived, yet the op does not finish: data does not flow."""
     verdicts, seen, located = [], set(), []
     for b in sorted(stuck, key=lambda b: -b.age_s):
@@ -207,8 +266,10 @@ def _comm_hangs(view: JobView, stuck: list[Blocked], graph: dict[int, list[int]]
         seen.add(b.group.group_id)
         members = [b.op.peer, b.rank] if b.p2p else list(b.group.ranks)
         ranks, link, cause = sorted(members), None, Cause.COMMUNICATION
-        evidence = [f"all of {_fmt_group(b.group)} entered {b.op_name} seq {b.op.seq}; it has "
-                    f"not completed for {b.age_s:.1f} s"]
+        evidence = [
+            f"all of {_fmt_group(b.group)} entered {b.op_name} seq {b.op.seq}; it has "
+            f"not completed for {b.age_s:.1f} s"
+        ]
         found = channel_evidence(view, b.group, members) if channel_evidence else None
         if found is not None:
             ranks, link, cause = found.ranks, found.link, found.cause
@@ -217,12 +278,21 @@ def _comm_hangs(view: JobView, stuck: list[Blocked], graph: dict[int, list[int]]
             evidence.append("no channel data to name the link: every member is a suspect")
         culprit = view.summaries.get(ranks[0]) if len(ranks) == 1 else None
         v = Verdict(
-            kind=Kind.HANG, cause=cause, ranks=ranks, group=b.group.to_dict(),
-            link=link, op=b.op_name, trace_id=b.trace_id, step=view.summaries[b.rank].step,
-            onset_s=view.seconds(b.op.enter_ns), detected_s=view.seconds(view.now_ns),
-            severity=round(b.age_s, 1), evidence=evidence,
+            kind=Kind.HANG,
+            cause=cause,
+            ranks=ranks,
+            group=b.group.to_dict(),
+            link=link,
+            op=b.op_name,
+            trace_id=b.trace_id,
+            step=view.summaries[b.rank].step,
+            onset_s=view.seconds(b.op.enter_ns),
+            detected_s=view.seconds(view.now_ns),
+            severity=round(b.age_s, 1),
+            evidence=evidence,
             # where a compute-bound culprit's host thread is (e.g. what it launched last)
-            stack=(culprit.stack or None) if culprit and cause == Cause.COMPUTE else None)
+            stack=(culprit.stack or None) if culprit and cause == Cause.COMPUTE else None,
+        )
         verdicts.append(v)
         if found is not None:
             located.append(v)
@@ -248,8 +318,11 @@ def find_mismatches(view: JobView) -> list[Verdict]:
         for op, g in view.ops_of(rank):
             if op.flags & FLAG_P2P:
                 continue
-            seen.setdefault((g.group_id, op.seq), {})[rank] = (OP_NAMES.get(op.op, "?"),
-                                                               op.bytes, op.enter_ns)
+            seen.setdefault((g.group_id, op.seq), {})[rank] = (
+                OP_NAMES.get(op.op, "?"),
+                op.bytes,
+                op.enter_ns,
+            )
             groups[g.group_id] = g
     verdicts = []
     unanimous: dict[tuple[str, int], Counter[str]] | None = None  # built at the first tie
@@ -265,8 +338,10 @@ def find_mismatches(view: JobView) -> list[Verdict]:
         top, top_n = counts.most_common(1)[0]
         tie = list(counts.values()).count(top_n) > 1
         g = groups[gid]
-        evidence = [f"rank {r} entered {n} ({b} B) as seq {seq} of {_fmt_group(g)}"
-                    for r, (n, b, _) in sorted(entries.items())]
+        evidence = [
+            f"rank {r} entered {n} ({b} B) as seq {seq} of {_fmt_group(g)}"
+            for r, (n, b, _) in sorted(entries.items())
+        ]
         if tie:
             # No majority inside the group (two members): what the sibling groups of the
             # same role ran as this seq decides, when they agree on one of the members' ops.
@@ -276,22 +351,32 @@ def find_mismatches(view: JobView) -> list[Verdict]:
             agreed = [n for n, _ in sibling.most_common(1) if n in names]
             if agreed:
                 top, tie = next(v for v in sig.values() if v[0] == agreed[0]), False
-                evidence.append(f"{sum(sibling.values())} sibling {g.role} groups ran "
-                                f"{agreed[0]} as seq {seq}")
+                evidence.append(
+                    f"{sum(sibling.values())} sibling {g.role} groups ran {agreed[0]} as seq {seq}"
+                )
         culprits = sorted(r for r, v in sig.items() if tie or v != top)
         if tie:
             evidence.append("no majority among the members: all are named")
-        verdicts.append(Verdict(
-            kind=Kind.MISMATCH, cause=Cause.SOFTWARE, ranks=culprits, group=g.to_dict(),
-            op=entries[culprits[0]][0], trace_id=f"{gid:016x}:{seq}",
-            step=view.summaries[culprits[0]].step,
-            onset_s=view.seconds(min(e for _, _, e in entries.values())),
-            detected_s=view.seconds(view.now_ns), evidence=evidence))
+        verdicts.append(
+            Verdict(
+                kind=Kind.MISMATCH,
+                cause=Cause.SOFTWARE,
+                ranks=culprits,
+                group=g.to_dict(),
+                op=entries[culprits[0]][0],
+                trace_id=f"{gid:016x}:{seq}",
+                step=view.summaries[culprits[0]].step,
+                onset_s=view.seconds(min(e for _, _, e in entries.values())),
+                detected_s=view.seconds(view.now_ns),
+                evidence=evidence,
+            )
+        )
     return verdicts
 
 
-def _unanimous_ops(seen: dict[tuple[int, int], dict[int, tuple[str, int, int]]],
-                   groups: dict[int, GroupInfo]) -> dict[tuple[str, int], Counter[str]]:
+def _unanimous_ops(
+    seen: dict[tuple[int, int], dict[int, tuple[str, int, int]]], groups: dict[int, GroupInfo]
+) -> dict[tuple[str, int], Counter[str]]:
     """Per (role, seq): how many groups of that role ran each op as that seq, counting
     the groups whose members all ran the same one."""
     out: dict[tuple[str, int], Counter[str]] = defaultdict(Counter)
@@ -315,14 +400,28 @@ def find_unresponsive(view: JobView, unresponsive_s: float) -> list[Verdict]:
             continue
         if not gone and chan.cut_off_rank(view, rank, view.summaries) is not None:
             continue  # alive but cut off: a communication hang (find_hangs), not a wedge
-        last = [f"{OP_NAMES.get(op.op, '?')} seq {op.seq} on {_fmt_group(g)}"
-                for op, g in view.ops_of(rank)]
-        evidence = [f"process {s.pid} on {s.host} no longer exists" if gone else
-                    f"agent heartbeat stopped {age:.1f} s ago (process wedged?)",
-                    f"last step {s.step}; last op entered: {last[0] if last else 'none'}"]
+        last = [
+            f"{OP_NAMES.get(op.op, '?')} seq {op.seq} on {_fmt_group(g)}"
+            for op, g in view.ops_of(rank)
+        ]
+        evidence = [
+            f"process {s.pid} on {s.host} no longer exists"
+            if gone
+            else f"agent heartbeat stopped {age:.1f} s ago (process wedged?)",
+            f"last step {s.step}; last op entered: {last[0] if last else 'none'}",
+        ]
         group = view.ops_of(rank)[0][1].to_dict() if last else None
-        verdicts.append(Verdict(
-            kind=Kind.UNRESPONSIVE, cause=Cause.UNKNOWN, ranks=[rank], group=group,
-            step=s.step, onset_s=view.seconds(s.heartbeat_ns),
-            detected_s=view.seconds(view.now_ns), severity=round(age, 1), evidence=evidence))
+        verdicts.append(
+            Verdict(
+                kind=Kind.UNRESPONSIVE,
+                cause=Cause.UNKNOWN,
+                ranks=[rank],
+                group=group,
+                step=s.step,
+                onset_s=view.seconds(s.heartbeat_ns),
+                detected_s=view.seconds(view.now_ns),
+                severity=round(age, 1),
+                evidence=evidence,
+            )
+        )
     return verdicts

@@ -57,16 +57,24 @@ def nccl_stalls(view: JobView, members: Iterable[int]) -> dict[int, list[PeerCha
         rep = report_of(view, rank)
         if rep is None or is_silent(view, rank, rep.interval_s):
             continue  # a silent rank's last report predates the stall
-        es = [e for e in rep.entries if e.source == "nccl" and e.peer in ms
-              and e.wait != "none" and e.queued > 0 and e.stalled_s >= STALL_S]
+        es = [
+            e
+            for e in rep.entries
+            if e.source == "nccl"
+            and e.peer in ms
+            and e.wait != "none"
+            and e.queued > 0
+            and e.stalled_s >= STALL_S
+        ]
         if es:
             out[rank] = es
     return out
 
 
 def _sends_on_network(stalls: dict[int, list[PeerChannel]], src: int, dst: int) -> bool:
-    return any(e.direction == "send" and e.wait == "network" and e.peer == dst
-               for e in stalls.get(src, ()))
+    return any(
+        e.direction == "send" and e.wait == "network" and e.peer == dst for e in stalls.get(src, ())
+    )
 
 
 def _edges(stalls: dict[int, list[PeerChannel]]) -> dict[Node, set[Node]]:
@@ -75,8 +83,9 @@ def _edges(stalls: dict[int, list[PeerChannel]]) -> dict[Node, set[Node]]:
         for e in es:
             if e.wait == "peer":
                 edges[(r,)].add((e.peer,))
-            elif e.wait == "network" and (e.direction == "send"
-                                          or _sends_on_network(stalls, e.peer, r)):
+            elif e.wait == "network" and (
+                e.direction == "send" or _sends_on_network(stalls, e.peer, r)
+            ):
                 edges[(r,)].add(_link(r, e.peer))
             elif e.wait == "network":
                 edges[(r,)].add((e.peer,))
@@ -92,7 +101,7 @@ def _ends(edges: dict[Node, set[Node]], start: Node) -> set[Node]:
 
     def visit(n: Node) -> None:
         if n in path:
-            cycle = path[path.index(n):]
+            cycle = path[path.index(n) :]
             ranks = sorted(x[0] for x in cycle)
             ends.add(_link(*ranks) if len(ranks) == 2 else tuple(ranks))
             return
@@ -121,9 +130,11 @@ def _wait_line(rank: int, e: PeerChannel) -> str:
         ("network", "recv"): f"waits for data from rank {e.peer} on the network",
     }[(e.wait, e.direction)]
     toward = "to" if e.direction == "send" else "from"
-    return (f"rank {rank} {e.direction} {toward} {e.peer} ({e.conns} channel"
-            f"{'s' if e.conns != 1 else ''}, {fmt_bytes(e.queued)} pending): {what}; "
-            f"no progress for {e.stalled_s:.1f} s")
+    return (
+        f"rank {rank} {e.direction} {toward} {e.peer} ({e.conns} channel"
+        f"{'s' if e.conns != 1 else ''}, {fmt_bytes(e.queued)} pending): {what}; "
+        f"no progress for {e.stalled_s:.1f} s"
+    )
 
 
 def nccl_evidence(view: JobView, group: GroupInfo, members: list[int]) -> Located | None:
@@ -143,45 +154,108 @@ def nccl_evidence(view: JobView, group: GroupInfo, members: list[int]) -> Locate
         (root,) = culprits[0]
         own = stalls.get(root, [])
         mine = [_wait_line(root, e) for e in own[:2]]
-        into = [(r, e) for r, es in stalls.items() for e in es
-                if r != root and e.peer == root and (e.wait, e.direction) != ("local", "send")]
+        into = [
+            (r, e)
+            for r, es in stalls.items()
+            for e in es
+            if r != root and e.peer == root and (e.wait, e.direction) != ("local", "send")
+        ]
         theirs = [_wait_line(r, e) for r, e in into[:2]]
-        count = (f"{len(waiters)} of {len(members)} ranks of {group.role}{list(group.ranks)} "
-                 f"wait on rank {root}, directly or through other ranks")
+        count = (
+            f"{len(waiters)} of {len(members)} ranks of {group.role}{list(group.ranks)} "
+            f"wait on rank {root}, directly or through other ranks"
+        )
         rep = report_of(view, root)
         if rep is None or is_silent(view, root, rep.interval_s):
-            return Located([root], None, [*theirs, count, (
-                f"rank {root} sends no summaries: what its own channels wait on is not "
-                f"known")], Cause.UNKNOWN)
+            return Located(
+                [root],
+                None,
+                [
+                    *theirs,
+                    count,
+                    (f"rank {root} sends no summaries: what its own channels wait on is not known"),
+                ],
+                Cause.UNKNOWN,
+            )
         credit = sorted({r for r, e in into if e.wait == "peer"})
         if any(e.wait == "local" and e.direction == "recv" for e in own):
-            return Located([root], None, [*mine, *theirs, count, (
-                f"data reached rank {root} and its GPU does not take it: the GPU is busy or "
-                f"stuck outside this collective (compute-bound)")], Cause.COMPUTE)
+            return Located(
+                [root],
+                None,
+                [
+                    *mine,
+                    *theirs,
+                    count,
+                    (
+                        f"data reached rank {root} and its GPU does not take it: the GPU is "
+                        "busy or stuck outside this collective (compute-bound)"
+                    ),
+                ],
+                Cause.COMPUTE,
+            )
         if credit:
-            return Located([root], None, [*theirs, *mine, count, (
-                f"rank {root} grants no credit to ranks {credit} and none of its receives "
-                f"waits (it posts none): its receive side (NCCL proxy or transport) is "
-                f"stuck, while its GPU only waits for input")])
+            return Located(
+                [root],
+                None,
+                [
+                    *theirs,
+                    *mine,
+                    count,
+                    (
+                        f"rank {root} grants no credit to ranks {credit} and none of its receives "
+                        f"waits (it posts none): its receive side (NCCL proxy or transport) is "
+                        f"stuck, while its GPU only waits for input"
+                    ),
+                ],
+            )
         if any(e.wait == "local" for e in own):
-            return Located([root], None, [*mine, *theirs, count, (
-                f"rank {root}'s GPU does not produce the data its peers wait for, and "
-                f"nothing is owed to it: the GPU is busy or stuck outside this collective "
-                f"(compute-bound)")], Cause.COMPUTE)
-        return Located([root], None, [*theirs, count, (
-            f"rank {root} shows no pending transfer step of this collective: its NCCL "
-            f"work for it has not started")], Cause.UNKNOWN)
+            return Located(
+                [root],
+                None,
+                [
+                    *mine,
+                    *theirs,
+                    count,
+                    (
+                        f"rank {root}'s GPU does not produce the data its peers wait for, and "
+                        f"nothing is owed to it: the GPU is busy or stuck outside this collective "
+                        f"(compute-bound)"
+                    ),
+                ],
+                Cause.COMPUTE,
+            )
+        return Located(
+            [root],
+            None,
+            [
+                *theirs,
+                count,
+                (
+                    f"rank {root} shows no pending transfer step of this collective: its NCCL "
+                    f"work for it has not started"
+                ),
+            ],
+            Cause.UNKNOWN,
+        )
     if len(culprits) == 1 and len(culprits[0]) == 2:
         a, b = culprits[0]
-        pair = [(r, e) for r in (a, b) for e in stalls.get(r, []) if e.peer in (a, b)
-                and e.wait in ("network", "peer")]
+        pair = [
+            (r, e)
+            for r in (a, b)
+            for e in stalls.get(r, [])
+            if e.peer in (a, b) and e.wait in ("network", "peer")
+        ]
         lines = [_wait_line(r, e) for r, e in pair[:3]]
         if any(e.wait == "network" and e.direction == "send" for _, e in pair):
-            lines.append(f"steps handed to the network between ranks {a} and {b} do not "
-                         f"complete: the link is down or lossy")
+            lines.append(
+                f"steps handed to the network between ranks {a} and {b} do not "
+                f"complete: the link is down or lossy"
+            )
         else:
-            lines.append(f"ranks {a} and {b} wait for each other (credit one way, data the "
-                         f"other): the messages between them are lost on their link")
+            lines.append(
+                f"ranks {a} and {b} wait for each other (credit one way, data the "
+                f"other): the messages between them are lost on their link"
+            )
         lines.append(f"{len(waiters)} of {len(members)} ranks wait on this link")
         return Located([a, b], [a, b], lines)
     ranks = sorted({r for n in culprits for r in n})

@@ -43,8 +43,12 @@ class Verdict:
 
     def key(self) -> tuple:
         """What makes two verdicts the same finding (for de-duplication)."""
-        return (self.kind, self.cause, tuple(self.ranks),
-                self.group["group_id"] if self.group else None)
+        return (
+            self.kind,
+            self.cause,
+            tuple(self.ranks),
+            self.group["group_id"] if self.group else None,
+        )
 
     def to_dict(self) -> dict:
         d = asdict(self)

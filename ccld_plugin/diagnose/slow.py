@@ -110,14 +110,26 @@ class SlowDetector:
         while self.joined and self.joined[0].time_ns < t0:  # windows go forward only
             self.joined.popleft()
         joined = [j for j in self.joined if j.time_ns <= t1]
-        log.debug("ccld window %d-%d: compute us %s, %d joined samples", lo, hi - 1,
-                  {r: round(x) for r, x in sorted(compute.items())}, len(joined))
+        log.debug(
+            "ccld window %d-%d: compute us %s, %d joined samples",
+            lo,
+            hi - 1,
+            {r: round(x) for r, x in sorted(compute.items())},
+            len(joined),
+        )
         verdicts = self._stragglers(view, compute, step_us, joined, lo, hi)
         verdicts += self._slow_links(view, joined, lo, hi, t0, t1)
         return verdicts
 
-    def _stragglers(self, view: JobView, compute: dict[int, float], step_us: dict[int, float],
-                    joined: list[Joined], lo: int, hi: int) -> list[Verdict]:
+    def _stragglers(
+        self,
+        view: JobView,
+        compute: dict[int, float],
+        step_us: dict[int, float],
+        joined: list[Joined],
+        lo: int,
+        hi: int,
+    ) -> list[Verdict]:
         out = []
         candidates = set()
         cohorts = self._cohorts(view.topology)
@@ -131,8 +143,10 @@ class SlowDetector:
             if entry is None:
                 members = [c for c in ck if c in compute]
                 entry = per_cohort[ck] = (
-                    members, RankedValues({c: compute[c] for c in members}),
-                    statistics.median(step_us[c] for c in members) if members else 0.0)
+                    members,
+                    RankedValues({c: compute[c] for c in members}),
+                    statistics.median(step_us[c] for c in members) if members else 0.0,
+                )
             cohort, ranked, cohort_step_us = entry
             me = [r] if r in ranked.pos else []
             if len(ranked) - len(me) == 0:
@@ -144,11 +158,19 @@ class SlowDetector:
                 by_rank = _by_member(joined)
             mine = by_rank.get(r, [])
             balance = _wait_balance(r, mine)
-            why_not = self._not_a_straggler(r, x, med, cohort, compute, cohort_step_us, mine,
-                                            balance.share)
+            why_not = self._not_a_straggler(
+                r, x, med, cohort, compute, cohort_step_us, mine, balance.share
+            )
             if why_not:
-                log.debug("ccld window %d-%d: rank %d computes %.2fx its cohort %s, not a "
-                          "straggler: %s", lo, hi - 1, r, x / med, cohort, why_not)
+                log.debug(
+                    "ccld window %d-%d: rank %d computes %.2fx its cohort %s, not a straggler: %s",
+                    lo,
+                    hi - 1,
+                    r,
+                    x / med,
+                    cohort,
+                    why_not,
+                )
                 continue
             key = (Kind.SLOW, Cause.COMPUTE, r)
             candidates.add(key)
@@ -157,17 +179,26 @@ class SlowDetector:
             # Two ranks cannot outvote noise: a small cohort needs one more window.
             needed = self.cfg.confirm_windows + (1 if len(cohort) < 3 else 0)
             if self.streak[key] == needed:
-                out.append(self._straggler_verdict(view, r, x, med, cohort, mine, balance,
-                                                   lo, hi, key))
+                out.append(
+                    self._straggler_verdict(view, r, x, med, cohort, mine, balance, lo, hi, key)
+                )
         for key in list(self.streak):
             if key[:2] == (Kind.SLOW, Cause.COMPUTE) and key not in candidates:
                 self.streak.pop(key)
                 self.first_seen.pop(key, None)
         return out
 
-    def _not_a_straggler(self, r: int, x: float, med: float, cohort: list[int],
-                         compute: dict[int, float], cohort_step_us: float, mine: list[Joined],
-                         waited_for: float | None) -> str:
+    def _not_a_straggler(
+        self,
+        r: int,
+        x: float,
+        med: float,
+        cohort: list[int],
+        compute: dict[int, float],
+        cohort_step_us: float,
+        mine: list[Joined],
+        waited_for: float | None,
+    ) -> str:
         """Why rank r, computing x against its cohort's median med, is no straggler
         (empty when it is one)."""
         # A straggler worth a verdict costs the job a real share of its step time.
@@ -183,10 +214,16 @@ class SlowDetector:
         need = WAITED_FOR_SHARE if len(cohort) >= 3 else WAITED_FOR_SHARE_SMALL_COHORT
         if len(cohort) < 3 and len(mine) < 2 * MIN_ARRIVAL_SAMPLES:
             return f"{len(mine)} arrival samples for a cohort of {len(cohort)}"
-        if mine and len(mine) >= MIN_ARRIVAL_SAMPLES and waited_for is not None \
-                and waited_for < need:
-            return (f"its peers waiting for it are {waited_for:.0%} of the waiting in "
-                    f"{len(mine)} samples (< {need:.0%})")
+        if (
+            mine
+            and len(mine) >= MIN_ARRIVAL_SAMPLES
+            and waited_for is not None
+            and waited_for < need
+        ):
+            return (
+                f"its peers waiting for it are {waited_for:.0%} of the waiting in "
+                f"{len(mine)} samples (< {need:.0%})"
+            )
         return ""
 
     def _cohorts(self, topo: Topology) -> dict[int, list[int]]:
@@ -200,9 +237,19 @@ class SlowDetector:
             self._cohort_key = key
         return self._cohort_cache
 
-    def _straggler_verdict(self, view: JobView, r: int, x: float, med: float,
-                           cohort: list[int], mine: list[Joined], balance: _WaitBalance,
-                           lo: int, hi: int, key: tuple) -> Verdict:
+    def _straggler_verdict(
+        self,
+        view: JobView,
+        r: int,
+        x: float,
+        med: float,
+        cohort: list[int],
+        mine: list[Joined],
+        balance: _WaitBalance,
+        lo: int,
+        hi: int,
+        key: tuple,
+    ) -> Verdict:
         imposed: dict[int, float] = defaultdict(float)
         groups: dict[int, GroupInfo] = {}
         for j in mine:
@@ -212,34 +259,51 @@ class SlowDetector:
         if imposed:
             group = groups[max(imposed, key=imposed.get)]
         else:
-            group = (view.topology.group_of(r, "dp") or view.topology.group_of(r, "tp")
-                     or view.topology.group_of(r, "world"))
+            group = (
+                view.topology.group_of(r, "dp")
+                or view.topology.group_of(r, "tp")
+                or view.topology.group_of(r, "world")
+            )
         first = self.first_seen.get(key, lo)
         onset_step = self.steps[r].get(first)
-        evidence = [f"compute {x / 1000:.1f} ms/step vs {med / 1000:.1f} ms median of its "
-                    f"cohort {cohort} ({x / med:.2f}x) over steps {lo}-{hi - 1}"]
+        evidence = [
+            f"compute {x / 1000:.1f} ms/step vs {med / 1000:.1f} ms median of its "
+            f"cohort {cohort} ({x / med:.2f}x) over steps {lo}-{hi - 1}"
+        ]
         if balance.share is not None and mine:
             waited = balance.for_r_ns / balance.last_n / 1e6 if balance.last_n else 0.0
             roles = sorted({j.group.role for j in mine})
-            evidence.append(f"last to arrive in {balance.last_n / len(mine):.0%} of "
-                            f"{len(mine)} sampled collectives of its {'/'.join(roles)} "
-                            f"groups; peers waited {waited:.1f} ms per op, "
-                            f"{balance.share:.0%} of the waiting in them")
-        return Verdict(kind=Kind.SLOW, cause=Cause.COMPUTE, ranks=[r],
-                       group=group.to_dict() if group else None, step=hi - 1,
-                       onset_s=view.seconds(onset_step.start_ns) if onset_step else None,
-                       detected_s=view.seconds(view.now_ns), severity=round(x / med, 2),
-                       evidence=evidence)
+            evidence.append(
+                f"last to arrive in {balance.last_n / len(mine):.0%} of "
+                f"{len(mine)} sampled collectives of its {'/'.join(roles)} "
+                f"groups; peers waited {waited:.1f} ms per op, "
+                f"{balance.share:.0%} of the waiting in them"
+            )
+        return Verdict(
+            kind=Kind.SLOW,
+            cause=Cause.COMPUTE,
+            ranks=[r],
+            group=group.to_dict() if group else None,
+            step=hi - 1,
+            onset_s=view.seconds(onset_step.start_ns) if onset_step else None,
+            detected_s=view.seconds(view.now_ns),
+            severity=round(x / med, 2),
+            evidence=evidence,
+        )
 
-    def _slow_links(self, view: JobView, joined: list[Joined], lo: int, hi: int,
-                    t0: int, t1: int) -> list[Verdict]:
+    def _slow_links(
+        self, view: JobView, joined: list[Joined], lo: int, hi: int, t0: int, t1: int
+    ) -> list[Verdict]:
         per_group: dict[int, list[Joined]] = defaultdict(list)
         for j in joined:
             if j.bytes >= MIN_BANDWIDTH_BYTES and j.group.size > 1:
                 per_group[j.group.group_id].append(j)
-        bw = {gid: sum(j.bytes for j in js) / sum(j.transfer_ns for j in js) * 1e9
-              for gid, js in per_group.items() if len(js) >= MIN_ARRIVAL_SAMPLES
-              and sum(j.transfer_ns for j in js) >= MIN_TRANSFER_NS * len(js)}
+        bw = {
+            gid: sum(j.bytes for j in js) / sum(j.transfer_ns for j in js) * 1e9
+            for gid, js in per_group.items()
+            if len(js) >= MIN_ARRIVAL_SAMPLES
+            and sum(j.transfer_ns for j in js) >= MIN_TRANSFER_NS * len(js)
+        }
         groups = {gid: js[0].group for gid, js in per_group.items()}
         by_role: dict[str, dict[int, float]] = defaultdict(dict)
         for gid, b in bw.items():
@@ -255,17 +319,27 @@ class SlowDetector:
             sib = siblings.median_without([gid]) if len(siblings) > 1 else None
             history = list(self.bw_history[gid])
             ref = None
-            if sib is not None and b * COMM_RATIO < sib and (
-                    len(history) < 2 or b * COMM_RATIO < statistics.median(history)):
+            if (
+                sib is not None
+                and b * COMM_RATIO < sib
+                and (len(history) < 2 or b * COMM_RATIO < statistics.median(history))
+            ):
                 ref = sib
             if ref is None:
                 self.bw_history[gid].append(b)
             elif stragglers & set(g.ranks):
                 # A member that computes late (a straggler being confirmed) delays the
                 # group's transfers too: it explains the low bandwidth.
-                log.debug("ccld window %d-%d: %s%s moves %.1f MB/s vs %.1f, explained by "
-                          "straggler(s) %s", lo, hi - 1, g.role, list(g.ranks), b / 1e6,
-                          ref / 1e6, sorted(stragglers & set(g.ranks)))
+                log.debug(
+                    "ccld window %d-%d: %s%s moves %.1f MB/s vs %.1f, explained by straggler(s) %s",
+                    lo,
+                    hi - 1,
+                    g.role,
+                    list(g.ranks),
+                    b / 1e6,
+                    ref / 1e6,
+                    sorted(stragglers & set(g.ranks)),
+                )
             else:
                 slow.append((g, b, ref))
         # Channel evidence names the rank (or link) common to the slow connections, also
@@ -295,20 +369,31 @@ class SlowDetector:
         if self.streak[key] != self.cfg.confirm_windows:
             return []
         g, b, ref = worst
-        evidence = [f"{s[0].role}{list(s[0].ranks)} moves {s[1] / 1e6:.1f} MB/s vs "
-                    f"{s[2] / 1e6:.1f} MB/s for its siblings / history" for s in slow]
+        evidence = [
+            f"{s[0].role}{list(s[0].ranks)} moves {s[1] / 1e6:.1f} MB/s vs "
+            f"{s[2] / 1e6:.1f} MB/s for its siblings / history"
+            for s in slow
+        ]
         if len(slow) > 1:
             evidence.append(f"slow groups intersect in ranks {ranks}")
         if found is not None:
             evidence += found.lines
-        return [Verdict(kind=Kind.SLOW, cause=Cause.COMMUNICATION, ranks=ranks,
-                        group=g.to_dict(), link=link, step=hi - 1,
-                        onset_s=self._onset(view, key, ranks),
-                        detected_s=view.seconds(view.now_ns), severity=round(ref / b, 2),
-                        evidence=evidence)]
+        return [
+            Verdict(
+                kind=Kind.SLOW,
+                cause=Cause.COMMUNICATION,
+                ranks=ranks,
+                group=g.to_dict(),
+                link=link,
+                step=hi - 1,
+                onset_s=self._onset(view, key, ranks),
+                detected_s=view.seconds(view.now_ns),
+                severity=round(ref / b, 2),
+                evidence=evidence,
+            )
+        ]
 
-    def _channel_slow(self, view: JobView, found: LinkFinding, lo: int, hi: int
-                      ) -> list[Verdict]:
+    def _channel_slow(self, view: JobView, found: LinkFinding, lo: int, hi: int) -> list[Verdict]:
         """Communication-bound slowness seen in the channel evidence alone."""
         prev = self._channel_found
         if prev is not None and set(prev.ranks) < set(found.ranks):
@@ -327,17 +412,29 @@ class SlowDetector:
         if self.streak[key] != self.cfg.confirm_windows:
             return []
         g = found.group
-        return [Verdict(kind=Kind.SLOW, cause=Cause.COMMUNICATION, ranks=found.ranks,
-                        group=g.to_dict() if g is not None else None, link=found.link,
-                        step=hi - 1, onset_s=self._onset(view, key, found.ranks),
-                        detected_s=view.seconds(view.now_ns), severity=found.severity,
-                        evidence=found.lines)]
+        return [
+            Verdict(
+                kind=Kind.SLOW,
+                cause=Cause.COMMUNICATION,
+                ranks=found.ranks,
+                group=g.to_dict() if g is not None else None,
+                link=found.link,
+                step=hi - 1,
+                onset_s=self._onset(view, key, found.ranks),
+                detected_s=view.seconds(view.now_ns),
+                severity=found.severity,
+                evidence=found.lines,
+            )
+        ]
 
     def _onset(self, view: JobView, key: tuple, ranks: list[int]) -> float | None:
         """Start of the first window in which the finding was seen."""
         first = self.first_seen.get(key)
-        starts = [self.steps[r][first].start_ns for r in ranks
-                  if first is not None and first in self.steps.get(r, {})]
+        starts = [
+            self.steps[r][first].start_ns
+            for r in ranks
+            if first is not None and first in self.steps.get(r, {})
+        ]
         return view.seconds(min(starts)) if starts else None
 
 
@@ -383,8 +480,7 @@ def _by_member(joined: list[Joined]) -> dict[int, list[Joined]]:
     return out
 
 
-def _stats_cohort(topo: Topology, rank: int, stages: dict[int | None, list[int]]
-                  ) -> list[int]:
+def _stats_cohort(topo: Topology, rank: int, stages: dict[int | None, list[int]]) -> list[int]:
     """Ranks whose compute time should match ``rank``'s: its DP peers when there are enough
     for statistics, else every rank of its pipeline stage (TP peers do equal work)."""
     cohort = topo.cohort(rank)

@@ -118,10 +118,12 @@ def link_role(view: JobView, a: int, b: int) -> GroupInfo | None:
 
 
 def _fmt_link(st: LinkStats) -> str:
-    return (f"rank {st.src} -> {st.dst}: RTT {st.rtt_us / 1000:.1f} ms (floor "
-            f"{st.floor_us / 1000:.2f} ms), send queue busy {st.busy:.0%}, "
-            f"{st.s_per_mb * 1000:.0f} ms per MB ({1 / st.s_per_mb:.1f} MB/s while busy), "
-            f"up to {fmt_bytes(st.queued)} queued, {st.retrans} retransmits")
+    return (
+        f"rank {st.src} -> {st.dst}: RTT {st.rtt_us / 1000:.1f} ms (floor "
+        f"{st.floor_us / 1000:.2f} ms), send queue busy {st.busy:.0%}, "
+        f"{st.s_per_mb * 1000:.0f} ms per MB ({1 / st.s_per_mb:.1f} MB/s while busy), "
+        f"up to {fmt_bytes(st.queued)} queued, {st.retrans} retransmits"
+    )
 
 
 class _SiblingMedians:
@@ -184,10 +186,10 @@ class ChannelHistory:
 
     def __init__(self) -> None:
         self.batches: deque[ChannelRows] = deque()  # one per ingest, oldest first
-        self.history: dict[tuple[int, int], deque[LinkStats]] = defaultdict(
-            lambda: deque(maxlen=8))
+        self.history: dict[tuple[int, int], deque[LinkStats]] = defaultdict(lambda: deque(maxlen=8))
         self.nccl_history: dict[tuple[int, int], deque[LinkStats]] = defaultdict(
-            lambda: deque(maxlen=8))
+            lambda: deque(maxlen=8)
+        )
         self.span_start: int | None = None  # of windows not judged yet (too few reports)
         self.roles = _LinkRoles()
         self.last = LinkJudgement(None, True)
@@ -251,13 +253,19 @@ def tcp_links(rows: ChannelRows) -> dict[tuple[int, int], LinkStats]:
     # least about one, however little it shows.
     busy_s = np.add.reduceat(np.maximum(e["interval_s"] * share, JIFFY_S), starts)
     sent = np.add.reduceat(e["sent"].astype(np.int64), starts)
-    cols = zip(e["rank"][starts].tolist(), e["peer"][starts].tolist(), counts.tolist(),
-               ((rtt[starts + (counts - 1) // 2] + rtt[starts + counts // 2]) / 2).tolist(),
-               np.minimum.reduceat(e["min_rtt_us"], starts).tolist(),
-               (busy_s / (sent / 1e6)).tolist(), (np.add.reduceat(share, starts) / counts).tolist(),
-               np.maximum.reduceat(e["queued"], starts).tolist(),
-               np.add.reduceat(e["retrans"].astype(np.int64), starts).tolist(), sent.tolist(),
-               strict=True)
+    cols = zip(
+        e["rank"][starts].tolist(),
+        e["peer"][starts].tolist(),
+        counts.tolist(),
+        ((rtt[starts + (counts - 1) // 2] + rtt[starts + counts // 2]) / 2).tolist(),
+        np.minimum.reduceat(e["min_rtt_us"], starts).tolist(),
+        (busy_s / (sent / 1e6)).tolist(),
+        (np.add.reduceat(share, starts) / counts).tolist(),
+        np.maximum.reduceat(e["queued"], starts).tolist(),
+        np.add.reduceat(e["retrans"].astype(np.int64), starts).tolist(),
+        sent.tolist(),
+        strict=True,
+    )
     return {(c[0], c[1]): LinkStats(*c) for c in cols if c[2] >= SLOW_MIN_TICKS}
 
 
@@ -265,19 +273,31 @@ def nccl_links(rows: ChannelRows) -> dict[tuple[int, int], LinkStats]:
     """NCCL send links over ``rows``: ``s_per_mb`` is the time their steps spent handed to
     the network per MB sent, ``busy`` that time over the intervals."""
     e = rows.entries
-    e = e[(e["source"] == SOURCE_NCCL) & (e["direction"] == DIRECTION_SEND)
-          & (e["sent"] >= SLOW_MIN_BYTES)]
+    e = e[
+        (e["source"] == SOURCE_NCCL)
+        & (e["direction"] == DIRECTION_SEND)
+        & (e["sent"] >= SLOW_MIN_BYTES)
+    ]
     if not len(e):
         return {}
     e, starts, counts = _by_link(e, "sent")
     sent = np.add.reduceat(e["sent"].astype(np.int64), starts)
     wait_s = np.add.reduceat(e["net_wait_us"].astype(np.float64), starts) / 1e6
     span_s = np.maximum(np.add.reduceat(e["interval_s"], starts), 1e-9)
-    cols = zip(e["rank"][starts].tolist(), e["peer"][starts].tolist(), counts.tolist(),
-               (wait_s / (sent / 1e6)).tolist(), (wait_s / span_s).tolist(), sent.tolist(),
-               strict=True)
-    return {(src, dst): LinkStats(src, dst, n, 0.0, 0, spm, busy, 0, 0, sent)
-            for src, dst, n, spm, busy, sent in cols if n >= SLOW_MIN_TICKS}
+    cols = zip(
+        e["rank"][starts].tolist(),
+        e["peer"][starts].tolist(),
+        counts.tolist(),
+        (wait_s / (sent / 1e6)).tolist(),
+        (wait_s / span_s).tolist(),
+        sent.tolist(),
+        strict=True,
+    )
+    return {
+        (src, dst): LinkStats(src, dst, n, 0.0, 0, spm, busy, 0, 0, sent)
+        for src, dst, n, spm, busy, sent in cols
+        if n >= SLOW_MIN_TICKS
+    }
 
 
 def _enough(rows: ChannelRows) -> bool:
@@ -300,32 +320,43 @@ class _Rules:
 
 
 def _tcp_line(st: LinkStats, r_rtt: float, r_spm: float, src: str) -> str:
-    return (_fmt_link(st) + f"; {st.rtt_us / r_rtt:.0f}x the RTT and "
-            f"{st.s_per_mb / r_spm:.0f}x the time per byte of {src}")
+    return (
+        _fmt_link(st) + f"; {st.rtt_us / r_rtt:.0f}x the RTT and "
+        f"{st.s_per_mb / r_spm:.0f}x the time per byte of {src}"
+    )
 
 
 def _nccl_line(st: LinkStats, r_rtt: float, r_spm: float, src: str) -> str:
-    return (f"rank {st.src} -> {st.dst} (NCCL): send steps wait {st.s_per_mb * 1000:.1f} ms "
-            f"per MB handed to the network, {st.s_per_mb / r_spm:.0f}x {src} "
-            f"({r_spm * 1000:.2f} ms); {fmt_bytes(st.sent)} sent in {st.ticks} intervals")
+    return (
+        f"rank {st.src} -> {st.dst} (NCCL): send steps wait {st.s_per_mb * 1000:.1f} ms "
+        f"per MB handed to the network, {st.s_per_mb / r_spm:.0f}x {src} "
+        f"({r_spm * 1000:.2f} ms); {fmt_bytes(st.sent)} sent in {st.ticks} intervals"
+    )
 
 
 _TCP = _Rules(
-    eligible=lambda st, r_rtt: (st.rtt_us >= RTT_RATIO * r_rtt
-                                and st.rtt_us - r_rtt >= SLOW_RTT_EXCESS_US),
+    eligible=lambda st, r_rtt: (
+        st.rtt_us >= RTT_RATIO * r_rtt and st.rtt_us - r_rtt >= SLOW_RTT_EXCESS_US
+    ),
     slow=lambda st, r_spm: st.s_per_mb >= SLOW_RATIO * r_spm and st.busy >= SLOW_BUSY_SHARE,
-    line=_tcp_line)
+    line=_tcp_line,
+)
 _NCCL = _Rules(
     eligible=lambda st, r_rtt: True,  # no RTT: the plugin sees steps, not packets
-    slow=lambda st, r_spm: (st.s_per_mb >= NCCL_SLOW_RATIO * r_spm
-                            and st.busy >= NCCL_MIN_WAIT_SHARE),
-    line=_nccl_line)
+    slow=lambda st, r_spm: (
+        st.s_per_mb >= NCCL_SLOW_RATIO * r_spm and st.busy >= NCCL_MIN_WAIT_SHARE
+    ),
+    line=_nccl_line,
+)
 
 
-def _locate(view: JobView, links: dict[tuple[int, int], LinkStats],
-            history: dict[tuple[int, int], deque[LinkStats]], rules: _Rules,
-            role_of: Callable[[JobView, tuple[int, int]], GroupInfo | None]
-            ) -> LinkFinding | None:
+def _locate(
+    view: JobView,
+    links: dict[tuple[int, int], LinkStats],
+    history: dict[tuple[int, int], deque[LinkStats]],
+    rules: _Rules,
+    role_of: Callable[[JobView, tuple[int, int]], GroupInfo | None],
+) -> LinkFinding | None:
     """The slow links among ``links`` and the rank or link they have in common."""
     roles = {k: role_of(view, k) for k in links}
     by_role: dict[str | None, dict[tuple[int, int], LinkStats]] = defaultdict(dict)
@@ -342,8 +373,10 @@ def _locate(view: JobView, links: dict[tuple[int, int], LinkStats],
         ref = siblings[role].without(k)
         source = "links of the same role that share no rank with it"
         if ref is None and history[k]:
-            ref = (statistics.median(o.rtt_us for o in history[k]),
-                   statistics.median(o.s_per_mb for o in history[k]))
+            ref = (
+                statistics.median(o.rtt_us for o in history[k]),
+                statistics.median(o.s_per_mb for o in history[k]),
+            )
             source = "its own history"
         if ref is None or not rules.eligible(st, ref[0]):
             continue
@@ -362,20 +395,23 @@ def _locate(view: JobView, links: dict[tuple[int, int], LinkStats],
     shown = list(slow)
     if link is not None:
         # One slow link: is one end slow on its other links too (its NIC)?
-        other = {r: [x for x in softer if r in x[0].pair and x[0].pair != tuple(link)]
-                 for r in link}
+        other = {
+            r: [x for x in softer if r in x[0].pair and x[0].pair != tuple(link)] for r in link
+        }
         ends = [r for r in link if other[r]]
         if len(ends) == 1:
             ranks, link = ends, None
             shown += other[ends[0]]
     worst, ref_rtt, ref_spm, source = max(slow, key=lambda x: x[0].s_per_mb / x[2])
-    lines = [rules.line(st, r_rtt, r_spm, src)
-             for st, r_rtt, r_spm, src in sorted(shown, key=lambda x: (x[0].src,
-                                                                       x[0].dst))[:4]]
+    lines = [
+        rules.line(st, r_rtt, r_spm, src)
+        for st, r_rtt, r_spm, src in sorted(shown, key=lambda x: (x[0].src, x[0].dst))[:4]
+    ]
     if link is None and len(ranks) == 1:
         lines.append(f"every slow link has rank {ranks[0]} at one end: its NIC or link")
     elif link is not None:
-        lines.append(f"one link is slow ({link[0]}<->{link[1]}); the other links of "
-                     f"both ranks are not")
+        lines.append(
+            f"one link is slow ({link[0]}<->{link[1]}); the other links of both ranks are not"
+        )
     severity = round(worst.s_per_mb / ref_spm, 2) if ref_spm > 0 else 0.0
     return LinkFinding(ranks, link, roles.get((worst.src, worst.dst)), severity, lines)

@@ -66,8 +66,9 @@ def report_of(view: JobView, rank: int) -> ChannelReport | None:
     cache = view.__dict__.setdefault("_channel_reports", {})
     if rank not in cache:
         s = view.summaries.get(rank)
-        cache[rank] = decode_channels(rank, s.time_ns, s.channels) \
-            if s is not None and s.channels else None
+        cache[rank] = (
+            decode_channels(rank, s.time_ns, s.channels) if s is not None and s.channels else None
+        )
     return cache[rank]
 
 
@@ -113,16 +114,19 @@ def _fmt_rtt(e: PeerChannel) -> str:
 
 def _stall_line(rank: int, e: PeerChannel, why: str) -> str:
     if why == "peer":
-        return (f"rank {rank} -> {e.peer}: {fmt_bytes(e.queued)} queued, the receiver's "
-                f"window closed {e.rwnd_share:.0%} of the last interval, nothing moved for "
-                f"{e.stalled_s:.1f} s: rank {e.peer} does not read")
+        return (
+            f"rank {rank} -> {e.peer}: {fmt_bytes(e.queued)} queued, the receiver's "
+            f"window closed {e.rwnd_share:.0%} of the last interval, nothing moved for "
+            f"{e.stalled_s:.1f} s: rank {e.peer} does not read"
+        )
     rto = f", {e.rtos} retransmission timeouts in a row" if e.rtos else ""
-    return (f"rank {rank} -> {e.peer}: {fmt_bytes(e.queued)} queued, unacknowledged for "
-            f"{e.stalled_s:.1f} s{rto}, {_fmt_rtt(e)}")
+    return (
+        f"rank {rank} -> {e.peer}: {fmt_bytes(e.queued)} queued, unacknowledged for "
+        f"{e.stalled_s:.1f} s{rto}, {_fmt_rtt(e)}"
+    )
 
 
-def _stalled_links(view: JobView, members: Iterable[int]
-                   ) -> list[tuple[int, PeerChannel, str]]:
+def _stalled_links(view: JobView, members: Iterable[int]) -> list[tuple[int, PeerChannel, str]]:
     ms = set(members)
     out = []
     for rank in sorted(ms):
@@ -136,8 +140,9 @@ def _stalled_links(view: JobView, members: Iterable[int]
     return out
 
 
-def common_culprit(links: list[tuple[int, int]], silent: set[int]
-                   ) -> tuple[list[int], list[int] | None]:
+def common_culprit(
+    links: list[tuple[int, int]], silent: set[int]
+) -> tuple[list[int], list[int] | None]:
     """The rank common to all links (ranks, None), or one link's ends (ranks, link)."""
     pairs = {tuple(sorted(p)) for p in links}
     if len(pairs) == 1:
@@ -166,19 +171,25 @@ def channel_evidence(view: JobView, group: GroupInfo, members: list[int]) -> Loc
     interval = _interval_s(view)
     silent = {r for r in members if is_silent(view, r, interval)}
     ranks, link = common_culprit([(r, e.peer) for r, e, _ in stalls], silent)
-    lines = [_stall_line(r, e, why) for r, e, why in
-             sorted(stalls, key=lambda x: -x[1].stalled_s)[:4]]
+    lines = [
+        _stall_line(r, e, why) for r, e, why in sorted(stalls, key=lambda x: -x[1].stalled_s)[:4]
+    ]
     lines += _silent_lines(view, sorted(silent & set(ranks)))
     kinds = {why for _, _, why in stalls}
     if kinds == {"network"}:
-        lines.append("the peers' kernels acknowledge nothing: a live kernel acknowledges "
-                     "even when its process stalls, so the path itself is down")
+        lines.append(
+            "the peers' kernels acknowledge nothing: a live kernel acknowledges "
+            "even when its process stalls, so the path itself is down"
+        )
     return Located(ranks, link, lines)
 
 
 def _silent_lines(view: JobView, ranks: list[int]) -> list[str]:
-    return [f"rank {r}'s summaries stopped arriving {_silent_s(view, r):.1f} s ago while its "
-            f"process runs: its control-plane traffic crosses the same link" for r in ranks]
+    return [
+        f"rank {r}'s summaries stopped arriving {_silent_s(view, r):.1f} s ago while its "
+        f"process runs: its control-plane traffic crosses the same link"
+        for r in ranks
+    ]
 
 
 def cut_off_rank(view: JobView, rank: int, peers: Iterable[int]) -> Located | None:
@@ -189,25 +200,35 @@ def cut_off_rank(view: JobView, rank: int, peers: Iterable[int]) -> Located | No
     if not is_silent(view, rank, interval):
         return None
     ps = [p for p in peers if p != rank]
-    to_it = [(r, e, why) for r, e, why in _stalled_links(view, [rank, *ps])
-             if e.peer == rank and why == "network"]
+    to_it = [
+        (r, e, why)
+        for r, e, why in _stalled_links(view, [rank, *ps])
+        if e.peer == rank and why == "network"
+    ]
     if not to_it:
         return None
-    lines = [_stall_line(r, e, why) for r, e, why in
-             sorted(to_it, key=lambda x: -x[1].stalled_s)[:4]]
+    lines = [
+        _stall_line(r, e, why) for r, e, why in sorted(to_it, key=lambda x: -x[1].stalled_s)[:4]
+    ]
     lines += _silent_lines(view, [rank])
-    lines.append("the peers' kernels get no acknowledgement from it: a live kernel "
-                 "acknowledges even when its process stalls, so its link is down")
+    lines.append(
+        "the peers' kernels get no acknowledgement from it: a live kernel "
+        "acknowledges even when its process stalls, so its link is down"
+    )
     senders = sorted({r for r, _, _ in to_it})
-    return Located([rank], [senders[0], rank] if len(senders) == 1 and len(ps) == 1 else None,
-                   lines)
+    return Located(
+        [rank], [senders[0], rank] if len(senders) == 1 and len(ps) == 1 else None, lines
+    )
 
 
 def cut_off_ranks(view: JobView) -> list[int]:
     """Every rank of the view that :func:`cut_off_rank` finds cut off."""
     interval = _interval_s(view)
-    return [r for r in sorted(view.summaries) if is_silent(view, r, interval)
-            and cut_off_rank(view, r, view.summaries) is not None]
+    return [
+        r
+        for r in sorted(view.summaries)
+        if is_silent(view, r, interval) and cut_off_rank(view, r, view.summaries) is not None
+    ]
 
 
 def toward_lines(view: JobView, root: int, waiters: Iterable[int]) -> list[str]:
@@ -217,24 +238,35 @@ def toward_lines(view: JobView, root: int, waiters: Iterable[int]) -> list[str]:
     reports = {r: rep for r, rep in reports.items() if rep is not None}
     if not reports:
         return []
-    blocked = [(r, e) for r, rep in reports.items() for e in rep.entries
-               if e.peer == root and e.queued > 0 and e.wait == "peer"]
+    blocked = [
+        (r, e)
+        for r, rep in reports.items()
+        for e in rep.entries
+        if e.peer == root and e.queued > 0 and e.wait == "peer"
+    ]
     if blocked:
         r, e = max(blocked, key=lambda x: x[1].queued)
-        return [f"ranks {sorted({r for r, _ in blocked})} have data queued for rank {root} "
-                f"that it does not read: e.g. rank {r}: {fmt_bytes(e.queued)} queued, "
-                f"receive window closed {e.rwnd_share:.0%} of the interval"]
-    net = [(r, e) for r, rep in reports.items() for e in rep.entries
-           if e.peer == root and _stalled(e) == "network"]
+        return [
+            f"ranks {sorted({r for r, _ in blocked})} have data queued for rank {root} "
+            f"that it does not read: e.g. rank {r}: {fmt_bytes(e.queued)} queued, "
+            f"receive window closed {e.rwnd_share:.0%} of the interval"
+        ]
+    net = [
+        (r, e)
+        for r, rep in reports.items()
+        for e in rep.entries
+        if e.peer == root and _stalled(e) == "network"
+    ]
     if net:
         return [_stall_line(r, e, "network") for r, e in net[:2]]
     entries = [e for rep in reports.values() for e in rep.entries if e.peer == root]
     if entries:
         rtt = max(e.rtt_us for e in entries)
-        state = (f"{sum(e.retrans for e in entries)} retransmits, max RTT "
-                 f"{rtt / 1000:.2f} ms")
+        state = f"{sum(e.retrans for e in entries)} retransmits, max RTT {rtt / 1000:.2f} ms"
     else:  # idle connections are left out of the summaries
         state = "idle, nothing outstanding either way"
-    return [f"connections of ranks {sorted(reports)} to rank {root}: nothing queued toward it "
-            f"({state}): the links are healthy; rank {root} has not asked for the data (it "
-            f"has not posted its receives)"]
+    return [
+        f"connections of ranks {sorted(reports)} to rank {root}: nothing queued toward it "
+        f"({state}): the links are healthy; rank {root} has not asked for the data (it "
+        f"has not posted its receives)"
+    ]

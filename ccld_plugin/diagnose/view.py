@@ -73,8 +73,9 @@ class JobView:
         detector looks up every arrival sample."""
         table = self._resolved.get(rank)
         if table is None:
-            table = self._resolved[rank] = [self.topology.get(g.group_id) or g
-                                            for g in self.tables.get(rank, [])]
+            table = self._resolved[rank] = [
+                self.topology.get(g.group_id) or g for g in self.tables.get(rank, [])
+            ]
         return table
 
     def group(self, rank: int, slot: int) -> GroupInfo | None:

@@ -25,14 +25,24 @@ from ccld_plugin.harness.netjob import NetJob, available
 from ccld_plugin.sinks.console import render_verdict
 from ccld_plugin.sinks.jsonl import read_verdicts
 
-__all__ = ["DEFAULT_FAULT", "DemoError", "DemoOptions", "expected_verdict", "match_faults",
-           "run_demo"]
+__all__ = [
+    "DEFAULT_FAULT",
+    "DemoError",
+    "DemoOptions",
+    "expected_verdict",
+    "match_faults",
+    "run_demo",
+]
 
 DEFAULT_FAULT = "compute-hang@2:step=5"
 GRACE_S = 3.0  # after a verdict that means the job will not recover, before ending it
-_EXPECTED = {"compute-hang": ("hang", "compute"), "compute-slow": ("slow", "compute"),
-             "mismatch": ("mismatch", "software"), "comm-slow": ("slow", "communication"),
-             "comm-hang": ("hang", "communication")}
+_EXPECTED = {
+    "compute-hang": ("hang", "compute"),
+    "compute-slow": ("slow", "compute"),
+    "mismatch": ("mismatch", "software"),
+    "comm-slow": ("slow", "communication"),
+    "comm-hang": ("hang", "communication"),
+}
 _TERMINAL = {"hang", "deadlock", "mismatch", "unresponsive"}
 
 
@@ -62,14 +72,27 @@ def match_faults(faults: list[dict], verdicts: list[dict]) -> list[dict]:
     out = []
     for f in faults:
         kind, cause = expected_verdict(f)
-        hit = next((v for v in verdicts if v["kind"] == kind and v["cause"] == cause
-                    and f["rank"] in v["ranks"]), None)
+        hit = next(
+            (
+                v
+                for v in verdicts
+                if v["kind"] == kind and v["cause"] == cause and f["rank"] in v["ranks"]
+            ),
+            None,
+        )
         latency = None
         if hit is not None and f.get("onset_s") is not None:
             latency = round(hit["detected_s"] - f["onset_s"], 2)
-        out.append({"fault": f["fault"], "verdict": hit is not None, "latency_s": latency,
-                    "steps_to_verdict": (hit["step"] - f["step"]) if hit and hit.get("step")
-                    is not None and kind == "slow" else None})
+        out.append(
+            {
+                "fault": f["fault"],
+                "verdict": hit is not None,
+                "latency_s": latency,
+                "steps_to_verdict": (hit["step"] - f["step"])
+                if hit and hit.get("step") is not None and kind == "slow"
+                else None,
+            }
+        )
     return out
 
 
@@ -84,13 +107,21 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
         path = out / name
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    overrides = [f"board.dir={out}", "job=boards", "board.cleanup=false",
-                 f"sinks.jsonl={out / 'verdicts.jsonl'}", "sinks.console=false",
-                 *_wandb_overrides(out), *opts.overrides]
+    overrides = [
+        f"board.dir={out}",
+        "job=boards",
+        "board.cleanup=false",
+        f"sinks.jsonl={out / 'verdicts.jsonl'}",
+        "sinks.console=false",
+        *_wandb_overrides(out),
+        *opts.overrides,
+    ]
     argv = [*_framework_argv(opts), *sum((["--ccld-set", o] for o in overrides), [])]
-    env = {"CCLD_FAULTS": ";".join(str(f) for f in faults),
-           "CCLD_FAULT_LOG": str(out / "faults.jsonl"),
-           "TORCHDYNAMO_DISABLE": "1"}  # nothing here to compile; saves seconds per rank
+    env = {
+        "CCLD_FAULTS": ";".join(str(f) for f in faults),
+        "CCLD_FAULT_LOG": str(out / "faults.jsonl"),
+        "TORCHDYNAMO_DISABLE": "1",
+    }  # nothing here to compile; saves seconds per rank
     if not _has_cuda():
         env["DS_ACCELERATOR"] = "cpu"
     job = LocalJob(world=opts.world, argv=argv, log_dir=out / "logs", env=env)
@@ -101,9 +132,11 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
             return 2
         job = NetJob(job, faults, out / "boards", out / "faults.jsonl", cfg.diagnoser.rank)
     shown = ", ".join(map(str, faults)) or "none (healthy run)"
-    console.print(f"[bold]ccld demo[/]: {opts.world} ranks, tp={opts.tp} pp={opts.pp} "
-                  f"dp={opts.world // (opts.tp * opts.pp)}, {opts.steps} steps, fault: {shown}; "
-                  f"logs in {out / 'logs'}")
+    console.print(
+        f"[bold]ccld demo[/]: {opts.world} ranks, tp={opts.tp} pp={opts.pp} "
+        f"dp={opts.world // (opts.tp * opts.pp)}, {opts.steps} steps, fault: {shown}; "
+        f"logs in {out / 'logs'}"
+    )
     started = time.time()
     try:  # the job (and its network, if any) ends however the demo ends
         job.start()
@@ -111,13 +144,16 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
     finally:
         codes = job.stop()
     verdicts = read_verdicts(out / "verdicts.jsonl")
-    for v in verdicts[len(printed):]:  # written by the diagnoser's last round
+    for v in verdicts[len(printed) :]:  # written by the diagnoser's last round
         console.print(render_verdict(v))
     injected = _read_jsonl(out / "faults.jsonl")
-    summary = {"verdicts": verdicts, "faults": injected,
-               "latency_s": match_faults(injected, verdicts),
-               "steps_completed": _steps_completed(out / "boards", opts.steps),
-               "exit": codes}
+    summary = {
+        "verdicts": verdicts,
+        "faults": injected,
+        "latency_s": match_faults(injected, verdicts),
+        "steps_completed": _steps_completed(out / "boards", opts.steps),
+        "exit": codes,
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     _print_summary(console, summary, faults, out)
     _print_wandb(console, out, started)
@@ -125,8 +161,7 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
         shutil.rmtree(out / "boards", ignore_errors=True)
     launched = all(c is not None for c in codes)
     if faults:
-        diagnosed = len(injected) >= len(faults) and all(m["verdict"]
-                                                         for m in summary["latency_s"])
+        diagnosed = len(injected) >= len(faults) and all(m["verdict"] for m in summary["latency_s"])
     else:
         diagnosed = not verdicts
     return 0 if launched and diagnosed else 1
@@ -143,8 +178,10 @@ def example_script(framework: str) -> Path:
     for root in (package / "examples", package.parent / "examples"):
         if (root / rel).is_file():
             return root / rel
-    raise FileNotFoundError(f"the {framework} example ({rel}) is neither in the installed "
-                            "package nor in a source checkout")
+    raise FileNotFoundError(
+        f"the {framework} example ({rel}) is neither in the installed "
+        "package nor in a source checkout"
+    )
 
 
 def _example(framework: str) -> Path:
@@ -157,19 +194,45 @@ def _example(framework: str) -> Path:
 def _framework_argv(opts: DemoOptions) -> list[str]:
     """The command of one rank for the chosen framework."""
     if opts.framework == "torch":
-        return ["-m", "ccld_plugin.harness.workload", "--tp", str(opts.tp), "--pp", str(opts.pp),
-                "--steps", str(opts.steps)]
+        return [
+            "-m",
+            "ccld_plugin.harness.workload",
+            "--tp",
+            str(opts.tp),
+            "--pp",
+            str(opts.pp),
+            "--steps",
+            str(opts.steps),
+        ]
     if opts.framework == "megatron":
         # A model big enough that compute, not Python overhead, dominates a step.
-        return [str(_example(opts.framework)), "--tensor-model-parallel-size", str(opts.tp),
-                "--pipeline-model-parallel-size", str(opts.pp), "--train-iters",
-                str(opts.steps), "--hidden-size", "128", "--seq-length", "64",
-                "--micro-batch-size", "4", "--ccld"]
+        return [
+            str(_example(opts.framework)),
+            "--tensor-model-parallel-size",
+            str(opts.tp),
+            "--pipeline-model-parallel-size",
+            str(opts.pp),
+            "--train-iters",
+            str(opts.steps),
+            "--hidden-size",
+            "128",
+            "--seq-length",
+            "64",
+            "--micro-batch-size",
+            "4",
+            "--ccld",
+        ]
     if opts.framework == "deepspeed":
-        return [str(_example(opts.framework)), "--zero-stage", str(opts.zero_stage),
-                "--steps", str(opts.steps), "--hidden", "512"]
-    raise DemoError(f"unknown framework {opts.framework!r}; choose megatron, deepspeed or "
-                    "torch")
+        return [
+            str(_example(opts.framework)),
+            "--zero-stage",
+            str(opts.zero_stage),
+            "--steps",
+            str(opts.steps),
+            "--hidden",
+            "512",
+        ]
+    raise DemoError(f"unknown framework {opts.framework!r}; choose megatron, deepspeed or torch")
 
 
 def _wandb_overrides(out: Path) -> list[str]:
@@ -192,9 +255,11 @@ def _print_wandb(console: Console, out: Path, started: float) -> None:
     if run is None:
         console.print(f"[yellow]no finished W&B run under {out / 'wandb'} yet[/]")
         return
-    console.print(f"W&B offline run: {run.file.parent} ({len(run.points)} keys, "
-                  f"{len(run.tables)} tables, {len(run.alerts)} alerts; see it with: ccld "
-                  f"wandb-summary {out / 'wandb'}; upload with: wandb sync {run.file.parent})")
+    console.print(
+        f"W&B offline run: {run.file.parent} ({len(run.points)} keys, "
+        f"{len(run.tables)} tables, {len(run.alerts)} alerts; see it with: ccld "
+        f"wandb-summary {out / 'wandb'}; upload with: wandb sync {run.file.parent})"
+    )
 
 
 def _has_cuda() -> bool:
@@ -214,7 +279,7 @@ def _follow(job: LocalJob | NetJob, path: Path, timeout_s: float, console: Conso
     deadline = time.monotonic() + timeout_s
     end_at = None
     while job.running() and time.monotonic() < deadline:
-        for v in read_verdicts(path)[len(printed):]:
+        for v in read_verdicts(path)[len(printed) :]:
             printed.append(v)
             console.print(render_verdict(v))
             if v["kind"] in _TERMINAL and end_at is None:
@@ -249,14 +314,18 @@ def _print_summary(console: Console, summary: dict, faults: list[FaultSpec], out
         print_collectives(collective_table(out / "boards"), console)
     except BoardError:
         pass
-    console.print(f"[bold]summary[/] ({out / 'summary.json'}): "
-                  f"{len(summary['verdicts'])} verdict(s), steps completed "
-                  f"{summary['steps_completed']}, rank exit codes {summary['exit']}")
+    console.print(
+        f"[bold]summary[/] ({out / 'summary.json'}): "
+        f"{len(summary['verdicts'])} verdict(s), steps completed "
+        f"{summary['steps_completed']}, rank exit codes {summary['exit']}"
+    )
     for m in summary["latency_s"]:
         status = "[green]diagnosed[/]" if m["verdict"] else "[red]NOT diagnosed[/]"
         extra = f" in {m['latency_s']} s" if m["latency_s"] is not None else ""
         steps = f" ({m['steps_to_verdict']} steps)" if m["steps_to_verdict"] is not None else ""
         console.print(f"  fault {m['fault']}: {status}{extra}{steps}")
     if not faults:
-        console.print("  healthy run: " + ("[green]no verdict[/]" if not summary["verdicts"]
-                                           else "[red]unexpected verdicts[/]"))
+        console.print(
+            "  healthy run: "
+            + ("[green]no verdict[/]" if not summary["verdicts"] else "[red]unexpected verdicts[/]")
+        )

@@ -40,15 +40,29 @@ class LocalJob:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         port = self.master_port or free_port()
         for rank in range(self.world):
-            env = {**os.environ, **self.env, "RANK": str(rank), "WORLD_SIZE": str(self.world),
-                   "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(self.world),
-                   "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(port),
-                   "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+            env = {
+                **os.environ,
+                **self.env,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(self.world),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(self.world),
+                "MASTER_ADDR": self.master_addr,
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1",
+            }
             prefix = self.rank_prefix(rank) if self.rank_prefix else []
             log = open(self.log_dir / f"rank{rank}.log", "wb")  # noqa: SIM115 - child owns it
-            self.procs.append(subprocess.Popen(
-                [*prefix, sys.executable, *self.argv], env=env, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True))
+            self.procs.append(
+                subprocess.Popen(
+                    [*prefix, sys.executable, *self.argv],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
             log.close()
 
     def poll(self) -> list[int | None]:

@@ -45,8 +45,14 @@ class NetJob:
     job's start on the diagnoser's clock.
     """
 
-    def __init__(self, job: LocalJob, faults: Sequence[FaultSpec], boards: Path,
-                 fault_log: Path | None = None, diagnoser_rank: int = 0) -> None:
+    def __init__(
+        self,
+        job: LocalJob,
+        faults: Sequence[FaultSpec],
+        boards: Path,
+        fault_log: Path | None = None,
+        diagnoser_rank: int = 0,
+    ) -> None:
         self.job = job
         self.faults = [f for f in faults if f.is_comm]
         self.boards = Path(boards)
@@ -81,8 +87,7 @@ class NetJob:
             self._teardown()
             raise
         if self.faults:
-            self._watcher = threading.Thread(target=self._watch, name="ccld-netjob",
-                                             daemon=True)
+            self._watcher = threading.Thread(target=self._watch, name="ccld-netjob", daemon=True)
             self._watcher.start()
         return self
 
@@ -112,8 +117,12 @@ class NetJob:
     def __enter__(self) -> NetJob:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.stop()
 
     # ------------------------------------------------------------------ faults
@@ -160,9 +169,16 @@ class NetJob:
         now = time.monotonic_ns()
         diag = self._reader(readers, self.diagnoser_rank)
         start = diag.header().start_mono_ns if diag is not None else None
-        entry = {"fault": str(fault), "kind": fault.kind, "rank": fault.rank, "step": step,
-                 "onset_s": round((now - start) / 1e9, 3) if start else None,
-                 "onset_mono_ns": now, "wall_time": time.time(), "applied_by": "netjob"}
+        entry = {
+            "fault": str(fault),
+            "kind": fault.kind,
+            "rank": fault.rank,
+            "step": step,
+            "onset_s": round((now - start) / 1e9, 3) if start else None,
+            "onset_mono_ns": now,
+            "wall_time": time.time(),
+            "applied_by": "netjob",
+        }
         self.applied.append(entry)
         if self.fault_log is not None:
             with contextlib.suppress(OSError):

@@ -47,7 +47,8 @@ class Layout:
     def __post_init__(self) -> None:
         if self.tp < 1 or self.pp < 1 or self.world % (self.tp * self.pp) != 0:
             raise ValueError(
-                f"world size {self.world} is not a multiple of tp={self.tp} x pp={self.pp}")
+                f"world size {self.world} is not a multiple of tp={self.tp} x pp={self.pp}"
+            )
 
     @property
     def dp(self) -> int:
@@ -151,12 +152,14 @@ def train(cfg: WorkloadConfig, injector: Any = None, timeout_s: float = 600.0) -
         injector.bind_groups(groups)
     torch.manual_seed(cfg.seed + stage * 1000 + t_idx)
     blocks = torch.nn.Sequential(
-        *[_Block(cfg.hidden, cfg.tp, groups.get("tp")) for _ in range(cfg.blocks_per_stage)])
+        *[_Block(cfg.hidden, cfg.tp, groups.get("tp")) for _ in range(cfg.blocks_per_stage)]
+    )
     params = [p for p in blocks.parameters()]
     optim = torch.optim.SGD(params, lr=cfg.lr)
     prev_rank = layout.rank(t_idx, layout.coords(rank)[1], stage - 1) if stage > 0 else None
-    next_rank = layout.rank(t_idx, layout.coords(rank)[1], stage + 1) if stage < cfg.pp - 1 \
-        else None
+    next_rank = (
+        layout.rank(t_idx, layout.coords(rank)[1], stage + 1) if stage < cfg.pp - 1 else None
+    )
     pp_group = groups.get("pp")
     gen = torch.Generator().manual_seed(cfg.seed + layout.coords(rank)[1])
     shape = (cfg.micro_batch_size, cfg.hidden)
@@ -216,8 +219,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--timeout-s", type=float, default=600.0,
-                   help="process-group timeout; keep it above the hang threshold")
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=600.0,
+        help="process-group timeout; keep it above the hang threshold",
+    )
     p.add_argument("--no-ccld", action="store_true", help="run without the plugin")
     p.add_argument("--ccld-set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--report-dir", type=Path, help="write each rank's report here (JSON)")
@@ -226,13 +233,19 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    logging.basicConfig(level=os.environ.get("CCLD_LOG_LEVEL", "WARNING").upper(),
-                        format="%(message)s")
+    logging.basicConfig(
+        level=os.environ.get("CCLD_LOG_LEVEL", "WARNING").upper(), format="%(message)s"
+    )
     if not args.no_ccld:
         ccld_plugin.enable(overrides=args.ccld_set)  # completes once the group exists
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))
-    cfg = WorkloadConfig(tp=args.tp, pp=args.pp, steps=args.steps, hidden=args.hidden,
-                         micro_batches=args.micro_batches)
+    cfg = WorkloadConfig(
+        tp=args.tp,
+        pp=args.pp,
+        steps=args.steps,
+        hidden=args.hidden,
+        micro_batches=args.micro_batches,
+    )
     from ccld_plugin.harness.faults import injector_for
 
     report = train(cfg, injector_for(dist.get_rank(), world=dist.get_world_size()), args.timeout_s)

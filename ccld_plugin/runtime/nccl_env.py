@@ -44,8 +44,10 @@ def nccl_plugin_path() -> str:
     if found:
         return str(found[0].resolve())
     dirs = ", ".join(ccld_plugin.__path__)
-    raise FileNotFoundError(f"{LIBRARY_NAME} not found in the ccld_plugin package ({dirs}); "
-                            "reinstall ccld-plugin with its native part")
+    raise FileNotFoundError(
+        f"{LIBRARY_NAME} not found in the ccld_plugin package ({dirs}); "
+        "reinstall ccld-plugin with its native part"
+    )
 
 
 def enable_nccl_profiler_env(env: MutableMapping[str, str] | None = None) -> str:
@@ -66,8 +68,9 @@ def enable_nccl_profiler_env(env: MutableMapping[str, str] | None = None) -> str
     current = target.get(ENV_VAR)
     if current:
         if Path(current).name != LIBRARY_NAME:
-            _log.info("%s=%s is kept: NCCL channel progress will not reach the board",
-                      ENV_VAR, current)
+            _log.info(
+                "%s=%s is kept: NCCL channel progress will not reach the board", ENV_VAR, current
+            )
         return current
     path = nccl_plugin_path()
     target[ENV_VAR] = path

@@ -56,19 +56,28 @@ class Services:
         return None if clock is None else clock.job_seconds(mono_ns)
 
 
-def start(cfg: CcldConfig, rank: int, world: int, job: str, board_path: Path, tracer: Any,
-          started_ns: int) -> Services:
+def start(
+    cfg: CcldConfig, rank: int, world: int, job: str, board_path: Path, tracer: Any, started_ns: int
+) -> Services:
     """Start the agent (and on the diagnoser rank, the diagnoser) of a rank."""
     control = ControlPlane(cfg.control, rank, world, job, cfg.diagnoser.rank)
     steps = StepClock()
     timeout = cfg.control.connect_timeout_s
     diag = None
     if rank == cfg.diagnoser.rank:
-        diag = DiagnoserService(cfg, control.connect(), world, started_ns,
-                                build_sinks(cfg.sinks))
+        diag = DiagnoserService(cfg, control.connect(), world, started_ns, build_sinks(cfg.sinks))
         diag.start()
-    agent = Agent(cfg.agent, control, board_path, rank, socket.gethostname(), os.getpid(),
-                  tracer, steps, timeout + 5)
+    agent = Agent(
+        cfg.agent,
+        control,
+        board_path,
+        rank,
+        socket.gethostname(),
+        os.getpid(),
+        tracer,
+        steps,
+        timeout + 5,
+    )
     agent.start()
     return Services(agent, steps, diag)
 
@@ -89,23 +98,29 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def located_by_channels(view: JobView, group: GroupInfo, members: list[int]
-                        ) -> Located | None:
+def located_by_channels(view: JobView, group: GroupInfo, members: list[int]) -> Located | None:
     """Where a hang's channels put it: NCCL wait states first (they say exactly what each
     step waits for), then the TCP connections."""
     return nccl_evidence(view, group, members) or channel_evidence(view, group, members)
 
 
 class DiagnoserService:
-    def __init__(self, cfg: CcldConfig, control: ControlPlane, world: int, job_start_ns: int,
-                 sinks: list[Sink]) -> None:
+    def __init__(
+        self,
+        cfg: CcldConfig,
+        control: ControlPlane,
+        world: int,
+        job_start_ns: int,
+        sinks: list[Sink],
+    ) -> None:
         self.cfg = cfg
         self.control = control
         self.world = world
         self.job_start_ns = job_start_ns
         self.sinks = sinks
-        self.diagnoser = Diagnoser(cfg.diagnoser, cfg.agent.interval_s,
-                                   channel_evidence=located_by_channels)
+        self.diagnoser = Diagnoser(
+            cfg.diagnoser, cfg.agent.interval_s, channel_evidence=located_by_channels
+        )
         self.verdicts: list[Verdict] = []
         self._tables: dict[int, tuple[int, list[GroupInfo]]] = {}
         self._topology: Topology | None = None  # of the tables, until one of them changes
@@ -207,11 +222,20 @@ class DiagnoserService:
         tables = {r: t for r, (_, t) in self._tables.items() if r in summaries}
         if self._topology is None or self._topology_ranks != len(tables):
             self._topology, self._topology_ranks = topology_of(tables), len(tables)
-        gone = {r for r, s in summaries.items() if s.host == self._host and not s.exited
-                and not _alive(s.pid)}
-        return JobView(summaries=summaries, tables=tables, now_ns=time.monotonic_ns(),
-                       job_start_ns=self.job_start_ns, world=self.world, gone=gone,
-                       topology=self._topology)
+        gone = {
+            r
+            for r, s in summaries.items()
+            if s.host == self._host and not s.exited and not _alive(s.pid)
+        }
+        return JobView(
+            summaries=summaries,
+            tables=tables,
+            now_ns=time.monotonic_ns(),
+            job_start_ns=self.job_start_ns,
+            world=self.world,
+            gone=gone,
+            topology=self._topology,
+        )
 
 
 def _alive(pid: int) -> bool:

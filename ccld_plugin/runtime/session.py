@@ -91,8 +91,11 @@ def enable(config: ConfigSource = None, overrides: Iterable[str] = ()) -> Sessio
     disables it or the process group is not initialized yet (setup then completes right
     after ``init_process_group``). Bad config raises :class:`ConfigError`; any other
     failure is contained and training runs untraced."""
-    cfg = config if isinstance(config, CcldConfig) and not overrides else load_config(
-        config, overrides)
+    cfg = (
+        config
+        if isinstance(config, CcldConfig) and not overrides
+        else load_config(config, overrides)
+    )
     if not cfg.enabled:
         return None
     if cfg.nccl_profiler:  # NCCL reads it once, at its first communicator: set it early
@@ -122,9 +125,17 @@ def _start(cfg: CcldConfig) -> Session:
     rank, world = dist.get_rank(), dist.get_world_size()
     path = board_path(cfg, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    board = _native.Board(str(path), rank, world, job_name(cfg), socket.gethostname(),
-                          cfg.board.ring_size, cfg.board.max_groups, cfg.board.max_channels,
-                          max(4 * world, 4096))
+    board = _native.Board(
+        str(path),
+        rank,
+        world,
+        job_name(cfg),
+        socket.gethostname(),
+        cfg.board.ring_size,
+        cfg.board.max_groups,
+        cfg.board.max_channels,
+        max(4 * world, 4096),
+    )
     errors.on_error(board.count_error)
     tracer = Tracer(board, rank, cfg.tracer.poll_interval_ms / 1000.0)
     tracer.register_group(None, "world")
@@ -138,8 +149,9 @@ def _start(cfg: CcldConfig) -> Session:
     # imported here: it needs the store, the tracer does not
     from ccld_plugin.runtime import services
 
-    _session.services = services.start(cfg, rank, world, job_name(cfg), path, tracer,
-                                       _session.started_ns)
+    _session.services = services.start(
+        cfg, rank, world, job_name(cfg), path, tracer, _session.started_ns
+    )
     log.info("ccld: tracing rank %d of %d, board %s", rank, world, path)
     return _session
 

@@ -228,8 +228,9 @@ class Tracer:
         if entry is not None:
             new_role = more_specific(entry.info.role, role)
             if new_role != entry.info.role:
-                entry.info = self.topology.add(GroupInfo(entry.info.group_id, new_role,
-                                                         entry.info.ranks))
+                entry.info = self.topology.add(
+                    GroupInfo(entry.info.group_id, new_role, entry.info.ranks)
+                )
                 self.board.set_group_role(entry.slot, role_index(entry.info.role))
             return entry
         ranks = tuple(dist.get_process_group_ranks(pg))
@@ -237,8 +238,9 @@ class Tracer:
             return None
         gid = group_id_of(ranks)
         info = self.topology.add(GroupInfo(gid, role, ranks))
-        slot = self.board.register_group(gid, role_index(info.role), list(ranks),
-                                         ranks.index(self.rank))
+        slot = self.board.register_group(
+            gid, role_index(info.role), list(ranks), ranks.index(self.rank)
+        )
         if slot < 0:
             raise RuntimeError("board group table is full; raise board.max_groups")
         # The same ranks may already be on the board under another role: keep the best.
@@ -309,8 +311,9 @@ class Tracer:
         def traced(*args: Any, **kwargs: Any) -> Any:
             if local.busy:  # part of a traced op that is already on the board
                 if local.coalesced_index >= 0:
-                    _add_coalesced_bytes(board, local, args, kwargs, tensor_at, tensor_name,
-                                         is_list)
+                    _add_coalesced_bytes(
+                        board, local, args, kwargs, tensor_at, tensor_name, is_list
+                    )
                 return orig(*args, **kwargs)
             try:
                 if self.before_op is not None:
@@ -320,7 +323,8 @@ class Tracer:
                 if e is None:
                     return orig(*args, **kwargs)
                 asked_async = has_async and bool(
-                    args[async_at] if len(args) > async_at else kwargs.get("async_op", False))
+                    args[async_at] if len(args) > async_at else kwargs.get("async_op", False)
+                )
                 cuda = e.cuda or (e.mixed and _first_is_cuda(args))
                 flags = (FLAG_ASYNC if asked_async else 0) | (FLAG_CUDA if cuda else 0)
                 if tensor_at is None:
@@ -371,13 +375,15 @@ class Tracer:
                 e = self._entries.get(group) or self.entry(group)
                 if e is None:
                     return orig(*args, **kwargs)
-                peer = _peer_rank(group, _arg(args, kwargs, 1, peer_kw),
-                                  _arg(args, kwargs, 4, group_peer_kw))
+                peer = _peer_rank(
+                    group, _arg(args, kwargs, 1, peer_kw), _arg(args, kwargs, 4, group_peer_kw)
+                )
                 tensor = _arg(args, kwargs, 0, "tensor")
                 cuda = e.cuda or (e.mixed and tensor.is_cuda)
                 seq = self._next_p2p_seq(e.slot, peer, sends)
-                index = board.enter_p2p(e.slot, code, flag | (FLAG_CUDA if cuda else 0),
-                                        _nbytes(tensor), peer, seq)
+                index = board.enter_p2p(
+                    e.slot, code, flag | (FLAG_CUDA if cuda else 0), _nbytes(tensor), peer, seq
+                )
             except Exception as exc:  # noqa: BLE001
                 report_error(f"tracer.{name}", exc)
                 return orig(*args, **kwargs)
@@ -418,12 +424,17 @@ class Tracer:
                     peer = _peer_rank(op.group, op.peer, getattr(op, "group_peer", None))
                     op_cuda = e.cuda or (e.mixed and op.tensor.is_cuda)
                     cuda = cuda or op_cuda
-                    flags = FLAG_P2P | FLAG_ASYNC | (FLAG_SEND if sends else 0) | (
-                        FLAG_CUDA if op_cuda else 0)
+                    flags = (
+                        FLAG_P2P
+                        | FLAG_ASYNC
+                        | (FLAG_SEND if sends else 0)
+                        | (FLAG_CUDA if op_cuda else 0)
+                    )
                     code = OP_CODES["isend" if sends else "irecv"]
                     seq = self._next_p2p_seq(e.slot, peer, sends)
-                    indices.append(board.enter_p2p(e.slot, code, flags, _nbytes(op.tensor),
-                                                   peer, seq))
+                    indices.append(
+                        board.enter_p2p(e.slot, code, flags, _nbytes(op.tensor), peer, seq)
+                    )
             except Exception as exc:  # noqa: BLE001
                 report_error("tracer.batch_isend_irecv", exc)
                 return orig(p2p_op_list)
@@ -459,8 +470,11 @@ class Tracer:
                 return
             try:
                 e = self._entries.get(group) or self.entry(group)
-                index = -1 if e is None else board.enter(
-                    e.slot, code, FLAG_ASYNC if async_ops else 0, 0)
+                index = (
+                    -1
+                    if e is None
+                    else board.enter(e.slot, code, FLAG_ASYNC if async_ops else 0, 0)
+                )
             except Exception as exc:  # noqa: BLE001
                 report_error("tracer._coalescing_manager", exc)
                 index = -1
@@ -555,11 +569,19 @@ def _peer_rank(group: Any, peer: int | None, group_peer: int | None) -> int:
     return NO_RANK
 
 
-def _add_coalesced_bytes(board: Any, local: _Local, args: tuple, kwargs: dict,
-                         tensor_at: int | None, tensor_name: str, is_list: bool) -> None:
+def _add_coalesced_bytes(
+    board: Any,
+    local: _Local,
+    args: tuple,
+    kwargs: dict,
+    tensor_at: int | None,
+    tensor_name: str,
+    is_list: bool,
+) -> None:
     try:
-        board.add_bytes(local.coalesced_index,
-                        _op_bytes(args, kwargs, tensor_at, tensor_name, is_list))
+        board.add_bytes(
+            local.coalesced_index, _op_bytes(args, kwargs, tensor_at, tensor_name, is_list)
+        )
     except Exception as exc:  # noqa: BLE001
         report_error("tracer.coalesced", exc)
 

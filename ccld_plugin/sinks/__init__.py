@@ -29,8 +29,9 @@ def build_sinks(cfg: SinksConfig) -> list[Sink]:
         sinks.append(ConsoleSink())
     if cfg.jsonl:
         path = Path(cfg.jsonl)
-        sinks.append(JsonlSink(path / "verdicts.jsonl" if path.is_dir() or not path.suffix
-                               else path))
+        sinks.append(
+            JsonlSink(path / "verdicts.jsonl" if path.is_dir() or not path.suffix else path)
+        )
     if cfg.wandb.enabled:
         try:
             # Imported here: the module never imports wandb itself, but the sink is

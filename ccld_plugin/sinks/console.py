@@ -9,8 +9,13 @@ from ccld_plugin.diagnose.records import Verdict
 
 __all__ = ["ConsoleSink", "render_verdict"]
 
-_STYLE = {"hang": "bold red", "deadlock": "bold red", "mismatch": "bold magenta",
-          "unresponsive": "bold red", "slow": "bold yellow"}
+_STYLE = {
+    "hang": "bold red",
+    "deadlock": "bold red",
+    "mismatch": "bold magenta",
+    "unresponsive": "bold red",
+    "slow": "bold yellow",
+}
 
 
 def render_verdict(v: dict) -> Text:
@@ -19,14 +24,16 @@ def render_verdict(v: dict) -> Text:
     where = f" in {g['role']}{g['ranks']}" if g else ""
     what = f" at {v['op']}" if v.get("op") else ""
     sev = v.get("severity")
-    sev_txt = (f", {sev}x slower" if v["kind"] == "slow" and sev else "")
+    sev_txt = f", {sev}x slower" if v["kind"] == "slow" and sev else ""
     link = f", link {v['link'][0]}<->{v['link'][1]}" if v.get("link") else ""
     onset = f"onset {v['onset_s']:.1f}s, " if v.get("onset_s") is not None else ""
     text = Text()
     text.append(f"[ccld] {v['kind'].upper()} ", style=_STYLE.get(v["kind"], "bold"))
-    text.append(f"{v['cause']}-bound: rank{'s' if len(v['ranks']) > 1 else ''} "
-                f"{', '.join(map(str, v['ranks']))}{where}{what}{link}{sev_txt} "
-                f"(step {v.get('step')}, {onset}detected {v.get('detected_s', 0):.1f}s)")
+    text.append(
+        f"{v['cause']}-bound: rank{'s' if len(v['ranks']) > 1 else ''} "
+        f"{', '.join(map(str, v['ranks']))}{where}{what}{link}{sev_txt} "
+        f"(step {v.get('step')}, {onset}detected {v.get('detected_s', 0):.1f}s)"
+    )
     for line in v.get("evidence", []):
         text.append(f"\n    - {line}", style="dim")
     for frame in (v.get("stack") or [])[-4:]:

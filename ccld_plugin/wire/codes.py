@@ -40,20 +40,43 @@ __all__ = [
 
 # enum ccld_op
 OP_NAMES: dict[int, str] = {
-    0: "unknown", 1: "all_reduce", 2: "all_gather", 3: "all_gather_into_tensor",
-    4: "reduce_scatter", 5: "reduce_scatter_tensor", 6: "broadcast", 7: "reduce",
-    8: "all_to_all", 9: "all_to_all_single", 10: "barrier", 11: "send", 12: "recv",
-    13: "isend", 14: "irecv", 15: "batch_isend_irecv", 16: "coalesced", 17: "gather",
-    18: "scatter", 19: "_all_gather_base", 20: "_reduce_scatter_base",
-    21: "all_reduce_coalesced", 22: "all_gather_coalesced", 23: "monitored_barrier",
-    24: "all_gather_single", 25: "reduce_scatter_single",
+    0: "unknown",
+    1: "all_reduce",
+    2: "all_gather",
+    3: "all_gather_into_tensor",
+    4: "reduce_scatter",
+    5: "reduce_scatter_tensor",
+    6: "broadcast",
+    7: "reduce",
+    8: "all_to_all",
+    9: "all_to_all_single",
+    10: "barrier",
+    11: "send",
+    12: "recv",
+    13: "isend",
+    14: "irecv",
+    15: "batch_isend_irecv",
+    16: "coalesced",
+    17: "gather",
+    18: "scatter",
+    19: "_all_gather_base",
+    20: "_reduce_scatter_base",
+    21: "all_reduce_coalesced",
+    22: "all_gather_coalesced",
+    23: "monitored_barrier",
+    24: "all_gather_single",
+    25: "reduce_scatter_single",
 }
 OP_CODES: dict[str, int] = {v: k for k, v in OP_NAMES.items()}
 
 # enum ccld_op_state
 STATE_EMPTY, STATE_IN_FLIGHT, STATE_DONE, STATE_ERROR = 0, 1, 2, 3
-STATE_NAMES = {STATE_EMPTY: "empty", STATE_IN_FLIGHT: "in_flight", STATE_DONE: "done",
-               STATE_ERROR: "error"}
+STATE_NAMES = {
+    STATE_EMPTY: "empty",
+    STATE_IN_FLIGHT: "in_flight",
+    STATE_DONE: "done",
+    STATE_ERROR: "error",
+}
 
 # enum ccld_op_flags
 FLAG_ASYNC, FLAG_P2P, FLAG_SEND, FLAG_CUDA = 1, 2, 4, 8

@@ -48,16 +48,36 @@ WAIT_ORDER = WAIT_CODES  # the wait codes also rank them: which wait an entry sh
 # size entries side by side let the diagnoser decode every rank's at once (ChannelRows).
 _HEAD = struct.Struct("<BBBHH")
 _ENTRY_FIELDS = (  # (name, struct code); shares are x/255, stalled in 10 ms units
-    ("peer", "i"), ("wait", "B"), ("direction", "B"), ("conns", "B"), ("rtos", "B"),
-    ("sent", "I"), ("received", "I"), ("queued", "I"), ("rtt_us", "I"), ("min_rtt_us", "I"),
-    ("retrans", "H"), ("rwnd", "B"), ("sndbuf", "B"), ("busy", "B"), ("stalled", "H"),
-    ("source", "B"))
+    ("peer", "i"),
+    ("wait", "B"),
+    ("direction", "B"),
+    ("conns", "B"),
+    ("rtos", "B"),
+    ("sent", "I"),
+    ("received", "I"),
+    ("queued", "I"),
+    ("rtt_us", "I"),
+    ("min_rtt_us", "I"),
+    ("retrans", "H"),
+    ("rwnd", "B"),
+    ("sndbuf", "B"),
+    ("busy", "B"),
+    ("stalled", "H"),
+    ("source", "B"),
+)
 _ENTRY = struct.Struct("<" + "".join(code for _, code in _ENTRY_FIELDS))
 _NCCL_WAITS = struct.Struct("<III")  # local, peer and network wait (us)
 _WAIT_FIELDS = ("local_wait_us", "peer_wait_us", "net_wait_us")
 ENTRY_DTYPE = np.dtype([(name, "<" + code) for name, code in _ENTRY_FIELDS])
-ROW_DTYPE = np.dtype([("rank", "<i4"), ("mid_ns", "<i8"), ("interval_s", "<f8"),
-                      *ENTRY_DTYPE.descr, *((w, "<u4") for w in _WAIT_FIELDS)])
+ROW_DTYPE = np.dtype(
+    [
+        ("rank", "<i4"),
+        ("mid_ns", "<i8"),
+        ("interval_s", "<f8"),
+        *ENTRY_DTYPE.descr,
+        *((w, "<u4") for w in _WAIT_FIELDS),
+    ]
+)
 _SOURCE_CODES = {name: code for code, name in SOURCE_NAMES.items()}
 MAX_ENTRIES = 12  # keeps a rank's channel evidence under ~450 bytes per tick
 
@@ -124,18 +144,40 @@ def encode_channels(entries: Iterable[PeerChannel], interval_s: float, conns: in
     """The ``channels`` bytes of a summary (at most MAX_ENTRIES entries, in order)."""
     rows = list(entries)[:MAX_ENTRIES]
     nccl = [e for e in rows if e.source == "nccl"]
-    parts = [_HEAD.pack(CHANNELS_VERSION, len(rows), len(nccl),
-                        min(int(interval_s * 1000), 0xFFFF), min(conns, 0xFFFF))]
+    parts = [
+        _HEAD.pack(
+            CHANNELS_VERSION,
+            len(rows),
+            len(nccl),
+            min(int(interval_s * 1000), 0xFFFF),
+            min(conns, 0xFFFF),
+        )
+    ]
     for e in rows:
-        parts.append(_ENTRY.pack(
-            e.peer, WAIT_CODES[e.wait], DIRECTION_NAMES.index(e.direction), min(e.conns, 255),
-            min(e.rtos, 255), _u32(e.sent), _u32(e.received), _u32(e.queued), _u32(e.rtt_us),
-            _u32(e.min_rtt_us), min(e.retrans, 0xFFFF), _share(e.rwnd_share),
-            _share(e.sndbuf_share), _share(e.busy_share),
-            min(round(e.stalled_s * 100), 0xFFFF), _SOURCE_CODES[e.source]))
+        parts.append(
+            _ENTRY.pack(
+                e.peer,
+                WAIT_CODES[e.wait],
+                DIRECTION_NAMES.index(e.direction),
+                min(e.conns, 255),
+                min(e.rtos, 255),
+                _u32(e.sent),
+                _u32(e.received),
+                _u32(e.queued),
+                _u32(e.rtt_us),
+                _u32(e.min_rtt_us),
+                min(e.retrans, 0xFFFF),
+                _share(e.rwnd_share),
+                _share(e.sndbuf_share),
+                _share(e.busy_share),
+                min(round(e.stalled_s * 100), 0xFFFF),
+                _SOURCE_CODES[e.source],
+            )
+        )
     for e in nccl:
-        parts.append(_NCCL_WAITS.pack(_u32(e.local_wait_us), _u32(e.peer_wait_us),
-                                      _u32(e.net_wait_us)))
+        parts.append(
+            _NCCL_WAITS.pack(_u32(e.local_wait_us), _u32(e.peer_wait_us), _u32(e.net_wait_us))
+        )
     return b"".join(parts)
 
 
@@ -155,22 +197,53 @@ def decode_channels(rank: int, time_ns: int, data: bytes) -> ChannelReport | Non
     if layout is None:
         return None
     n, k, interval_s, conns = layout
-    waits = list(_NCCL_WAITS.iter_unpack(data[_HEAD.size + n * _ENTRY.size:]))
+    waits = list(_NCCL_WAITS.iter_unpack(data[_HEAD.size + n * _ENTRY.size :]))
     entries = []
-    for (peer, wait, direction, nconn, rtos, sent, received, queued, rtt, min_rtt, retrans,
-         rwnd, sndbuf, busy, stalled, source) in _ENTRY.iter_unpack(
-            data[_HEAD.size:_HEAD.size + n * _ENTRY.size]):
+    for (
+        peer,
+        wait,
+        direction,
+        nconn,
+        rtos,
+        sent,
+        received,
+        queued,
+        rtt,
+        min_rtt,
+        retrans,
+        rwnd,
+        sndbuf,
+        busy,
+        stalled,
+        source,
+    ) in _ENTRY.iter_unpack(data[_HEAD.size : _HEAD.size + n * _ENTRY.size]):
         src = "nccl" if source == SOURCE_NCCL else "tcp"
         if src == "nccl" and not waits:
             return None  # more NCCL entries than the head said
         local_w, peer_w, net_w = waits.pop(0) if src == "nccl" else (0, 0, 0)
-        entries.append(PeerChannel(
-            peer=peer, wait=wait_name(wait), direction=DIRECTION_NAMES[direction & 1],
-            conns=nconn, rtos=rtos, sent=sent, received=received, queued=queued, rtt_us=rtt,
-            min_rtt_us=min_rtt, retrans=retrans,
-            rwnd_share=rwnd / 255, sndbuf_share=sndbuf / 255, busy_share=busy / 255,
-            stalled_s=stalled / 100, source=src, local_wait_us=local_w,
-            peer_wait_us=peer_w, net_wait_us=net_w))
+        entries.append(
+            PeerChannel(
+                peer=peer,
+                wait=wait_name(wait),
+                direction=DIRECTION_NAMES[direction & 1],
+                conns=nconn,
+                rtos=rtos,
+                sent=sent,
+                received=received,
+                queued=queued,
+                rtt_us=rtt,
+                min_rtt_us=min_rtt,
+                retrans=retrans,
+                rwnd_share=rwnd / 255,
+                sndbuf_share=sndbuf / 255,
+                busy_share=busy / 255,
+                stalled_s=stalled / 100,
+                source=src,
+                local_wait_us=local_w,
+                peer_wait_us=peer_w,
+                net_wait_us=net_w,
+            )
+        )
     if waits:
         return None
     return ChannelReport(rank, time_ns, interval_s, conns, tuple(entries))
@@ -189,8 +262,9 @@ class ChannelRows:
     def concat(parts: list[ChannelRows]) -> ChannelRows:
         if not parts:
             return channel_rows([])
-        return ChannelRows(np.concatenate([p.reports for p in parts]),
-                           np.concatenate([p.entries for p in parts]))
+        return ChannelRows(
+            np.concatenate([p.reports for p in parts]), np.concatenate([p.entries for p in parts])
+        )
 
     def between(self, t0: int, t1: int) -> ChannelRows:
         """The reports whose interval lies mostly in (t0, t1] and their entries."""
@@ -215,7 +289,7 @@ def channel_rows(summaries: Iterable[RankSummary]) -> ChannelRows:
         reports.append((s.rank, s.time_ns - int(interval_s * 5e8), interval_s))
         counts.append(n)
         nccl_counts.append(k)
-        entry_parts.append(s.channels[_HEAD.size:end])
+        entry_parts.append(s.channels[_HEAD.size : end])
         wait_parts.append(s.channels[end:])
     head = np.array(reports, dtype=_REPORT_DTYPE)
     raw = np.frombuffer(b"".join(entry_parts), ENTRY_DTYPE)

@@ -16,8 +16,18 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["SAMPLE_DTYPE", "ArrivalSample", "GroupProgress", "InFlightOp", "RankSummary",
-           "StepStat", "arrival_samples", "decode_summary", "encode_summary", "encoded_samples"]
+__all__ = [
+    "SAMPLE_DTYPE",
+    "ArrivalSample",
+    "GroupProgress",
+    "InFlightOp",
+    "RankSummary",
+    "StepStat",
+    "arrival_samples",
+    "decode_summary",
+    "encode_summary",
+    "encoded_samples",
+]
 
 SUMMARY_VERSION = 1
 FLAG_EXITED = 1  # the rank left through the plugin's exit path
@@ -99,8 +109,9 @@ _FLIGHT = struct.Struct("<HBBiQQqB")
 # summary under 1 KB.
 _STEP = struct.Struct("<iiII")
 _SAMPLE = struct.Struct("<HIiII")
-SAMPLE_DTYPE = np.dtype([("slot", "<u2"), ("back", "<u4"), ("rel_us", "<i4"),
-                         ("dur_us", "<u4"), ("bytes", "<u4")])  # _SAMPLE's rows, packed
+SAMPLE_DTYPE = np.dtype(
+    [("slot", "<u2"), ("back", "<u4"), ("rel_us", "<i4"), ("dur_us", "<u4"), ("bytes", "<u4")]
+)  # _SAMPLE's rows, packed
 assert SAMPLE_DTYPE.itemsize == _SAMPLE.size
 
 
@@ -116,17 +127,50 @@ def encode_summary(s: RankSummary) -> bytes:
     host = s.host.encode()[:255]
     stack = [f.encode()[:400] for f in s.stack[:32]]
     n_samples = len(s.samples) if s.samples else len(s.sample_rows) // _SAMPLE.size
-    parts = [_HEAD.pack(SUMMARY_VERSION, s.flags, s.rank, s.pid, s.time_ns, s.heartbeat_ns,
-                        s.last_progress_ns, s.step, s.groups_version, _clip32(s.errors),
-                        len(s.groups), len(s.in_flight), len(s.steps), n_samples,
-                        len(stack), len(host), len(s.channels)), host]
-    parts += [_GROUP.pack(g.slot, g.entered_seq, g.completed_seq, _clip32(g.ops),
-                          _clip32(g.blocked_us), g.bytes, _clip32(g.max_dur_us))
-              for g in s.groups]
-    parts += [_FLIGHT.pack(o.slot, o.op, o.flags, o.peer, o.seq, o.bytes, o.enter_ns, o.state)
-              for o in s.in_flight]
-    parts += [_STEP.pack(t.step, _rel_us(t.start_ns, s.time_ns), _clip32(t.step_us),
-                         _clip32(t.compute_us)) for t in s.steps]
+    parts = [
+        _HEAD.pack(
+            SUMMARY_VERSION,
+            s.flags,
+            s.rank,
+            s.pid,
+            s.time_ns,
+            s.heartbeat_ns,
+            s.last_progress_ns,
+            s.step,
+            s.groups_version,
+            _clip32(s.errors),
+            len(s.groups),
+            len(s.in_flight),
+            len(s.steps),
+            n_samples,
+            len(stack),
+            len(host),
+            len(s.channels),
+        ),
+        host,
+    ]
+    parts += [
+        _GROUP.pack(
+            g.slot,
+            g.entered_seq,
+            g.completed_seq,
+            _clip32(g.ops),
+            _clip32(g.blocked_us),
+            g.bytes,
+            _clip32(g.max_dur_us),
+        )
+        for g in s.groups
+    ]
+    parts += [
+        _FLIGHT.pack(o.slot, o.op, o.flags, o.peer, o.seq, o.bytes, o.enter_ns, o.state)
+        for o in s.in_flight
+    ]
+    parts += [
+        _STEP.pack(
+            t.step, _rel_us(t.start_ns, s.time_ns), _clip32(t.step_us), _clip32(t.compute_us)
+        )
+        for t in s.steps
+    ]
     parts.append(encoded_samples(s))
     for f in stack:
         parts += [struct.pack("<H", len(f)), f]
@@ -138,8 +182,25 @@ def decode_summary(data: bytes) -> RankSummary:
     """Inverse of :func:`encode_summary`. Raises ValueError on a foreign or corrupt value."""
     if len(data) < _HEAD.size or data[0] != SUMMARY_VERSION:
         raise ValueError("not a ccld summary of this version")
-    (_, flags, rank, pid, time_ns, hb, progress, step, gver, errors, ng, nf, nst, nsa, nstack,
-     nhost, nchan) = _HEAD.unpack_from(data)
+    (
+        _,
+        flags,
+        rank,
+        pid,
+        time_ns,
+        hb,
+        progress,
+        step,
+        gver,
+        errors,
+        ng,
+        nf,
+        nst,
+        nsa,
+        nstack,
+        nhost,
+        nchan,
+    ) = _HEAD.unpack_from(data)
     off = _HEAD.size
     host = data[off : off + nhost].decode(errors="replace")
     off += nhost
@@ -152,8 +213,10 @@ def decode_summary(data: bytes) -> RankSummary:
 
     groups = [GroupProgress(*r) for r in table(_GROUP, ng)]
     flights = [InFlightOp(*r) for r in table(_FLIGHT, nf)]
-    steps = [StepStat(step, time_ns + rel * 1000, st_us, c_us)
-             for step, rel, st_us, c_us in table(_STEP, nst)]
+    steps = [
+        StepStat(step, time_ns + rel * 1000, st_us, c_us)
+        for step, rel, st_us, c_us in table(_STEP, nst)
+    ]
     sample_rows = bytes(data[off : off + _SAMPLE.size * nsa])
     off += _SAMPLE.size * nsa
     stack = []
@@ -164,10 +227,24 @@ def decode_summary(data: bytes) -> RankSummary:
     channels = bytes(data[off : off + nchan])
     if off + nchan != len(data):
         raise ValueError("corrupt ccld summary (length mismatch)")
-    return RankSummary(rank=rank, pid=pid, host=host, time_ns=time_ns, heartbeat_ns=hb,
-                       step=step, last_progress_ns=progress, groups_version=gver, flags=flags,
-                       errors=errors, groups=groups, in_flight=flights, steps=steps,
-                       stack=stack, channels=channels, sample_rows=sample_rows)
+    return RankSummary(
+        rank=rank,
+        pid=pid,
+        host=host,
+        time_ns=time_ns,
+        heartbeat_ns=hb,
+        step=step,
+        last_progress_ns=progress,
+        groups_version=gver,
+        flags=flags,
+        errors=errors,
+        groups=groups,
+        in_flight=flights,
+        steps=steps,
+        stack=stack,
+        channels=channels,
+        sample_rows=sample_rows,
+    )
 
 
 def encoded_samples(s: RankSummary) -> bytes:
@@ -177,9 +254,16 @@ def encoded_samples(s: RankSummary) -> bytes:
     if not s.samples:
         return s.sample_rows
     completed = {g.slot: g.completed_seq for g in s.groups}
-    return b"".join(_SAMPLE.pack(a.slot, _clip32(completed.get(a.slot, a.seq) - a.seq),
-                                 _rel_us(a.enter_ns, s.time_ns), _clip32(a.dur_us),
-                                 _clip32(a.bytes)) for a in s.samples)
+    return b"".join(
+        _SAMPLE.pack(
+            a.slot,
+            _clip32(completed.get(a.slot, a.seq) - a.seq),
+            _rel_us(a.enter_ns, s.time_ns),
+            _clip32(a.dur_us),
+            _clip32(a.bytes),
+        )
+        for a in s.samples
+    )
 
 
 def arrival_samples(s: RankSummary) -> list[ArrivalSample]:
@@ -187,5 +271,7 @@ def arrival_samples(s: RankSummary) -> list[ArrivalSample]:
     if s.samples or not s.sample_rows:
         return list(s.samples)
     completed = {g.slot: g.completed_seq for g in s.groups}
-    return [ArrivalSample(slot, completed.get(slot, 0) - back, s.time_ns + rel * 1000, d, b)
-            for slot, back, rel, d, b in _SAMPLE.iter_unpack(s.sample_rows)]
+    return [
+        ArrivalSample(slot, completed.get(slot, 0) - back, s.time_ns + rel * 1000, d, b)
+        for slot, back, rel, d, b in _SAMPLE.iter_unpack(s.sample_rows)
+    ]

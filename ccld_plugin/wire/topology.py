@@ -17,7 +17,18 @@ __all__ = ["GROUP_ROLES", "GroupInfo", "Topology", "group_id_of", "role_index", 
 
 # Order is part of the board format (the role index is written to the board).
 GROUP_ROLES: tuple[str, ...] = (
-    "other", "world", "tp", "pp", "dp", "ep", "etp", "cp", "dp_cp", "embd", "pos_embd", "mp",
+    "other",
+    "world",
+    "tp",
+    "pp",
+    "dp",
+    "ep",
+    "etp",
+    "cp",
+    "dp_cp",
+    "embd",
+    "pos_embd",
+    "mp",
 )
 _ROLE_INDEX = {name: i for i, name in enumerate(GROUP_ROLES)}
 # A group that is registered twice keeps the more specific role.

@@ -44,33 +44,58 @@ from ccld_plugin.harness.faults.deepspeed import attach_faults
 HERE = Path(__file__).resolve().parent
 # DeepSpeed calls torch's all_gather_into_tensor, deprecated in torch 2.13: one notice per
 # rank that the user cannot act on.
-warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated",
-                        category=FutureWarning)
+warnings.filterwarnings(
+    "ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning
+)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--deepspeed_config", "--deepspeed-config", type=Path,
-                   default=HERE / "ds_config.json")
-    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3),
-                   help="override zero_optimization.stage of the config")
+    p.add_argument(
+        "--deepspeed_config", "--deepspeed-config", type=Path, default=HERE / "ds_config.json"
+    )
+    p.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=(0, 1, 2, 3),
+        help="override zero_optimization.stage of the config",
+    )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--moe", action="store_true", help="add an MoE layer, expert parallel 2")
-    p.add_argument("--sp", type=int, default=1,
-                   help="sequence_parallel_size: DeepSpeed builds a DP x SP mesh (the MLP "
-                        "does not split sequences; this shows the groups)")
-    p.add_argument("--install", choices=("wrap", "late", "enable-first"), default="wrap",
-                   help="wrap: ccld_plugin.deepspeed.initialize; late: deepspeed.initialize "
-                        "then install(engine); enable-first: ccld_plugin.enable() before "
-                        "deepspeed.initialize, then install(engine), as a launcher would")
-    p.add_argument("--ccld-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="merged into the config's \"ccld\" block")
-    p.add_argument("--comms-logger-every", type=int, default=0, metavar="N",
-                   help="baseline: enable DeepSpeed's comms logger and print its straggler "
-                        "summary every N steps (every rank must call it: it barriers)")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=-1,
-                   help="set by the deepspeed launcher")
+    p.add_argument(
+        "--sp",
+        type=int,
+        default=1,
+        help="sequence_parallel_size: DeepSpeed builds a DP x SP mesh (the MLP "
+        "does not split sequences; this shows the groups)",
+    )
+    p.add_argument(
+        "--install",
+        choices=("wrap", "late", "enable-first"),
+        default="wrap",
+        help="wrap: ccld_plugin.deepspeed.initialize; late: deepspeed.initialize "
+        "then install(engine); enable-first: ccld_plugin.enable() before "
+        "deepspeed.initialize, then install(engine), as a launcher would",
+    )
+    p.add_argument(
+        "--ccld-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help='merged into the config\'s "ccld" block',
+    )
+    p.add_argument(
+        "--comms-logger-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="baseline: enable DeepSpeed's comms logger and print its straggler "
+        "summary every N steps (every rank must call it: it barriers)",
+    )
+    p.add_argument(
+        "--local_rank", "--local-rank", type=int, default=-1, help="set by the deepspeed launcher"
+    )
     return p.parse_args(argv)
 
 
@@ -88,16 +113,25 @@ class TinyModel(torch.nn.Module):
     def __init__(self, hidden: int, moe: bool) -> None:
         super().__init__()
         self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(),
-                                torch.nn.Linear(4 * hidden, hidden)) for _ in range(2))
+            torch.nn.Sequential(
+                torch.nn.Linear(hidden, 4 * hidden),
+                torch.nn.GELU(),
+                torch.nn.Linear(4 * hidden, hidden),
+            )
+            for _ in range(2)
+        )
         self.moe = None
         if moe:
             from deepspeed.moe.layer import MoE
 
-            expert = torch.nn.Sequential(torch.nn.Linear(hidden, 2 * hidden), torch.nn.GELU(),
-                                         torch.nn.Linear(2 * hidden, hidden))
-            self.moe = MoE(hidden, expert, num_experts=4, ep_size=2, k=1,
-                           min_capacity=4, drop_tokens=False)
+            expert = torch.nn.Sequential(
+                torch.nn.Linear(hidden, 2 * hidden),
+                torch.nn.GELU(),
+                torch.nn.Linear(2 * hidden, hidden),
+            )
+            self.moe = MoE(
+                hidden, expert, num_experts=4, ep_size=2, k=1, min_capacity=4, drop_tokens=False
+            )
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         aux = x.new_zeros(())
@@ -128,7 +162,8 @@ def model_parameters(model: torch.nn.Module) -> Any:
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     return split_params_into_different_moe_groups_for_optimizer(
-        {"params": list(model.parameters()), "name": "params"})
+        {"params": list(model.parameters()), "name": "params"}
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -158,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.manual_seed(1234 + rank)  # each rank its own data; the target map is shared
     target = torch.Generator().manual_seed(42)
-    w_true = torch.randn(args.hidden, args.hidden, generator=target) / args.hidden ** 0.5
+    w_true = torch.randn(args.hidden, args.hidden, generator=target) / args.hidden**0.5
     batch = engine.train_micro_batch_size_per_gpu()
     dtype = next(p for p in engine.module.parameters()).dtype
     t_start = time.perf_counter()
@@ -173,18 +208,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine.step()
         loss_value = float(loss.detach())
         if rank == 0:
-            print(f"step {step + 1}/{args.steps} | loss {loss_value:.6f} | "
-                  f"{(time.perf_counter() - t0) * 1000:.1f} ms", flush=True)
+            print(
+                f"step {step + 1}/{args.steps} | loss {loss_value:.6f} | "
+                f"{(time.perf_counter() - t0) * 1000:.1f} ms",
+                flush=True,
+            )
         if args.comms_logger_every and (step + 1) % args.comms_logger_every == 0:
             if rank == 0:
-                print("COMMSLOG " + json.dumps({"step": step + 1, "wall_time": time.time()}),
-                      flush=True)
+                print(
+                    "COMMSLOG " + json.dumps({"step": step + 1, "wall_time": time.time()}),
+                    flush=True,
+                )
             deepspeed.comm.log_summary(show_straggler=True)
             sys.stdout.flush()
-    result = {"rank": rank, "world": world, "steps": args.steps, "loss": loss_value,
-              "zero_stage": engine.zero_optimization_stage(), "ccld": hooks is not None,
-              "traced": dist.all_reduce.__module__ == "ccld_plugin.runtime.tracer",
-              "seconds": round(time.perf_counter() - t_start, 3)}
+    result = {
+        "rank": rank,
+        "world": world,
+        "steps": args.steps,
+        "loss": loss_value,
+        "zero_stage": engine.zero_optimization_stage(),
+        "ccld": hooks is not None,
+        "traced": dist.all_reduce.__module__ == "ccld_plugin.runtime.tracer",
+        "seconds": round(time.perf_counter() - t_start, 3),
+    }
     print("result " + json.dumps(result), flush=True)
     dist.barrier()
     return 0

@@ -39,9 +39,20 @@ OPS = 5
 
 
 class Stats(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_uint64) for name in (
-        "comms", "traced", "untraced", "trace_mismatch", "foreign_ops", "dropped", "no_board",
-        "live_events", "live_channels")]
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in (
+            "comms",
+            "traced",
+            "untraced",
+            "trace_mismatch",
+            "foreign_ops",
+            "dropped",
+            "no_board",
+            "live_events",
+            "live_channels",
+        )
+    ]
 
 
 def main(out: Path) -> int:
@@ -55,12 +66,21 @@ def main(out: Path) -> int:
     os.environ.setdefault("MASTER_PORT", "29533")
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1)
-    session = ccld_plugin.enable(overrides=[
-        "nccl_profiler=true", f"board.dir={out / 'boards'}", "board.cleanup=false",
-        "job=gpu-check", "sinks.console=false"])
-    result: dict = {"env": os.environ.get("NCCL_PROFILER_PLUGIN"),
-                    "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-                    "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}
+    session = ccld_plugin.enable(
+        overrides=[
+            "nccl_profiler=true",
+            f"board.dir={out / 'boards'}",
+            "board.cleanup=false",
+            "job=gpu-check",
+            "sinks.console=false",
+        ]
+    )
+    result: dict = {
+        "env": os.environ.get("NCCL_PROFILER_PLUGIN"),
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0),
+    }
     x = torch.ones(1 << 20, device="cuda")
     for _ in range(OPS):
         dist.all_reduce(x)
@@ -81,7 +101,8 @@ def main(out: Path) -> int:
     checks = {
         "plugin loaded by NCCL": result["env"] == nccl_plugin_path() and stats.comms >= 1,
         "comm bound to the world group": any(groups[i] == world_id for i in range(min(n, 8))),
-        "every all-reduce traced": stats.traced >= OPS and stats.untraced == 0
+        "every all-reduce traced": stats.traced >= OPS
+        and stats.untraced == 0
         and stats.trace_mismatch == 0,
         "nothing dropped": stats.dropped == 0 and stats.no_board == 0,
         "no channel record left": result["board_channels_left"] == 0,

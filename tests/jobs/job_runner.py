@@ -19,18 +19,28 @@ class JobResult:
 
     def json_lines(self, rank: int, tag: str) -> list:
         """Lines ``<tag> <json>`` that a rank printed."""
-        return [json.loads(line[len(tag) + 1 :]) for line in self.logs[rank].splitlines()
-                if line.startswith(tag + " ")]
+        return [
+            json.loads(line[len(tag) + 1 :])
+            for line in self.logs[rank].splitlines()
+            if line.startswith(tag + " ")
+        ]
 
     def check(self) -> JobResult:
         bad = {r: c for r, c in enumerate(self.codes) if c != 0}
         assert not bad, f"ranks exited badly {bad}:\n" + "\n".join(
-            f"--- rank {r}\n{self.logs[r][-3000:]}" for r in bad)
+            f"--- rank {r}\n{self.logs[r][-3000:]}" for r in bad
+        )
         return self
 
 
-def run_job(script: str, world: int, out: Path, args: tuple[str, ...] = (),
-            env: dict[str, str] | None = None, timeout_s: float = 120.0) -> JobResult:
+def run_job(
+    script: str,
+    world: int,
+    out: Path,
+    args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    timeout_s: float = 120.0,
+) -> JobResult:
     target = ["-m", script] if script.startswith("ccld_plugin.") else [str(SCRIPTS / script)]
     job = LocalJob(world=world, argv=[*target, *args], log_dir=out / "logs", env=env or {})
     job.start()
@@ -38,5 +48,6 @@ def run_job(script: str, world: int, out: Path, args: tuple[str, ...] = (),
     codes = job.stop()
     logs = [(out / "logs" / f"rank{r}.log").read_text(errors="replace") for r in range(world)]
     assert finished, f"job {script} did not finish in {timeout_s}s:\n" + "\n".join(
-        f"--- rank {r}\n{log[-2000:]}" for r, log in enumerate(logs))
+        f"--- rank {r}\n{log[-2000:]}" for r, log in enumerate(logs)
+    )
     return JobResult(codes, logs, out)

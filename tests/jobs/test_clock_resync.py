@@ -15,8 +15,7 @@ from ccld_plugin.harness.launch import free_port
 from ccld_plugin.sinks.jsonl import read_verdicts
 
 
-def test_epoch_timestamps_give_the_offset_and_old_ones_go(monkeypatch: pytest.MonkeyPatch
-                                                         ) -> None:
+def test_epoch_timestamps_give_the_offset_and_old_ones_go(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     cfg = ControlConfig(store="dedicated", port=free_port(), connect_timeout_s=10)
     diag = ControlPlane(cfg, 0, 2, "clk-test", 0)

@@ -18,8 +18,12 @@ from ccld_plugin.board.reader import BoardReader, board_files
 from ccld_plugin.harness.demo import DemoOptions, run_demo
 from ccld_plugin.harness.faults import netns
 
-FAST = ["diagnoser.hang_min_s=3", "agent.stack_after_s=1", "agent.interval_s=0.5",
-        "diagnoser.unresponsive_s=4"]
+FAST = [
+    "diagnoser.hang_min_s=3",
+    "agent.stack_after_s=1",
+    "agent.interval_s=0.5",
+    "diagnoser.unresponsive_s=4",
+]
 # Tests of slowness keep the default hang floor: on a loaded 2-core host a first step can
 # keep the other ranks waiting 3 s, which the short floor of the hang tests would flag.
 NO_SHORT_HANGS = ("diagnoser.hang_min_s=10",)
@@ -38,14 +42,31 @@ def _ours() -> list[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
     names = [ln.split()[0] for ln in out.stdout.splitlines()]
     return [f"state file {r}.json" for r in runs] + [
-        n for n in names if any(n.startswith(f"{netns.PREFIX}{r}-") for r in runs)]
+        n for n in names if any(n.startswith(f"{netns.PREFIX}{r}-") for r in runs)
+    ]
 
 
-def demo(tmp_path: Path, tp: int, pp: int, steps: int, *faults: str,
-         framework: str = "torch", extra: tuple[str, ...] = ()) -> tuple[int, dict]:
-    opts = DemoOptions(framework=framework, world=4, tp=tp, pp=pp, steps=steps,
-                       faults=list(faults), out=tmp_path / "out", overrides=[*FAST, *extra],
-                       timeout_s=150, netns=True)
+def demo(
+    tmp_path: Path,
+    tp: int,
+    pp: int,
+    steps: int,
+    *faults: str,
+    framework: str = "torch",
+    extra: tuple[str, ...] = (),
+) -> tuple[int, dict]:
+    opts = DemoOptions(
+        framework=framework,
+        world=4,
+        tp=tp,
+        pp=pp,
+        steps=steps,
+        faults=list(faults),
+        out=tmp_path / "out",
+        overrides=[*FAST, *extra],
+        timeout_s=150,
+        netns=True,
+    )
     code = run_demo(opts)
     assert _ours() == [], "the run left its network behind"
     return code, json.loads((tmp_path / "out" / "summary.json").read_text())
@@ -60,8 +81,7 @@ def only(summary: dict, kind: str, cause: str) -> dict:
 def test_comm_slow_on_one_rank_of_dp4(tmp_path: Path) -> None:
     # One DP group, no sibling group to compare bandwidth with: the channel evidence
     # (ring links 1->0 and 2->1 slow, 0->3 and 3->2 not) names the rank.
-    code, summary = demo(tmp_path, 1, 1, 14, "comm-slow@1:rate=50mbit,step=3",
-                         extra=NO_SHORT_HANGS)
+    code, summary = demo(tmp_path, 1, 1, 14, "comm-slow@1:rate=50mbit,step=3", extra=NO_SHORT_HANGS)
     v = only(summary, "slow", "communication")
     assert (v["ranks"], v["link"], v["group"]["role"]) == ([1], None, "dp")
     assert any("every slow link has rank 1" in e for e in v["evidence"])
@@ -77,8 +97,15 @@ def test_comm_slow_on_one_rank_of_tp2_pp2_megatron(tmp_path: Path) -> None:
     # Megatron GPT (the demo's default), rank 1: TP peer 0, PP peer 3. Both of its links
     # are slow, its TP sibling 2<->3 and PP sibling 0<->2 are not. (At 50 Mbit/s on a busy
     # host its small PP flows may not stand out: the verdict then names the link 0<->1.)
-    code, summary = demo(tmp_path, 2, 2, 16, "comm-slow@1:rate=20mbit,step=3",
-                         framework="megatron", extra=NO_SHORT_HANGS)
+    code, summary = demo(
+        tmp_path,
+        2,
+        2,
+        16,
+        "comm-slow@1:rate=20mbit,step=3",
+        framework="megatron",
+        extra=NO_SHORT_HANGS,
+    )
     v = only(summary, "slow", "communication")
     assert (v["ranks"], v["link"]) == ([1], None)
     assert v["group"]["role"] in ("tp", "pp") and 1 in v["group"]["ranks"]
@@ -99,8 +126,15 @@ def test_comm_hang_names_the_rank_whose_link_is_cut(tmp_path: Path) -> None:
 
 
 def test_compute_slow_and_comm_slow_on_different_ranks(tmp_path: Path) -> None:
-    code, summary = demo(tmp_path, 1, 1, 20, "compute-slow@3:factor=5,step=3",
-                         "comm-slow@1:rate=100mbit,step=3", extra=NO_SHORT_HANGS)
+    code, summary = demo(
+        tmp_path,
+        1,
+        1,
+        20,
+        "compute-slow@3:factor=5,step=3",
+        "comm-slow@1:rate=100mbit,step=3",
+        extra=NO_SHORT_HANGS,
+    )
     comm = only(summary, "slow", "communication")
     compute = only(summary, "slow", "compute")
     assert comm["ranks"] == [1] and compute["ranks"] == [3]
@@ -113,8 +147,7 @@ def test_compute_hang_shows_healthy_links_to_the_hung_rank(tmp_path: Path) -> No
     assert v["ranks"] == [2]
     # gloo sends only once the receiver asks, so nothing queues toward a hung rank: its
     # links are idle and healthy, which rules the network out.
-    assert any("to rank 2" in e and "links are healthy" in e for e in v["evidence"]), \
-        v["evidence"]
+    assert any("to rank 2" in e and "links are healthy" in e for e in v["evidence"]), v["evidence"]
     assert len(summary["verdicts"]) == 1 and code == 0
 
 

@@ -24,8 +24,12 @@ __all__: list[str] = []
 
 EXAMPLE = REPO / "examples" / "deepspeed" / "train.py"
 DS_CONFIG = REPO / "examples" / "deepspeed" / "ds_config.json"
-ENV = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "TORCHDYNAMO_DISABLE": "1",
-       "PYTHONWARNINGS": "ignore"}
+ENV = {
+    "DS_ACCELERATOR": "cpu",
+    "CUDA_VISIBLE_DEVICES": "",
+    "TORCHDYNAMO_DISABLE": "1",
+    "PYTHONWARNINGS": "ignore",
+}
 STEPS = 3
 HIDDEN = 64
 JOB = "ds"
@@ -40,8 +44,16 @@ EXPERT_BYTES = 4 * 2 * (HIDDEN * 2 * HIDDEN + 2 * HIDDEN + 2 * HIDDEN * HIDDEN +
 def train(tmp: Path, world: int, *args: str, config: Path = DS_CONFIG) -> JobResult:
     boards = tmp / "boards"
     sets = [f"board.dir={boards}", "board.cleanup=false", f"job={JOB}"]
-    argv = ["--deepspeed_config", str(config), "--steps", str(STEPS), "--hidden", str(HIDDEN),
-            *args, *[a for s in sets for a in ("--ccld-set", s)]]
+    argv = [
+        "--deepspeed_config",
+        str(config),
+        "--steps",
+        str(STEPS),
+        "--hidden",
+        str(HIDDEN),
+        *args,
+        *[a for s in sets for a in ("--ccld-set", s)],
+    ]
     return run_job(str(EXAMPLE), world, tmp, tuple(argv), env=ENV, timeout_s=150)
 
 
@@ -58,8 +70,10 @@ class Board:
         for g in groups:
             self.roles[g.role].add(g.ranks)
             role_of[g.group_id] = (g.role, g.ranks)
-        self.ops = [(int(o["step"]), OP_NAMES[int(o["op"])], *role_of[int(o["group_id"])],
-                     int(o["bytes"])) for o in ops]
+        self.ops = [
+            (int(o["step"]), OP_NAMES[int(o["op"])], *role_of[int(o["group_id"])], int(o["bytes"]))
+            for o in ops
+        ]
 
     def group(self, role: str) -> tuple[int, ...]:
         assert len(self.roles[role]) == 1, f"{role}: {self.roles}"
@@ -91,7 +105,9 @@ def check_zero_ops(b: Board, role: str, gather_bytes: int, reduce_ops: set[str])
         ops = b.on(step, role)
         assert sum(n for op, n in ops if op in reduce_ops) >= DENSE_BYTES, (step, ops)
         assert sum(n for op, n in ops if op == "all_gather_into_tensor") >= gather_bytes, (
-            step, ops)
+            step,
+            ops,
+        )
         # TorchBackend's captured all_gather_into_tensor / reduce_scatter_tensor were
         # rebound: unwrapped, torch 2.13 would show their inner *_single call instead.
         assert not [op for op, _ in ops if op.endswith("_single")], ops

@@ -13,17 +13,33 @@ from ccld_plugin.harness.launch import LocalJob
 
 
 def _inspect(path) -> list[dict]:
-    out = subprocess.run([sys.executable, "-m", "ccld_plugin.cli", "inspect", str(path),
-                          "--json"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "ccld_plugin.cli", "inspect", str(path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
 
 def test_inspect_live_hung_and_killed_ranks(tmp_path):
     boards = tmp_path / "boards"
-    job = LocalJob(world=2, argv=["-m", "ccld_plugin.harness.workload", "--steps", "50",
-                                  "--ccld-set", f"board.dir={boards}", "--ccld-set", "job=j"],
-                   log_dir=tmp_path / "logs", env={"CCLD_FAULTS": "compute-hang@1:step=2"})
+    job = LocalJob(
+        world=2,
+        argv=[
+            "-m",
+            "ccld_plugin.harness.workload",
+            "--steps",
+            "50",
+            "--ccld-set",
+            f"board.dir={boards}",
+            "--ccld-set",
+            "job=j",
+        ],
+        log_dir=tmp_path / "logs",
+        env={"CCLD_FAULTS": "compute-hang@1:step=2"},
+    )
     job.start()
     try:
         deadline = time.monotonic() + 60
@@ -45,9 +61,12 @@ def test_inspect_live_hung_and_killed_ranks(tmp_path):
         r0, r1 = _inspect(boards / "j")
         assert r1["process"] == "dead" and r1["step"] == 2
         # The table form reads the same boards.
-        text = subprocess.run([sys.executable, "-m", "ccld_plugin.cli", "inspect",
-                               str(boards / "j" / "rank1.board")], capture_output=True,
-                              text=True, timeout=60)
+        text = subprocess.run(
+            [sys.executable, "-m", "ccld_plugin.cli", "inspect", str(boards / "j" / "rank1.board")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert text.returncode == 0 and "dead" in text.stdout
     finally:
         job.stop()
@@ -55,9 +74,21 @@ def test_inspect_live_hung_and_killed_ranks(tmp_path):
 
 def test_inspect_boards_left_by_a_finished_job_with_cleanup_off(tmp_path):
     boards = tmp_path / "boards"
-    run_job("ccld_plugin.harness.workload", 2, tmp_path, args=(
-        "--steps", "3", "--ccld-set", f"board.dir={boards}", "--ccld-set", "job=j",
-        "--ccld-set", "board.cleanup=false")).check()
+    run_job(
+        "ccld_plugin.harness.workload",
+        2,
+        tmp_path,
+        args=(
+            "--steps",
+            "3",
+            "--ccld-set",
+            f"board.dir={boards}",
+            "--ccld-set",
+            "job=j",
+            "--ccld-set",
+            "board.cleanup=false",
+        ),
+    ).check()
     statuses = _inspect(boards)
     assert [s["rank"] for s in statuses] == [0, 1]
     for s in statuses:
@@ -69,7 +100,11 @@ def test_inspect_boards_left_by_a_finished_job_with_cleanup_off(tmp_path):
 def test_inspect_error_is_one_line(tmp_path):
     bad = tmp_path / "x.board"
     bad.write_bytes(b"nope" * 1000)
-    out = subprocess.run([sys.executable, "-m", "ccld_plugin.cli", "inspect", str(bad)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "ccld_plugin.cli", "inspect", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "not a ccld board" in out.stderr

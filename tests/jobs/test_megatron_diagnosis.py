@@ -10,8 +10,17 @@ FAST = ["diagnoser.hang_min_s=3", "agent.stack_after_s=1", "agent.interval_s=0.5
 
 
 def megatron_demo(tmp_path, steps, fault):
-    opts = DemoOptions(framework="megatron", world=4, tp=2, pp=2, steps=steps, faults=[fault],
-                       out=tmp_path / "out", overrides=FAST, timeout_s=300)
+    opts = DemoOptions(
+        framework="megatron",
+        world=4,
+        tp=2,
+        pp=2,
+        steps=steps,
+        faults=[fault],
+        out=tmp_path / "out",
+        overrides=FAST,
+        timeout_s=300,
+    )
     code = run_demo(opts)
     return code, json.loads((tmp_path / "out" / "summary.json").read_text())
 

@@ -32,24 +32,49 @@ __all__: list[str] = []
 
 ITERS = 2
 # Small and quick: 1 layer per stage, 2 micro-batches per iteration.
-COMMON = ("--train-iters", str(ITERS), "--num-layers", "2", "--num-microbatches", "2",
-          "--dist-timeout-s", "120")
+COMMON = (
+    "--train-iters",
+    str(ITERS),
+    "--num-layers",
+    "2",
+    "--num-microbatches",
+    "2",
+    "--dist-timeout-s",
+    "120",
+)
 ENV = {"TORCHDYNAMO_DISABLE": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore"}
 JOB = "megatron"
 REDUCE_SCATTER = {"reduce_scatter_tensor", "reduce_scatter_single"}
 ALL_GATHER = {"all_gather_into_tensor", "all_gather_single"}
 
 
-def _job(out: Path, world: int, *args: str, env: dict[str, str] | None = None,
-         timeout_s: float = 150) -> JobResult:
-    return run_job("megatron_gpt.py", world, out, args=(*COMMON, *args),
-                   env={**ENV, **(env or {})}, timeout_s=timeout_s)
+def _job(
+    out: Path, world: int, *args: str, env: dict[str, str] | None = None, timeout_s: float = 150
+) -> JobResult:
+    return run_job(
+        "megatron_gpt.py",
+        world,
+        out,
+        args=(*COMMON, *args),
+        env={**ENV, **(env or {})},
+        timeout_s=timeout_s,
+    )
 
 
 def _traced_job(out: Path, world: int, *args: str, timeout_s: float = 150) -> JobResult:
-    return _job(out, world, "--ccld", "--ccld-set", f"board.dir={out / 'boards'}",
-                "--ccld-set", "board.cleanup=false", "--ccld-set", f"job={JOB}", *args,
-                timeout_s=timeout_s).check()
+    return _job(
+        out,
+        world,
+        "--ccld",
+        "--ccld-set",
+        f"board.dir={out / 'boards'}",
+        "--ccld-set",
+        "board.cleanup=false",
+        "--ccld-set",
+        f"job={JOB}",
+        *args,
+        timeout_s=timeout_s,
+    ).check()
 
 
 def _board(res: JobResult, rank: int) -> BoardReader:
@@ -68,8 +93,10 @@ def _ops(res: JobResult, rank: int) -> list[tuple[str, tuple[int, ...], int, int
     """(op name, group ranks, step, bytes) of every op on the rank's board, oldest first."""
     with _board(res, rank) as b:
         ranks = {g.group_id: g.ranks for g in b.groups()}
-        return [(OP_NAMES[int(o["op"])], ranks[int(o["group_id"])], int(o["step"]),
-                 int(o["bytes"])) for o in b.ops()]
+        return [
+            (OP_NAMES[int(o["op"])], ranks[int(o["group_id"])], int(o["step"]), int(o["bytes"]))
+            for o in b.ops()
+        ]
 
 
 def _check_tracing(res: JobResult, world: int) -> None:
@@ -93,8 +120,7 @@ def _check_bucket_collectives(res: JobResult, rank: int, dp: tuple[int, ...]) ->
     (That the captured references themselves are the wrappers is the PROBE line's part:
     torch 2.13's reduce_scatter_tensor calls the wrapped reduce_scatter_single anyway.)
     """
-    on_dp = [(name, step, nbytes) for name, ranks, step, nbytes in _ops(res, rank)
-             if ranks == dp]
+    on_dp = [(name, step, nbytes) for name, ranks, step, nbytes in _ops(res, rank) if ranks == dp]
     for step in range(ITERS):
         names = {name for name, s, _ in on_dp if s == step}
         if names & REDUCE_SCATTER:  # a tracer that records the inner ops by name
@@ -109,9 +135,14 @@ def _check_bucket_collectives(res: JobResult, rank: int, dp: tuple[int, ...]) ->
 # ------------------------------------------------------------------------- TP2 x PP2
 @pytest.fixture(scope="module")
 def tp2_pp2(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
-    return _traced_job(tmp_path_factory.mktemp("tp2pp2"), 4,
-                       "--tensor-model-parallel-size", "2",
-                       "--pipeline-model-parallel-size", "2")
+    return _traced_job(
+        tmp_path_factory.mktemp("tp2pp2"),
+        4,
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+    )
 
 
 def test_tp2_pp2_groups_on_boards(tp2_pp2: JobResult) -> None:
@@ -140,11 +171,19 @@ def test_tp2_pp2_traces_every_rank(tp2_pp2: JobResult) -> None:
 # ------------------------------------------------------------------------- EP2 MoE
 @pytest.fixture(scope="module")
 def ep2_moe(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
-    return _traced_job(tmp_path_factory.mktemp("ep2moe"), 4,
-                       "--tensor-model-parallel-size", "1",
-                       "--pipeline-model-parallel-size", "2",
-                       "--expert-model-parallel-size", "2", "--num-experts", "4",
-                       "--use-distributed-optimizer")
+    return _traced_job(
+        tmp_path_factory.mktemp("ep2moe"),
+        4,
+        "--tensor-model-parallel-size",
+        "1",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--expert-model-parallel-size",
+        "2",
+        "--num-experts",
+        "4",
+        "--use-distributed-optimizer",
+    )
 
 
 def test_ep2_moe_groups_on_boards(ep2_moe: JobResult) -> None:
@@ -159,8 +198,12 @@ def test_ep2_moe_groups_on_boards(ep2_moe: JobResult) -> None:
         assert groups["pp"] == [(rank % 2, rank % 2 + 2)]  # also mp (TP = 1) and embd
         assert groups["tp"] == [(rank,)]  # TP = 1: also etp, cp, expert-dp
         # The token dispatcher's all-to-all runs on the expert-parallel ranks.
-        assert Counter(n for n, ranks, _, _ in _ops(ep2_moe, rank)
-                       if ranks == pair)["all_to_all_single"] > 0
+        assert (
+            Counter(n for n, ranks, _, _ in _ops(ep2_moe, rank) if ranks == pair)[
+                "all_to_all_single"
+            ]
+            > 0
+        )
 
 
 def test_ep2_moe_distributed_optimizer_buckets_traced(ep2_moe: JobResult) -> None:
@@ -172,9 +215,16 @@ def test_ep2_moe_distributed_optimizer_buckets_traced(ep2_moe: JobResult) -> Non
 # ------------------------------------------------------------------------- TP2 x PP2 x DP2
 @pytest.mark.slow
 def test_tp2_pp2_dp2_distributed_optimizer(tmp_path: Path) -> None:
-    res = _traced_job(tmp_path, 8, "--tensor-model-parallel-size", "2",
-                      "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
-                      timeout_s=240)
+    res = _traced_job(
+        tmp_path,
+        8,
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--use-distributed-optimizer",
+        timeout_s=240,
+    )
     _check_tracing(res, 8)
     for rank in range(8):
         stage_base = 4 * (rank // 4)
@@ -196,9 +246,13 @@ def test_tp2_pp2_dp2_distributed_optimizer(tmp_path: Path) -> None:
 def test_without_ccld_nothing_is_traced(tmp_path: Path) -> None:
     # The fault injector is still wired (its onset is logged) though nothing is traced.
     fault_log = tmp_path / "faults.jsonl"
-    res = _job(tmp_path, 1, "--ccld-set", f"board.dir={tmp_path / 'boards'}",
-               env={"CCLD_FAULTS": "compute-slow@0:factor=1.5,step=1",
-                    "CCLD_FAULT_LOG": str(fault_log)}).check()
+    res = _job(
+        tmp_path,
+        1,
+        "--ccld-set",
+        f"board.dir={tmp_path / 'boards'}",
+        env={"CCLD_FAULTS": "compute-slow@0:factor=1.5,step=1", "CCLD_FAULT_LOG": str(fault_log)},
+    ).check()
     (probe,) = res.json_lines(0, "PROBE")
     assert not probe["session"]
     assert not any(probe["traced"].values()), probe["traced"]

@@ -24,20 +24,34 @@ def harness_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """nccl_harness.c as a library that raises NCCL's events inside a live job (the job's
     own plugin is the installed one, which NCCL_PROFILER_PLUGIN names)."""
     lib = tmp_path_factory.mktemp("nccl_harness") / "libnccl_harness.so"
-    compile_c(lib, [HARNESS_SRC], "-Wall", "-Wno-unused-function", "-DCCLD_HARNESS_LIB",
-              shared=True, libs=("-ldl",))
+    compile_c(
+        lib,
+        [HARNESS_SRC],
+        "-Wall",
+        "-Wno-unused-function",
+        "-DCCLD_HARNESS_LIB",
+        shared=True,
+        libs=("-ldl",),
+    )
     return lib
 
 
-@pytest.mark.parametrize(("fault", "where", "ranks", "cause"), [
-    (FAULT_GPU, 1, [2], "compute"),
-    (FAULT_LINK, 2, [1, 3], "communication"),  # global 3 -> 1, the ring's wrap-around
-    (FAULT_NONE, 0, None, None),
-])
-def test_live_job_names_the_fault_from_nccl_channels(harness_lib: Path, tmp_path: Path,
-                                                     fault: int, where: int,
-                                                     ranks: list[int] | None,
-                                                     cause: str | None) -> None:
+@pytest.mark.parametrize(
+    ("fault", "where", "ranks", "cause"),
+    [
+        (FAULT_GPU, 1, [2], "compute"),
+        (FAULT_LINK, 2, [1, 3], "communication"),  # global 3 -> 1, the ring's wrap-around
+        (FAULT_NONE, 0, None, None),
+    ],
+)
+def test_live_job_names_the_fault_from_nccl_channels(
+    harness_lib: Path,
+    tmp_path: Path,
+    fault: int,
+    where: int,
+    ranks: list[int] | None,
+    cause: str | None,
+) -> None:
     """A real 4-rank gloo job (agent, control plane, diagnoser, JSONL sink as they run)
     whose ranks 1-3 run one all-reduce through the plugin: the verdict comes from the
     plugin's channel records on the ranks' boards, and a fault-free run has none."""
@@ -46,9 +60,13 @@ def test_live_job_names_the_fault_from_nccl_channels(harness_lib: Path, tmp_path
     from ccld_plugin.sinks.jsonl import read_verdicts
 
     out = tmp_path / "job"
-    res = run_job("nccl_ring_fault.py", 4, out,
-                  (str(harness_lib), str(fault), str(where), str(out)),
-                  timeout_s=120).check()
+    res = run_job(
+        "nccl_ring_fault.py",
+        4,
+        out,
+        (str(harness_lib), str(fault), str(where), str(out)),
+        timeout_s=120,
+    ).check()
     for r in (1, 2, 3):
         assert res.json_lines(r, "HARNESS") == [{"bad_returns": 0}]
     verdicts = read_verdicts(out / "verdicts.jsonl")
@@ -66,8 +84,7 @@ def test_live_job_names_the_fault_from_nccl_channels(harness_lib: Path, tmp_path
 
 
 @pytest.mark.parametrize("slow_rank", [1, -1])
-def test_live_job_names_a_slow_nccl_link(harness_lib: Path, tmp_path: Path,
-                                        slow_rank: int) -> None:
+def test_live_job_names_a_slow_nccl_link(harness_lib: Path, tmp_path: Path, slow_rank: int) -> None:
     """A real 4-rank gloo job running one NCCL-shaped ring all-reduce per step: when rank
     1's send steps spend 25x longer handed to the network, the plugin's per-link totals
     make the running diagnoser name the link 1 -> 2; a fault-free run has no verdict."""
@@ -76,8 +93,9 @@ def test_live_job_names_a_slow_nccl_link(harness_lib: Path, tmp_path: Path,
     from ccld_plugin.sinks.jsonl import read_verdicts
 
     out = tmp_path / "job"
-    run_job("nccl_ring_slow.py", 4, out, (str(harness_lib), str(slow_rank), str(out)),
-            timeout_s=180).check()
+    run_job(
+        "nccl_ring_slow.py", 4, out, (str(harness_lib), str(slow_rank), str(out)), timeout_s=180
+    ).check()
     verdicts = read_verdicts(out / "verdicts.jsonl")
     if slow_rank < 0:
         assert verdicts == []
@@ -85,7 +103,11 @@ def test_live_job_names_a_slow_nccl_link(harness_lib: Path, tmp_path: Path,
     assert len(verdicts) == 1, verdicts
     v = verdicts[0]
     assert (v["kind"], v["cause"], v["ranks"], v["link"]) == (
-        "slow", "communication", [1, 2], [1, 2]), v["evidence"]
+        "slow",
+        "communication",
+        [1, 2],
+        [1, 2],
+    ), v["evidence"]
     assert v["group"]["ranks"] == [0, 1, 2, 3]
     assert any("rank 1 -> 2 (NCCL)" in line for line in v["evidence"])
 
@@ -102,7 +124,9 @@ def test_config_key_sets_the_plugin_env_before_nccl_starts(tmp_path):
         "os.environ.pop('NCCL_PROFILER_PLUGIN', None)\n"
         "ccld_plugin.enable(overrides=['nccl_profiler=true'])\n"
         "assert os.environ['NCCL_PROFILER_PLUGIN'] == nccl_plugin_path(), os.environ\n"
-        "print('ok')\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path)
+        "print('ok')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

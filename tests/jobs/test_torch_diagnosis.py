@@ -13,13 +13,26 @@ from ccld_plugin.harness.demo import DemoOptions, run_demo
 from ccld_plugin.harness.launch import LocalJob
 from ccld_plugin.sinks.jsonl import read_verdicts
 
-FAST = ["diagnoser.hang_min_s=3", "agent.stack_after_s=1", "agent.interval_s=0.5",
-        "diagnoser.unresponsive_s=4"]
+FAST = [
+    "diagnoser.hang_min_s=3",
+    "agent.stack_after_s=1",
+    "agent.interval_s=0.5",
+    "diagnoser.unresponsive_s=4",
+]
 
 
 def demo(tmp_path, world, tp, pp, steps, fault, extra=()):
-    opts = DemoOptions(framework="torch", world=world, tp=tp, pp=pp, steps=steps, faults=[fault],
-                       out=tmp_path / "out", overrides=[*FAST, *extra], timeout_s=240)
+    opts = DemoOptions(
+        framework="torch",
+        world=world,
+        tp=tp,
+        pp=pp,
+        steps=steps,
+        faults=[fault],
+        out=tmp_path / "out",
+        overrides=[*FAST, *extra],
+        timeout_s=240,
+    )
     code = run_demo(opts)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     return code, summary
@@ -99,16 +112,26 @@ def test_healthy_run_of_100_steps_has_no_verdict(tmp_path):
 def test_killed_rank_is_unresponsive(tmp_path):
     out = tmp_path / "out"
     sets = [*FAST, f"board.dir={out}", "job=b", f"sinks.jsonl={out / 'verdicts.jsonl'}"]
-    job = LocalJob(world=4, argv=["-m", "ccld_plugin.harness.workload", "--steps", "400",
-                                  *sum((["--ccld-set", s] for s in sets), [])],
-                   log_dir=out / "logs")
+    job = LocalJob(
+        world=4,
+        argv=[
+            "-m",
+            "ccld_plugin.harness.workload",
+            "--steps",
+            "400",
+            *sum((["--ccld-set", s] for s in sets), []),
+        ],
+        log_dir=out / "logs",
+    )
     job.start()
     try:
         deadline = time.monotonic() + 120
         boards = out / "b"
         while time.monotonic() < deadline:  # let it train a few steps, then kill rank 2
-            if len(list(boards.glob("*.board"))) == 4 and "step" in (out / "logs" /
-                                                                    "rank0.log").read_text():
+            if (
+                len(list(boards.glob("*.board"))) == 4
+                and "step" in (out / "logs" / "rank0.log").read_text()
+            ):
                 break
             time.sleep(0.5)
         time.sleep(4)

@@ -5,8 +5,18 @@ from collections import defaultdict
 
 from job_runner import run_job
 
-COLLECTIVE_OPS = {"all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce",
-                  "all_to_all_single", "barrier", "gather", "scatter", "coalesced"}
+COLLECTIVE_OPS = {
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "broadcast",
+    "reduce",
+    "all_to_all_single",
+    "barrier",
+    "gather",
+    "scatter",
+    "coalesced",
+}
 P2P_OPS = {"send", "recv", "isend", "irecv"}
 
 
@@ -34,10 +44,18 @@ def test_every_op_recorded_on_every_member_with_matching_trace_ids(tmp_path):
         for seqs in by_group.values():
             assert sorted(seqs) == list(range(1, len(seqs) + 1))
     # P2P: the k-th send a->b is the k-th recv of b from a.
-    sends = {(r, o["peer"], o["seq"]): o["bytes"] for r in ops for o in ops[r]
-             if o["op"] in ("send", "isend")}
-    recvs = {(o["peer"], r, o["seq"]): o["bytes"] for r in ops for o in ops[r]
-             if o["op"] in ("recv", "irecv")}
+    sends = {
+        (r, o["peer"], o["seq"]): o["bytes"]
+        for r in ops
+        for o in ops[r]
+        if o["op"] in ("send", "isend")
+    }
+    recvs = {
+        (o["peer"], r, o["seq"]): o["bytes"]
+        for r in ops
+        for o in ops[r]
+        if o["op"] in ("recv", "irecv")
+    }
     assert sends and sends == recvs
     # The coalesced block is one op with the bytes of its members (3 + 5 floats).
     coalesced = [o for o in ops[0] if o["op"] == "coalesced"]
@@ -60,11 +78,24 @@ def test_references_captured_before_install_are_traced_and_restored(tmp_path):
 
 def test_traced_training_is_bit_identical_to_untraced(tmp_path):
     args = ("--tp", "2", "--pp", "2", "--steps", "3")
-    run_job("ccld_plugin.harness.workload", 4, tmp_path / "plain",
-            args=(*args, "--no-ccld", "--report-dir", str(tmp_path / "plain" / "r"))).check()
-    run_job("ccld_plugin.harness.workload", 4, tmp_path / "traced",
-            args=(*args, "--report-dir", str(tmp_path / "traced" / "r"),
-                  "--ccld-set", f"board.dir={tmp_path / 'boards'}")).check()
+    run_job(
+        "ccld_plugin.harness.workload",
+        4,
+        tmp_path / "plain",
+        args=(*args, "--no-ccld", "--report-dir", str(tmp_path / "plain" / "r")),
+    ).check()
+    run_job(
+        "ccld_plugin.harness.workload",
+        4,
+        tmp_path / "traced",
+        args=(
+            *args,
+            "--report-dir",
+            str(tmp_path / "traced" / "r"),
+            "--ccld-set",
+            f"board.dir={tmp_path / 'boards'}",
+        ),
+    ).check()
     for r in range(4):
         plain = json.loads((tmp_path / "plain" / "r" / f"rank{r}.json").read_text())
         traced = json.loads((tmp_path / "traced" / "r" / f"rank{r}.json").read_text())

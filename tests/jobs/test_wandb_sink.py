@@ -34,15 +34,29 @@ from ccld_plugin.wire.summary import GroupProgress, RankSummary, StepStat
 from ccld_plugin.wire.topology import GroupInfo, group_id_of
 
 FAST = ["diagnoser.hang_min_s=3", "agent.stack_after_s=1", "agent.interval_s=0.5"]
-PER_STEP = ["step_ms", "compute_ms", "compute_max_ms", "blocked_dp_ms", "slowest_rank",
-            "slowest_ratio"]
+PER_STEP = [
+    "step_ms",
+    "compute_ms",
+    "compute_max_ms",
+    "blocked_dp_ms",
+    "slowest_rank",
+    "slowest_ratio",
+]
 S, MS = 1_000_000_000, 1_000_000
 
 
 def _demo(out: Path, extra: list[str]) -> int:
-    opts = DemoOptions(framework="torch", world=4, tp=1, pp=1, steps=40,
-                       faults=["compute-hang@2:step=4"], out=out,
-                       overrides=[*FAST, "sinks.wandb.enabled=true", *extra], timeout_s=120)
+    opts = DemoOptions(
+        framework="torch",
+        world=4,
+        tp=1,
+        pp=1,
+        steps=40,
+        faults=["compute-hang@2:step=4"],
+        out=out,
+        overrides=[*FAST, "sinks.wandb.enabled=true", *extra],
+        timeout_s=120,
+    )
     return run_demo(opts)
 
 
@@ -71,8 +85,7 @@ def test_hung_job_logs_panels_verdict_and_alert_to_an_offline_run(tmp_path):
     assert table.columns == VERDICT_COLUMNS
     rows = [dict(zip(table.columns, r, strict=True)) for r in table.rows]
     (hang,) = [r for r in rows if r["kind"] == "hang"]
-    assert (json.loads(hang["ranks"]), hang["cause"], hang["group_role"]) == ([2], "compute",
-                                                                               "dp")
+    assert (json.loads(hang["ranks"]), hang["cause"], hang["group_role"]) == ([2], "compute", "dp")
     assert json.loads(hang["group_ranks"]) == [0, 1, 2, 3] and hang["op"] == "all_reduce"
     (alert,) = [a for a in run.alerts if "hang" in a["title"]]
     assert alert["title"] == "ccld hang: rank 2 (compute)" and alert["level"] == "ERROR"
@@ -110,8 +123,7 @@ def test_job_without_wandb_still_runs_and_diagnoses(tmp_path, monkeypatch):
     (blocker / "sitecustomize.py").write_text(BLOCKER)
     path = os.pathsep.join(p for p in (str(blocker), os.environ.get("PYTHONPATH")) if p)
     monkeypatch.setenv("PYTHONPATH", path)
-    probe = subprocess.run([sys.executable, "-c", "import wandb"], capture_output=True,
-                           text=True)
+    probe = subprocess.run([sys.executable, "-c", "import wandb"], capture_output=True, text=True)
     assert probe.returncode == 1 and "ModuleNotFoundError" in probe.stderr
 
     out = tmp_path / "out"
@@ -149,13 +161,24 @@ def test_panels_go_into_the_users_existing_run(tmp_path):
     logging loses nothing."""
     import wandb
 
-    run = wandb.init(project="user", mode="offline", dir=str(tmp_path),
-                     settings=wandb.Settings(console="off", silent=True, x_disable_stats=True))
+    run = wandb.init(
+        project="user",
+        mode="offline",
+        dir=str(tmp_path),
+        settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
+    )
     assert wandb.run is run
     try:
-        (sink,) = build_sinks(load_config(None, ["sinks.console=false",
-                                                 "sinks.wandb.enabled=true",
-                                                 "sinks.wandb.log_interval_steps=2"]).sinks)
+        (sink,) = build_sinks(
+            load_config(
+                None,
+                [
+                    "sinks.console=false",
+                    "sinks.wandb.enabled=true",
+                    "sinks.wandb.log_interval_steps=2",
+                ],
+            ).sinks
+        )
         assert isinstance(sink, WandbSink)
         diag = Diagnoser(DiagnoserConfig(), 0.5)
         for step in range(6):
@@ -178,8 +201,9 @@ def test_panels_go_into_the_users_existing_run(tmp_path):
     assert got.points["loss"] == 7 and got.values["loss"][-1] == 0.01
     assert len(got.values["notes"][0]) == 70_000
     assert got.points.get("ccld/per_step/compute_ms", 0) >= 1
-    assert got.tables["ccld/verdicts/table"].rows[0][VERDICT_COLUMNS.index("cause")] \
-        == "communication"
+    assert (
+        got.tables["ccld/verdicts/table"].rows[0][VERDICT_COLUMNS.index("cause")] == "communication"
+    )
     assert [a["title"] for a in got.alerts] == ["ccld slow: rank 3 (communication)"]
     assert len(list(iter_records(path))) == got.records
 
@@ -191,16 +215,31 @@ TABLES = {r: [DP, TP[r // 2]] for r in range(4)}
 STEP_NS = 100 * MS
 
 
-def _summary(rank: int, steps: list[int], now: int, compute_ms: float = 60.0,
-             blocked_us: tuple[int, int] = (20_000, 10_000),
-             flights: tuple = ()) -> RankSummary:
+def _summary(
+    rank: int,
+    steps: list[int],
+    now: int,
+    compute_ms: float = 60.0,
+    blocked_us: tuple[int, int] = (20_000, 10_000),
+    flights: tuple = (),
+) -> RankSummary:
     stats = [StepStat(s, s * STEP_NS, 100_000, int(compute_ms * 1000)) for s in steps]
     return RankSummary(
-        rank=rank, pid=1, host=f"h{rank // 2}", time_ns=now, heartbeat_ns=now,
-        step=steps[-1] if steps else 0, last_progress_ns=now, groups_version=1,
-        groups=[GroupProgress(0, 9, 9, 2, blocked_us[0], 0, 0),
-                GroupProgress(1, 9, 9, 2, blocked_us[1], 0, 0)],
-        in_flight=list(flights), steps=stats)
+        rank=rank,
+        pid=1,
+        host=f"h{rank // 2}",
+        time_ns=now,
+        heartbeat_ns=now,
+        step=steps[-1] if steps else 0,
+        last_progress_ns=now,
+        groups_version=1,
+        groups=[
+            GroupProgress(0, 9, 9, 2, blocked_us[0], 0, 0),
+            GroupProgress(1, 9, 9, 2, blocked_us[1], 0, 0),
+        ],
+        in_flight=list(flights),
+        steps=stats,
+    )
 
 
 def _job_views(steps: int, first: int = 0, slow_rank: int = 2) -> list[JobView]:
@@ -209,10 +248,8 @@ def _job_views(steps: int, first: int = 0, slow_rank: int = 2) -> list[JobView]:
     views = []
     for s in range(first, first + steps):
         now = (s + 1) * STEP_NS + 1
-        sums = {r: _summary(r, [s], now, 120.0 if r == slow_rank else 60.0)
-                for r in range(4)}
-        views.append(JobView(summaries=sums, tables=TABLES, now_ns=now, job_start_ns=0,
-                             world=4))
+        sums = {r: _summary(r, [s], now, 120.0 if r == slow_rank else 60.0) for r in range(4)}
+        views.append(JobView(summaries=sums, tables=TABLES, now_ns=now, job_start_ns=0, world=4))
     return views
 
 
@@ -220,17 +257,37 @@ def _joined(view: JobView, step: int, last: int = 2) -> list[Joined]:
     """Two joined samples: DP ranks waited 30 ms for ``last``; TP rank 1 waited 1 ms."""
     t = step * STEP_NS + 50 * MS
 
-    def joined(g: GroupInfo, t_last: int, who: int, waits: dict[int, int], transfer: int,
-               nbytes: int) -> Joined:
-        return Joined(g, 4 * step, t_last, who, transfer, nbytes, np.array(list(waits)),
-                      np.array([t_last - w for w in waits.values()]))
+    def joined(
+        g: GroupInfo, t_last: int, who: int, waits: dict[int, int], transfer: int, nbytes: int
+    ) -> Joined:
+        return Joined(
+            g,
+            4 * step,
+            t_last,
+            who,
+            transfer,
+            nbytes,
+            np.array(list(waits)),
+            np.array([t_last - w for w in waits.values()]),
+        )
 
-    return [joined(DP, t, last, {r: (0 if r == last else 30 * MS) for r in range(4)}, 2 * MS,
-                   4_000_000),
-            joined(TP[0], t - MS, 0, {0: 0, 1: 1 * MS}, 1 * MS, 1_000_000)]
+    return [
+        joined(
+            DP, t, last, {r: (0 if r == last else 30 * MS) for r in range(4)}, 2 * MS, 4_000_000
+        ),
+        joined(TP[0], t - MS, 0, {0: 0, 1: 1 * MS}, 1 * MS, 1_000_000),
+    ]
 
 
 def _verdict() -> Verdict:
-    return Verdict(kind=Kind.SLOW, cause=Cause.COMMUNICATION, ranks=[3], group=DP.to_dict(),
-                   link=[2, 3], step=9, detected_s=4.5, severity=3.1,
-                   evidence=["dp[0, 1, 2, 3] moves 1.0 MB/s", "second line"])
+    return Verdict(
+        kind=Kind.SLOW,
+        cause=Cause.COMMUNICATION,
+        ranks=[3],
+        group=DP.to_dict(),
+        link=[2, 3],
+        step=9,
+        detected_s=4.5,
+        severity=3.1,
+        evidence=["dp[0, 1, 2, 3] moves 1.0 MB/s", "second line"],
+    )

@@ -17,8 +17,12 @@ from ccld_plugin import _native
 from ccld_plugin.board.reader import BoardError, BoardReader
 from ccld_plugin.wire.codes import OP_CODES
 
-STRUCTS = {"header": "ccld_header", "group": "ccld_group", "op": "ccld_op_record",
-           "channel": "ccld_channel"}
+STRUCTS = {
+    "header": "ccld_header",
+    "group": "ccld_group",
+    "op": "ccld_op_record",
+    "channel": "ccld_channel",
+}
 
 
 def _compile(tmp_path: Path, name: str, source: str) -> Path:
@@ -31,8 +35,7 @@ def _compile(tmp_path: Path, name: str, source: str) -> Path:
 
 def test_exported_layout_agrees_with_the_c_header(tmp_path):
     layout = _native.layout()
-    lines = ['#include <stddef.h>', '#include <stdio.h>', '#include "board.h"',
-             "int main(void) {"]
+    lines = ["#include <stddef.h>", "#include <stdio.h>", '#include "board.h"', "int main(void) {"]
     for key, struct in STRUCTS.items():
         size, fields = layout[key]
         lines.append(f'printf("{key} :sizeof %zu\\n", sizeof({struct}));')
@@ -40,9 +43,12 @@ def test_exported_layout_agrees_with_the_c_header(tmp_path):
             lines.append(f'printf("{key} {name} %zu\\n", offsetof({struct}, {name}));')
     lines.append("return 0; }")
     exe = _compile(tmp_path, "layout", "\n".join(lines))
-    from_c = dict(line.rsplit(" ", 1) for line in
-                  subprocess.run([str(exe)], capture_output=True, text=True, check=True)
-                  .stdout.splitlines())
+    from_c = dict(
+        line.rsplit(" ", 1)
+        for line in subprocess.run(
+            [str(exe)], capture_output=True, text=True, check=True
+        ).stdout.splitlines()
+    )
     for key in STRUCTS:
         size, fields = layout[key]
         assert int(from_c[f"{key} :sizeof"]) == size
@@ -55,10 +61,13 @@ def test_wire_codes_agree_with_the_native_enums():
 
     native = _native.layout()["codes"]
     assert native["op"] == codes.OP_CODES
-    assert native["state"] == (codes.STATE_EMPTY, codes.STATE_IN_FLIGHT, codes.STATE_DONE,
-                               codes.STATE_ERROR)
-    assert native["flag"] == (codes.FLAG_ASYNC, codes.FLAG_P2P, codes.FLAG_SEND,
-                              codes.FLAG_CUDA)
+    assert native["state"] == (
+        codes.STATE_EMPTY,
+        codes.STATE_IN_FLIGHT,
+        codes.STATE_DONE,
+        codes.STATE_ERROR,
+    )
+    assert native["flag"] == (codes.FLAG_ASYNC, codes.FLAG_P2P, codes.FLAG_SEND, codes.FLAG_CUDA)
     assert native["source"] == (codes.SOURCE_NONE, codes.SOURCE_NCCL, codes.SOURCE_TCP)
     assert native["direction"] == (codes.DIRECTION_SEND, codes.DIRECTION_RECV)
     assert native["wait"] == tuple(codes.WAIT_CODES[w] for w in codes.WAIT_NAMES)
@@ -95,16 +104,22 @@ def test_values_written_natively_read_back_through_numpy(tmp_path):
 
 def test_many_writer_threads_never_give_a_reader_a_torn_record(tmp_path):
     exe = _compile(tmp_path, "stress", (NATIVE_TESTS / "board_stress.c").read_text())
-    out = subprocess.run([str(exe), str(tmp_path / "s.board"), "4", "200000"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [str(exe), str(tmp_path / "s.board"), "4", "200000"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     torn, checked = (int(kv.split("=")[1]) for kv in out.stdout.split()[:2])
     assert torn == 0 and checked > 100000
 
 
 def _consistent(ops: np.ndarray) -> bool:
-    return bool(np.all(ops["bytes"] == ops["seq"] * 3 + 1)
-                and np.all(ops["peer"] == (ops["seq"] % 1000).astype(np.int32)))
+    return bool(
+        np.all(ops["bytes"] == ops["seq"] * 3 + 1)
+        and np.all(ops["peer"] == (ops["seq"] % 1000).astype(np.int32))
+    )
 
 
 def test_reader_in_another_process_while_writers_run_then_writer_killed(tmp_path):
@@ -116,8 +131,7 @@ def test_reader_in_another_process_while_writers_run_then_writer_killed(tmp_path
         reads, start = 0, time.monotonic()
         with BoardReader(path) as reader:
             # At least 2 s and 20 reads (a loaded machine gives the reader little CPU).
-            while (time.monotonic() - start < 2 or reads < 20) and \
-                    time.monotonic() - start < 60:
+            while (time.monotonic() - start < 2 or reads < 20) and time.monotonic() - start < 60:
                 ops = reader.ops()
                 assert len(ops) > 0 and _consistent(ops)
                 reads += 1
@@ -149,8 +163,9 @@ time.sleep(60)
 
 def test_sigkilled_writer_leaves_its_last_op_readable(tmp_path):
     path = tmp_path / "k.board"
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "ready"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)

@@ -39,15 +39,44 @@ NO_RANK = -1
 TOTAL = 0xFF  # CCLD_CHANNEL_TOTAL
 
 # ccld_channel, from board.h; test_board_layout_matches_header checks it against the C.
-CHANNEL_DTYPE = np.dtype({
-    "names": ["lock", "source", "direction", "wait", "channel_id", "peer", "pid", "group_id",
-              "seq", "steps_posted", "steps_done", "bytes_done", "first_ns",
-              "last_progress_ns"],
-    "formats": ["<u4", "u1", "u1", "u1", "u1", "<i4", "<u4", "<u8", "<u8", "<u8", "<u8", "<u8",
-                "<i8", "<i8"],
-    "offsets": [0, 4, 5, 6, 7, 8, 12, 16, 24, 32, 40, 48, 64, 72],
-    "itemsize": 128,
-})
+CHANNEL_DTYPE = np.dtype(
+    {
+        "names": [
+            "lock",
+            "source",
+            "direction",
+            "wait",
+            "channel_id",
+            "peer",
+            "pid",
+            "group_id",
+            "seq",
+            "steps_posted",
+            "steps_done",
+            "bytes_done",
+            "first_ns",
+            "last_progress_ns",
+        ],
+        "formats": [
+            "<u4",
+            "u1",
+            "u1",
+            "u1",
+            "u1",
+            "<i4",
+            "<u4",
+            "<u8",
+            "<u8",
+            "<u8",
+            "<u8",
+            "<u8",
+            "<i8",
+            "<i8",
+        ],
+        "offsets": [0, 4, 5, 6, 7, 8, 12, 16, 24, 32, 40, 48, 64, 72],
+        "itemsize": 128,
+    }
+)
 HEADER_OFFSETS = {"magic": 0, "max_channels": 44, "channels_off": 60, "errors": 264}
 
 
@@ -66,11 +95,9 @@ def build(probe_library: tuple[Path, str], tmp_path_factory: pytest.TempPathFact
     return Build(lib, harness, output)
 
 
-def run(build: Build, scenario: str, board: Path | str = "-", version: int = 0,
-        *args: int) -> dict:
+def run(build: Build, scenario: str, board: Path | str = "-", version: int = 0, *args: int) -> dict:
     """Run one harness scenario; its JSON result, after the checks every scenario shares."""
-    cmd = [str(build.harness), str(build.lib), str(version), scenario, str(board),
-           *map(str, args)]
+    cmd = [str(build.harness), str(build.lib), str(version), scenario, str(board), *map(str, args)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, f"harness {scenario} exited with {r.returncode}:\n{r.stderr}"
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -97,8 +124,15 @@ def board_errors(path: Path) -> int:
 
 
 def shape(rec: dict[str, int]) -> tuple[int, ...]:
-    return (rec["channel_id"], rec["direction"], rec["peer"], rec["wait"],
-            rec["steps_posted"], rec["steps_done"], rec["bytes_done"])
+    return (
+        rec["channel_id"],
+        rec["direction"],
+        rec["peer"],
+        rec["wait"],
+        rec["steps_posted"],
+        rec["steps_done"],
+        rec["bytes_done"],
+    )
 
 
 # ----------------------------------------------------------------------------- build, ABI
@@ -179,22 +213,31 @@ def test_ring_all_reduce_stalls(build: Build, tmp_path: Path, version: int) -> N
         # Per-link totals: the steps of every completed proxy op (both channels), op 1
         # everywhere and op 2 where it did not stall.
         g = [2 * i + 1 for i in range(8)]
-        stalled_dirs = {d for d, *_ in {3: [(SEND,), (RECV,)], 2: [(SEND,)], 6: [(SEND,)],
-                                        7: [(RECV,)]}.get(rank, [])}
-        want = {(SEND, g[(rank + 1) % 8]): 16 if SEND in stalled_dirs else 32,
-                (RECV, g[(rank + 7) % 8]): 16 if RECV in stalled_dirs else 32}
+        stalled_dirs = {
+            d
+            for d, *_ in {3: [(SEND,), (RECV,)], 2: [(SEND,)], 6: [(SEND,)], 7: [(RECV,)]}.get(
+                rank, []
+            )
+        }
+        want = {
+            (SEND, g[(rank + 1) % 8]): 16 if SEND in stalled_dirs else 32,
+            (RECV, g[(rank + 7) % 8]): 16 if RECV in stalled_dirs else 32,
+        }
         tot = channels(board, totals=True)
         assert {(r["direction"], r["peer"]): r["steps_done"] for r in tot} == want
-        assert all(r["bytes_done"] == r["steps_done"] * RING_CHUNK and
-                   r["group_id"] == RING_GROUP for r in tot)
+        assert all(
+            r["bytes_done"] == r["steps_done"] * RING_CHUNK and r["group_id"] == RING_GROUP
+            for r in tot
+        )
 
     # What the diagnoser reads from these boards: the GPU-bound rank is the one whose own
     # connections wait locally, and the peer others wait for; the dead link is the pair
     # whose connections both wait on the network.
     local = {rank for rank, recs in boards.items() for r in recs if r["wait"] == LOCAL}
     waited_for = {r["peer"] for recs in boards.values() for r in recs if r["wait"] == PEER}
-    network = {(rank, r["peer"]) for rank, recs in boards.items() for r in recs
-               if r["wait"] == NETWORK}
+    network = {
+        (rank, r["peer"]) for rank, recs in boards.items() for r in recs if r["wait"] == NETWORK
+    }
     assert local == waited_for == {7}
     assert network == {(13, 15), (15, 13)}
 
@@ -229,13 +272,30 @@ def ring_fault_view(build: Build, tmp_path: Path, fault: int, where: int):
         entries = NcclChannels().sample(reader.channels(), now)
         g = 2 * rank + 1
         summaries[g] = RankSummary(
-            rank=g, pid=out["pid"], host="h", time_ns=now, heartbeat_ns=now, step=3,
-            last_progress_ns=int(ops["exit_ns"].max()), groups_version=1,
+            rank=g,
+            pid=out["pid"],
+            host="h",
+            time_ns=now,
+            heartbeat_ns=now,
+            step=3,
+            last_progress_ns=int(ops["exit_ns"].max()),
+            groups_version=1,
             groups=[GroupProgress(0, int(ops["seq"].max()), 1, 0, 0, 0, 0)],
-            in_flight=[InFlightOp(int(r["group_slot"]), int(r["op"]), int(r["flags"]),
-                                  int(r["peer"]), int(r["seq"]), int(r["bytes"]),
-                                  int(r["enter_ns"]), int(r["state"])) for r in flights],
-            channels=encode_channels(entries, 1.0, len(entries)))
+            in_flight=[
+                InFlightOp(
+                    int(r["group_slot"]),
+                    int(r["op"]),
+                    int(r["flags"]),
+                    int(r["peer"]),
+                    int(r["seq"]),
+                    int(r["bytes"]),
+                    int(r["enter_ns"]),
+                    int(r["state"]),
+                )
+                for r in flights
+            ],
+            channels=encode_channels(entries, 1.0, len(entries)),
+        )
         tables[g] = [group]
         reader.close()
     now = max(s.time_ns for s in summaries.values())
@@ -253,16 +313,25 @@ GPU_WAITS = {("send", "local"), ("recv", "local")}
 LINK_WAITS = {("send", "network"), ("recv", "local")}
 
 
-@pytest.mark.parametrize(("fault", "where", "ranks", "cause", "waits"), [
-    (FAULT_GPU, 3, [7], "compute", GPU_WAITS),
-    (FAULT_GPU, 0, [1], "compute", GPU_WAITS),
-    (FAULT_CREDIT, 5, [11], "communication", {("send", "local")}),  # starved, posts no recv
-    (FAULT_LINK, 6, [13, 15], "communication", LINK_WAITS),
-    (FAULT_LINK, 7, [1, 15], "communication", None),  # the ring's wrap-around link 15 -> 1
-])
-def test_ring_fault_verdict(build: Build, tmp_path: Path, fault: int, where: int,
-                            ranks: list[int], cause: str,
-                            waits: set[tuple[str, str]] | None) -> None:
+@pytest.mark.parametrize(
+    ("fault", "where", "ranks", "cause", "waits"),
+    [
+        (FAULT_GPU, 3, [7], "compute", GPU_WAITS),
+        (FAULT_GPU, 0, [1], "compute", GPU_WAITS),
+        (FAULT_CREDIT, 5, [11], "communication", {("send", "local")}),  # starved, posts no recv
+        (FAULT_LINK, 6, [13, 15], "communication", LINK_WAITS),
+        (FAULT_LINK, 7, [1, 15], "communication", None),  # the ring's wrap-around link 15 -> 1
+    ],
+)
+def test_ring_fault_verdict(
+    build: Build,
+    tmp_path: Path,
+    fault: int,
+    where: int,
+    ranks: list[int],
+    cause: str,
+    waits: set[tuple[str, str]] | None,
+) -> None:
     """Every rank entered the all-reduce and it stalls: the wait states of the NCCL
     channels name the stuck GPU (compute), the rank that grants no credit, or the link;
     ``ccld inspect`` shows the culprit's waiting channels."""
@@ -298,8 +367,7 @@ def test_ring_without_fault_has_no_stalled_channels(build: Build, tmp_path: Path
 
 # ----------------------------------------------------------------------------- p2p
 @pytest.mark.parametrize("version", VERSIONS)
-def test_p2p_pair_maps_peers_to_global_ranks(build: Build, tmp_path: Path,
-                                            version: int) -> None:
+def test_p2p_pair_maps_peers_to_global_ranks(build: Build, tmp_path: Path, version: int) -> None:
     """A send 2 -> 5 over a dedicated 2-rank comm (as torch creates for send/recv): the
     comm-local peer becomes the global rank named by the tracer's P2P op record."""
     for side, me, peer, direction in ((0, 2, 5, SEND), (1, 5, 2, RECV)):
@@ -308,10 +376,12 @@ def test_p2p_pair_maps_peers_to_global_ranks(build: Build, tmp_path: Path,
         assert out["comm_group"] == 0x778899
         recs = channels(board)
         # Channel 0 stalls on the network at step 2; channel 1 completed and was released.
-        assert sorted(shape(r) for r in recs) == sorted([
-            (0, direction, peer, NETWORK, 3, 2, 2 << 16),
-            (0, SEND, NO_RANK, NONE, 0, 0, 0),
-        ]), f"global rank {me}"
+        assert sorted(shape(r) for r in recs) == sorted(
+            [
+                (0, direction, peer, NETWORK, 3, 2, 2 << 16),
+                (0, SEND, NO_RANK, NONE, 0, 0, 0),
+            ]
+        ), f"global rank {me}"
         assert {(r["group_id"], r["seq"]) for r in recs} == {(0x778899, 4)}
 
 
@@ -326,9 +396,14 @@ def test_edge_cases(build: Build, tmp_path: Path, version: int) -> None:
     a crash, never a non-zero return."""
     board = tmp_path / "edge.board"
     out = run(build, "edge", board, version)
-    checks = ["foreign op tracked", "orphan op tracked", "bad context: no task",
-              "bad context: op tracked", "step without a proxy-op parent: NULL",
-              "untracked event types: NULL"]
+    checks = [
+        "foreign op tracked",
+        "orphan op tracked",
+        "bad context: no task",
+        "bad context: op tracked",
+        "step without a proxy-op parent: NULL",
+        "untracked event types: NULL",
+    ]
     for bit, what in enumerate(checks):
         assert out["results"] >> bit & 1, what
     assert out["tracked"] == [1, 1, 1, 1]
@@ -371,8 +446,9 @@ def test_edge_cases(build: Build, tmp_path: Path, version: int) -> None:
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_finalize_takes_in_flight_records_off_the_board(build: Build, tmp_path: Path,
-                                                        version: int) -> None:
+def test_finalize_takes_in_flight_records_off_the_board(
+    build: Build, tmp_path: Path, version: int
+) -> None:
     """An aborted comm never stops its events; its records must not read as stuck."""
     out = run(build, "abort", tmp_path / "abort.board", version)
     assert (out["in_flight"], out["after_finalize"], out["after_stops"]) == (2, 0, 0)
@@ -401,15 +477,18 @@ def test_concurrent_callers_and_proxies(build: Build, tmp_path: Path, version: i
 
 
 # ----------------------------------------------------------------------------- benchmark
-def test_cost_per_event_benchmark(build: Build, tmp_path: Path,
-                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_cost_per_event_benchmark(
+    build: Build, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Prints the plugin's cost per event; measured, not asserted."""
     for version in VERSIONS:
         out = run(build, "bench", tmp_path / f"bench{version}.board", version)
         with capsys.disabled():
-            print(f"\nnccl profiler v{version}: {out['step_event_ns']:.0f} ns per ProxyStep "
-                  f"event, {out['caller_event_ns']:.0f} ns per caller-thread event, "
-                  f"{out['proxy_op_event_ns']:.0f} ns per ProxyOp event")
+            print(
+                f"\nnccl profiler v{version}: {out['step_event_ns']:.0f} ns per ProxyStep "
+                f"event, {out['caller_event_ns']:.0f} ns per caller-thread event, "
+                f"{out['proxy_op_event_ns']:.0f} ns per ProxyOp event"
+            )
         assert out["stats"]["live_channels"] == 0
 
 
@@ -425,30 +504,49 @@ def test_agent_entries_from_nccl_records() -> None:
     def recs(*rows: dict) -> np.ndarray:
         a = np.zeros(len(rows), CHANNEL_DTYPE)
         for i, r in enumerate(rows):
-            base = dict(source=SRC_NCCL, direction=SEND, peer=3, group_id=9, seq=1,
-                        first_ns=100, last_progress_ns=1_000)
+            base = dict(
+                source=SRC_NCCL,
+                direction=SEND,
+                peer=3,
+                group_id=9,
+                seq=1,
+                first_ns=100,
+                last_progress_ns=1_000,
+            )
             for k, v in {**base, **r}.items():
                 a[i][k] = v
         return a
 
     nc = NcclChannels()
-    first = recs(dict(channel_id=0, steps_posted=4, steps_done=2, bytes_done=2048, wait=PEER),
-                 dict(channel_id=1, steps_posted=2, steps_done=2, bytes_done=2048),
-                 dict(channel_id=0, peer=NO_RANK),  # a kernel channel: no peer, not an entry
-                 dict(channel_id=0, peer=5, direction=RECV, steps_posted=1, steps_done=1,
-                      bytes_done=512))
+    first = recs(
+        dict(channel_id=0, steps_posted=4, steps_done=2, bytes_done=2048, wait=PEER),
+        dict(channel_id=1, steps_posted=2, steps_done=2, bytes_done=2048),
+        dict(channel_id=0, peer=NO_RANK),  # a kernel channel: no peer, not an entry
+        dict(channel_id=0, peer=5, direction=RECV, steps_posted=1, steps_done=1, bytes_done=512),
+    )
     (send, recv) = sorted(nc.sample(first, 3_000_000_000), key=lambda e: e.peer)
-    assert (send.peer, send.direction, send.wait, send.conns, send.sent, send.queued) == \
-        (3, "send", "peer", 2, 4096, 2 * 1024)
+    assert (send.peer, send.direction, send.wait, send.conns, send.sent, send.queued) == (
+        3,
+        "send",
+        "peer",
+        2,
+        4096,
+        2 * 1024,
+    )
     assert send.source == "nccl" and send.stalled_s == pytest.approx(3.0, abs=1e-3)
-    assert (recv.peer, recv.direction, recv.wait, recv.received, recv.queued) == \
-        (5, "recv", "none", 512, 0)
+    assert (recv.peer, recv.direction, recv.wait, recv.received, recv.queued) == (
+        5,
+        "recv",
+        "none",
+        512,
+        0,
+    )
     # Next tick: channel 0 moved one more step; the recv record is idle (left out); a new
     # connection in channel 1's slot (another first_ns) counts from zero.
-    second = recs(dict(channel_id=0, steps_posted=4, steps_done=3, bytes_done=3072, wait=PEER),
-                  dict(channel_id=1, steps_posted=1, steps_done=1, bytes_done=1024,
-                       first_ns=200),
-                  dict(channel_id=0, peer=5, direction=RECV, steps_posted=1, steps_done=1,
-                       bytes_done=512))
+    second = recs(
+        dict(channel_id=0, steps_posted=4, steps_done=3, bytes_done=3072, wait=PEER),
+        dict(channel_id=1, steps_posted=1, steps_done=1, bytes_done=1024, first_ns=200),
+        dict(channel_id=0, peer=5, direction=RECV, steps_posted=1, steps_done=1, bytes_done=512),
+    )
     (send,) = nc.sample(second, 4_000_000_000)
     assert (send.sent, send.queued, send.wait) == (1024 + 1024, 1024, "peer")

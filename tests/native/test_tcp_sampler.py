@@ -29,19 +29,36 @@ def group(role: str, ranks: list[int]) -> GroupInfo:
 DP4 = [group("world", [0, 1, 2, 3]), group("dp", [0, 1, 2, 3])]
 
 
-def view(reports: dict[int, list[PeerChannel]], now: int = 100 * S,
-         ages: dict[int, float] | None = None, groups: list[GroupInfo] = DP4) -> JobView:
+def view(
+    reports: dict[int, list[PeerChannel]],
+    now: int = 100 * S,
+    ages: dict[int, float] | None = None,
+    groups: list[GroupInfo] = DP4,
+) -> JobView:
     """A view in which rank r's latest summary, made ages[r] seconds ago, carries
     reports[r] as its channel evidence."""
     ages = ages or {}
     summaries = {}
     for r, entries in reports.items():
         t = now - int(ages.get(r, 0.0) * S)
-        summaries[r] = RankSummary(rank=r, pid=1000 + r, host="h", time_ns=t, heartbeat_ns=t,
-                                   step=5, last_progress_ns=t, groups_version=1,
-                                   channels=encode_channels(entries, INTERVAL, len(entries)))
-    return JobView(summaries=summaries, tables={r: groups for r in reports}, now_ns=now,
-                   job_start_ns=0, world=4)
+        summaries[r] = RankSummary(
+            rank=r,
+            pid=1000 + r,
+            host="h",
+            time_ns=t,
+            heartbeat_ns=t,
+            step=5,
+            last_progress_ns=t,
+            groups_version=1,
+            channels=encode_channels(entries, INTERVAL, len(entries)),
+        )
+    return JobView(
+        summaries=summaries,
+        tables={r: groups for r in reports},
+        now_ns=now,
+        job_start_ns=0,
+        world=4,
+    )
 
 
 # --- codec ----------------------------------------------------------------------------------

@@ -21,28 +21,38 @@ SOLO = GroupInfo(group_id_of([5]), "other", (5,))
 
 def summary(rank: int, t: int, samples: list[tuple[int, int, int, int]]) -> RankSummary:
     """Rank ``rank``'s decoded summary at ``t`` with (slot, seq, enter, dur_us) samples."""
-    s = RankSummary(rank=rank, pid=1, host="h", time_ns=t, heartbeat_ns=t, step=1,
-                    last_progress_ns=t, groups_version=1,
-                    groups=[GroupProgress(0, 40, 40, 1, 0, 0, 0),
-                            GroupProgress(1, 40, 40, 1, 0, 0, 0)],
-                    samples=[ArrivalSample(sl, q, e, d, 1 << 20) for sl, q, e, d in samples])
+    s = RankSummary(
+        rank=rank,
+        pid=1,
+        host="h",
+        time_ns=t,
+        heartbeat_ns=t,
+        step=1,
+        last_progress_ns=t,
+        groups_version=1,
+        groups=[GroupProgress(0, 40, 40, 1, 0, 0, 0), GroupProgress(1, 40, 40, 1, 0, 0, 0)],
+        samples=[ArrivalSample(sl, q, e, d, 1 << 20) for sl, q, e, d in samples],
+    )
     return decode_summary(encode_summary(s))
 
 
 def view(summaries: list[RankSummary], now: int) -> JobView:
-    return JobView({s.rank: s for s in summaries}, {r: [DP, SOLO] for r in (0, 1, 2, 5)}, now,
-                   0, 6)
+    return JobView({s.rank: s for s in summaries}, {r: [DP, SOLO] for r in (0, 1, 2, 5)}, now, 0, 6)
 
 
 def test_join_across_rounds_duplicates_and_unknown_slots() -> None:
     j = ArrivalJoin()
     t = 1000 * MS
-    first = [summary(0, t, [(0, 32, t - 30 * MS, 31_000), (0, 36, t - 9 * MS, 2_000)]),
-             summary(1, t, [(0, 32, t - 29 * MS, 30_000), (7, 32, t, 1)])]  # slot 7: unknown
+    first = [
+        summary(0, t, [(0, 32, t - 30 * MS, 31_000), (0, 36, t - 9 * MS, 2_000)]),
+        summary(1, t, [(0, 32, t - 29 * MS, 30_000), (7, 32, t, 1)]),
+    ]  # slot 7: unknown
     assert j.add(view(first, t), first) == []  # rank 2 has not reported seq 32 yet
     t2 = t + 500 * MS
-    second = [summary(2, t2, [(0, 32, t - 1 * MS, 2_000)]),
-              summary(1, t2, [(0, 32, t - 29 * MS, 30_000)])]  # the same sample again
+    second = [
+        summary(2, t2, [(0, 32, t - 1 * MS, 2_000)]),
+        summary(1, t2, [(0, 32, t - 29 * MS, 30_000)]),
+    ]  # the same sample again
     (got,) = j.add(view(second, t2), second)
     assert (got.group, got.seq, got.last, got.time_ns) == (DP, 32, 2, t - 1 * MS)
     assert got.waits_ns == {0: 29 * MS, 1: 28 * MS, 2: 0}
@@ -58,8 +68,10 @@ def test_single_member_groups_join_at_once_and_stale_samples_expire() -> None:
     assert (solo.group, solo.last, solo.transfer_ns) == (SOLO, 5, 1 * MS)
     later = t + PENDING_TTL_NS + 1
     assert j.add(view([], later), []) == []
-    late = [summary(1, later, [(0, 28, t - 4 * MS, 10)]),
-            summary(2, later, [(0, 28, t - 4 * MS, 10)])]
+    late = [
+        summary(1, later, [(0, 28, t - 4 * MS, 10)]),
+        summary(2, later, [(0, 28, t - 4 * MS, 10)]),
+    ]
     assert j.add(view(late, later), late) == []  # rank 0's sample of seq 28 has expired
 
 
@@ -95,8 +107,9 @@ def test_waited_for_weighs_waits_by_time_not_by_count() -> None:
         enters = np.array([t - int(waits_ms[m] * MS) for m in members])
         return Joined(DP, 1, t, last, 0, 1 << 20, members, enters)
 
-    straggler = [joined(1, {0: 30, 1: 0, 2: 31}) for _ in range(2)] + \
-                [joined(2, {0: 0.3, 1: 0.1, 2: 0}) for _ in range(4)]
+    straggler = [joined(1, {0: 30, 1: 0, 2: 31}) for _ in range(2)] + [
+        joined(2, {0: 0.3, 1: 0.1, 2: 0}) for _ in range(4)
+    ]
     assert sum(j.last == 1 for j in straggler) / len(straggler) < 0.5
     assert _wait_balance(1, straggler).share > 0.95
     # Its peers: they waited for it, and nobody waited for them long.

@@ -24,9 +24,23 @@ INTERVAL = 0.5
 
 
 def entry(peer: int, **kw: object) -> PeerChannel:
-    base = dict(peer=peer, wait="none", direction="send", conns=1, rtos=0, sent=0,
-                received=0, queued=0, rtt_us=100, min_rtt_us=10, retrans=0, rwnd_share=0.0,
-                sndbuf_share=0.0, busy_share=0.0, stalled_s=0.0)
+    base = dict(
+        peer=peer,
+        wait="none",
+        direction="send",
+        conns=1,
+        rtos=0,
+        sent=0,
+        received=0,
+        queued=0,
+        rtt_us=100,
+        min_rtt_us=10,
+        retrans=0,
+        rwnd_share=0.0,
+        sndbuf_share=0.0,
+        busy_share=0.0,
+        stalled_s=0.0,
+    )
     base.update(kw)
     return PeerChannel(**base)  # type: ignore[arg-type]
 
@@ -36,45 +50,88 @@ def group(role: str, ranks: list[int]) -> GroupInfo:
 
 
 DP4 = [group("world", [0, 1, 2, 3]), group("dp", [0, 1, 2, 3])]
-TP2PP2 = [group("world", [0, 1, 2, 3]), group("tp", [0, 1]), group("tp", [2, 3]),
-          group("pp", [0, 2]), group("pp", [1, 3])]
+TP2PP2 = [
+    group("world", [0, 1, 2, 3]),
+    group("tp", [0, 1]),
+    group("tp", [2, 3]),
+    group("pp", [0, 2]),
+    group("pp", [1, 3]),
+]
 
 
-def view(reports: dict[int, list[PeerChannel]], now: int = 100 * S,
-         ages: dict[int, float] | None = None, groups: list[GroupInfo] = DP4) -> JobView:
+def view(
+    reports: dict[int, list[PeerChannel]],
+    now: int = 100 * S,
+    ages: dict[int, float] | None = None,
+    groups: list[GroupInfo] = DP4,
+) -> JobView:
     """A view in which rank r's latest summary, made ages[r] seconds ago, carries
     reports[r] as its channel evidence."""
     ages = ages or {}
     summaries = {}
     for r, entries in reports.items():
         t = now - int(ages.get(r, 0.0) * S)
-        summaries[r] = RankSummary(rank=r, pid=1000 + r, host="h", time_ns=t, heartbeat_ns=t,
-                                   step=5, last_progress_ns=t, groups_version=1,
-                                   channels=encode_channels(entries, INTERVAL, len(entries)))
-    return JobView(summaries=summaries, tables={r: groups for r in reports}, now_ns=now,
-                   job_start_ns=0, world=4)
+        summaries[r] = RankSummary(
+            rank=r,
+            pid=1000 + r,
+            host="h",
+            time_ns=t,
+            heartbeat_ns=t,
+            step=5,
+            last_progress_ns=t,
+            groups_version=1,
+            channels=encode_channels(entries, INTERVAL, len(entries)),
+        )
+    return JobView(
+        summaries=summaries,
+        tables={r: groups for r in reports},
+        now_ns=now,
+        job_start_ns=0,
+        world=4,
+    )
 
 
 # --- codec ----------------------------------------------------------------------------------
 
 
 def test_codec_round_trip_and_budget() -> None:
-    es = [entry(p, wait="network", sent=5 * 10**6, queued=123_456, rtt_us=40_000,
-                busy_share=0.9, rwnd_share=0.25, stalled_s=3.21, retrans=7, rtos=2)
-          for p in range(20)]
+    es = [
+        entry(
+            p,
+            wait="network",
+            sent=5 * 10**6,
+            queued=123_456,
+            rtt_us=40_000,
+            busy_share=0.9,
+            rwnd_share=0.25,
+            stalled_s=3.21,
+            retrans=7,
+            rtos=2,
+        )
+        for p in range(20)
+    ]
     data = encode_channels(es, INTERVAL, 40)
     assert len(data) <= 450  # a bounded share of the ~1 KB summary budget
     rep = decode_channels(3, 77, data)
     assert rep is not None and rep.rank == 3 and rep.time_ns == 77 and rep.conns == 40
     assert len(rep.entries) == codec.MAX_ENTRIES and rep.interval_s == INTERVAL
     e = rep.entries[0]
-    assert (e.peer, e.wait, e.sent, e.queued, e.rtt_us, e.retrans, e.rtos) == \
-        (0, "network", 5 * 10**6, 123_456, 40_000, 7, 2)
+    assert (e.peer, e.wait, e.sent, e.queued, e.rtt_us, e.retrans, e.rtos) == (
+        0,
+        "network",
+        5 * 10**6,
+        123_456,
+        40_000,
+        7,
+        2,
+    )
     assert e.busy_share == pytest.approx(0.9, abs=0.01)
     assert e.stalled_s == pytest.approx(3.21)
     assert {x.source for x in rep.entries} == {"tcp"}
-    mixed = [entry(1, source="nccl", wait="local", net_wait_us=7, peer_wait_us=8,
-                   local_wait_us=9), entry(2)]
+    mixed = [
+        entry(1, source="nccl", wait="local", net_wait_us=7, peer_wait_us=8, local_wait_us=9),
+        entry(2),
+    ]
     nccl = decode_channels(0, 0, encode_channels(mixed, 1, 2))
     assert nccl is not None and nccl.entries == tuple(mixed)  # NCCL waits travel too
     assert decode_channels(0, 0, b"") is None and decode_channels(0, 0, b"\x09xx") is None
@@ -84,10 +141,20 @@ def test_codec_round_trip_and_budget() -> None:
 def test_rows_of_many_summaries_match_their_reports() -> None:
     # The diagnoser's batch decode (every rank's entries at once) reads what the per-rank
     # decoder reads, and leaves out a value whose head miscounts its NCCL entries, alone.
-    mixed = [entry(1, source="nccl", wait="local", sent=40_000, net_wait_us=7,
-                   peer_wait_us=8, local_wait_us=9, direction="recv"),
-             entry(2, sent=70_000, busy_share=0.5, rtt_us=900),
-             entry(3, source="nccl", sent=90_000, net_wait_us=70)]
+    mixed = [
+        entry(
+            1,
+            source="nccl",
+            wait="local",
+            sent=40_000,
+            net_wait_us=7,
+            peer_wait_us=8,
+            local_wait_us=9,
+            direction="recv",
+        ),
+        entry(2, sent=70_000, busy_share=0.5, rtt_us=900),
+        entry(3, source="nccl", sent=90_000, net_wait_us=70),
+    ]
     v = view({0: mixed, 1: [entry(0, sent=5)], 2: mixed, 3: mixed[::-1]})
     corrupt = bytearray(v.summaries[2].channels)
     corrupt[2] = 1  # the head counts one NCCL entry of two, and the size agrees with it
@@ -99,11 +166,29 @@ def test_rows_of_many_summaries_match_their_reports() -> None:
         rep = decode_channels(r, 0, v.summaries[r].channels)
         assert rep is not None
         got = rows.entries[rows.entries["rank"] == r]
-        assert [(e.peer, e.sent, e.net_wait_us, e.peer_wait_us, e.local_wait_us,
-                 {"tcp": SOURCE_TCP, "nccl": SOURCE_NCCL}[e.source], round(e.busy_share * 255))
-                for e in rep.entries] == \
-            [(g["peer"], g["sent"], g["net_wait_us"], g["peer_wait_us"], g["local_wait_us"],
-              g["source"], g["busy"]) for g in got]
+        assert [
+            (
+                e.peer,
+                e.sent,
+                e.net_wait_us,
+                e.peer_wait_us,
+                e.local_wait_us,
+                {"tcp": SOURCE_TCP, "nccl": SOURCE_NCCL}[e.source],
+                round(e.busy_share * 255),
+            )
+            for e in rep.entries
+        ] == [
+            (
+                g["peer"],
+                g["sent"],
+                g["net_wait_us"],
+                g["peer_wait_us"],
+                g["local_wait_us"],
+                g["source"],
+                g["busy"],
+            )
+            for g in got
+        ]
         assert (got["mid_ns"] == v.summaries[r].time_ns - int(INTERVAL * 5e8)).all()
 
 
@@ -115,14 +200,22 @@ CUT = dict(wait="network", queued=64_000, stalled_s=4.0, rtos=3, rtt_us=200_000)
 def test_cut_link_names_the_silent_rank() -> None:
     # Rank 2's link is cut: its summaries stop; ranks 1 and 3 have bytes to it that
     # nothing acknowledges. Its stale report (before the cut) looked healthy.
-    v = view({0: [entry(3, sent=10**6)], 1: [entry(2, **CUT)], 2: [entry(1, sent=10**6)],
-              3: [entry(2, **CUT)]}, ages={2: 5.0})
+    v = view(
+        {
+            0: [entry(3, sent=10**6)],
+            1: [entry(2, **CUT)],
+            2: [entry(1, sent=10**6)],
+            3: [entry(2, **CUT)],
+        },
+        ages={2: 5.0},
+    )
     found = cut_off_rank(v, 2, v.summaries)
     assert found is not None
     ranks, link, lines = found.ranks, found.link, found.lines
     assert ranks == [2] and link is None
-    assert any("unacknowledged for 4.0 s" in ln and "3 retransmission timeouts" in ln
-               for ln in lines)
+    assert any(
+        "unacknowledged for 4.0 s" in ln and "3 retransmission timeouts" in ln for ln in lines
+    )
     assert any("summaries stopped arriving 5.0 s ago" in ln for ln in lines)
     # The same stalls, seen from the hang's "nobody missing" path.
     found = channel_evidence(v, DP4[1], [0, 1, 2, 3])
@@ -163,16 +256,20 @@ def test_compute_hang_evidence_shows_healthy_idle_links() -> None:
 
 
 def test_no_stall_no_evidence() -> None:
-    v = view({r: [entry((r + 1) % 4, sent=10**6, queued=1000, stalled_s=0.2)]
-              for r in range(4)})
+    v = view({r: [entry((r + 1) % 4, sent=10**6, queued=1000, stalled_s=0.2)] for r in range(4)})
     assert channel_evidence(v, DP4[1], [0, 1, 2, 3]) is None
 
 
 # --- slowness --------------------------------------------------------------------------------
 
 
-def feed(h: ChannelHistory, ticks: int, per_tick: dict[int, list[PeerChannel]],
-         groups: list[GroupInfo], t0: int = 10 * S) -> JobView:
+def feed(
+    h: ChannelHistory,
+    ticks: int,
+    per_tick: dict[int, list[PeerChannel]],
+    groups: list[GroupInfo],
+    t0: int = 10 * S,
+) -> JobView:
     v = view({r: [] for r in per_tick}, groups=groups)
     for k in range(ticks):
         t = t0 + int(k * INTERVAL * S)
@@ -186,8 +283,15 @@ def healthy(peer: int, rtt: int = 300) -> PeerChannel:
 
 
 def shaped(peer: int) -> PeerChannel:
-    return entry(peer, wait="network", sent=2_900_000, rtt_us=20_000, min_rtt_us=8,
-                 busy_share=0.95, queued=800_000)
+    return entry(
+        peer,
+        wait="network",
+        sent=2_900_000,
+        rtt_us=20_000,
+        min_rtt_us=8,
+        busy_share=0.95,
+        queued=800_000,
+    )
 
 
 def test_dp4_ring_slow_links_have_one_rank_in_common() -> None:
@@ -204,8 +308,12 @@ def test_dp4_ring_slow_links_have_one_rank_in_common() -> None:
 
 def test_one_slow_link_is_named_as_a_link() -> None:
     h = ChannelHistory()
-    v = feed(h, 10, {0: [shaped(1), healthy(2)], 1: [healthy(3)], 2: [healthy(3), healthy(0)],
-                     3: [healthy(2)]}, TP2PP2)
+    v = feed(
+        h,
+        10,
+        {0: [shaped(1), healthy(2)], 1: [healthy(3)], 2: [healthy(3), healthy(0)], 3: [healthy(2)]},
+        TP2PP2,
+    )
     found = h.slow_links(v, 10 * S, 15 * S).found
     assert found is not None and found.link == [0, 1] and found.ranks == [0, 1]
     assert found.group.role == "tp"  # type: ignore[union-attr]
@@ -216,13 +324,25 @@ def test_healthy_jitter_and_delayed_acks_are_not_slow() -> None:
     # ring links differ 2x in RTT on a busy host. Neither is a slow link.
     h = ChannelHistory()
     pp = dict(rtt_us=6000, busy_share=0.35, sent=1_000_000)
-    v = feed(h, 12, {0: [entry(2, **pp), healthy(1, 200)], 1: [entry(3, **pp),
-                                                                healthy(0, 500)],
-                     2: [healthy(3, 300)], 3: [healthy(2, 150)]}, TP2PP2)
+    v = feed(
+        h,
+        12,
+        {
+            0: [entry(2, **pp), healthy(1, 200)],
+            1: [entry(3, **pp), healthy(0, 500)],
+            2: [healthy(3, 300)],
+            3: [healthy(2, 150)],
+        },
+        TP2PP2,
+    )
     assert h.slow_links(v, 10 * S, 16 * S) == LinkJudgement(None, True)
     h = ChannelHistory()
-    v = feed(h, 12, {0: [healthy(3, 400)], 1: [healthy(0, 900)], 2: [healthy(1, 300)],
-                     3: [healthy(2, 1800)]}, DP4)
+    v = feed(
+        h,
+        12,
+        {0: [healthy(3, 400)], 1: [healthy(0, 900)], 2: [healthy(1, 300)], 3: [healthy(2, 1800)]},
+        DP4,
+    )
     assert h.slow_links(v, 10 * S, 16 * S) == LinkJudgement(None, True)
 
 
@@ -245,6 +365,7 @@ def test_too_few_intervals_are_judged_with_the_next_window() -> None:
 def test_reports_are_kept_for_a_bounded_time_while_no_window_closes() -> None:
     # Steps that do not advance close no window: the history must not grow with the job.
     from ccld_plugin.diagnose.slow_links import KEEP_S
+
     h = ChannelHistory()
     ticks = int(3 * KEEP_S / INTERVAL)
     feed(h, ticks, {0: [healthy(3)], 1: [shaped(0)], 2: [shaped(1)], 3: [healthy(2)]}, DP4)
@@ -264,10 +385,24 @@ def test_sibling_medians_match_the_direct_computation() -> None:
 
     rng = random.Random(7)
     for n_ranks in (3, 4, 5, 8, 16, 40):
-        keys = {(a, b) for a in range(n_ranks) for b in range(n_ranks)
-                if a != b and rng.random() < 0.4}
-        links = {k: LinkStats(k[0], k[1], 3, rng.choice([100.0, 250.0, rng.uniform(50, 5e4)]),
-                              10, rng.uniform(1e-4, 1.0), 0.5, 0, 0, 10**6) for k in keys}
+        keys = {
+            (a, b) for a in range(n_ranks) for b in range(n_ranks) if a != b and rng.random() < 0.4
+        }
+        links = {
+            k: LinkStats(
+                k[0],
+                k[1],
+                3,
+                rng.choice([100.0, 250.0, rng.uniform(50, 5e4)]),
+                10,
+                rng.uniform(1e-4, 1.0),
+                0.5,
+                0,
+                0,
+                10**6,
+            )
+            for k in keys
+        }
         fast = _SiblingMedians(links)
         for k in links:
             refs = [o for ok, o in links.items() if not set(ok) & set(k)]

@@ -25,15 +25,19 @@ def test_block_from_dict_and_file(tmp_path: Path) -> None:
     assert off is not None and not off.enabled
 
 
-@pytest.mark.parametrize(("block", "overrides", "names"), [
-    ({"diagnoser": {"window_steps": 0}}, [], "diagnoser.window_steps"),
-    ({"agent": {"intervall_s": 1}}, [], "agent.intervall_s"),
-    ({}, ["control.store=nearby"], "control.store"),
-    ({"enabled": False, "board": {"ring_size": 3}}, [], "board.ring_size"),
-    ("on", [], "'ccld' must be an object"),
-])
-def test_bad_block_is_one_line_naming_the_key(block: object, overrides: list[str],
-                                              names: str) -> None:
+@pytest.mark.parametrize(
+    ("block", "overrides", "names"),
+    [
+        ({"diagnoser": {"window_steps": 0}}, [], "diagnoser.window_steps"),
+        ({"agent": {"intervall_s": 1}}, [], "agent.intervall_s"),
+        ({}, ["control.store=nearby"], "control.store"),
+        ({"enabled": False, "board": {"ring_size": 3}}, [], "board.ring_size"),
+        ("on", [], "'ccld' must be an object"),
+    ],
+)
+def test_bad_block_is_one_line_naming_the_key(
+    block: object, overrides: list[str], names: str
+) -> None:
     with pytest.raises(ConfigError) as err:
         read_config({"ccld": block}, overrides)
     msg = str(err.value)

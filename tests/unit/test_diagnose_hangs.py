@@ -31,30 +31,53 @@ def group(role, ranks):
 def summary(rank, entered, flights=(), idle_s=0.0, hb_age_s=0.0, flags=0, step=5):
     """entered: {slot: seq}; flights: (slot, op, seq, age_s, flags, peer)."""
     return RankSummary(
-        rank=rank, pid=1000 + rank, host="h", time_ns=NOW, heartbeat_ns=NOW - int(hb_age_s * S),
-        step=step, last_progress_ns=NOW - int(idle_s * S), groups_version=1, flags=flags,
+        rank=rank,
+        pid=1000 + rank,
+        host="h",
+        time_ns=NOW,
+        heartbeat_ns=NOW - int(hb_age_s * S),
+        step=step,
+        last_progress_ns=NOW - int(idle_s * S),
+        groups_version=1,
+        flags=flags,
         groups=[GroupProgress(slot, seq, seq, 0, 0, 0, 0) for slot, seq in entered.items()],
-        in_flight=[InFlightOp(slot, OP_CODES[op], fl, peer, seq, 64, NOW - int(age * S))
-                   for slot, op, seq, age, fl, peer in flights])
+        in_flight=[
+            InFlightOp(slot, OP_CODES[op], fl, peer, seq, 64, NOW - int(age * S))
+            for slot, op, seq, age, fl, peer in flights
+        ],
+    )
 
 
 def view(summaries, tables, gone=()):
-    return JobView(summaries={s.rank: s for s in summaries}, tables=tables, now_ns=NOW,
-                   job_start_ns=0, world=len(summaries), gone=set(gone))
+    return JobView(
+        summaries={s.rank: s for s in summaries},
+        tables=tables,
+        now_ns=NOW,
+        job_start_ns=0,
+        world=len(summaries),
+        gone=set(gone),
+    )
 
 
 def test_hang_root_is_the_rank_in_no_collective_tp2_pp2():
     # TP2xPP2: tp [0,1],[2,3]; pp [0,2],[1,3]. Rank 1 is stuck in compute. Rank 0 waits in a
     # TP all-reduce for it; rank 3 waits in recv from 1; rank 2 waits in recv from 0.
-    tp01, tp23, pp02, pp13 = group("tp", [0, 1]), group("tp", [2, 3]), group("pp", [0, 2]), \
-        group("pp", [1, 3])
+    tp01, tp23, pp02, pp13 = (
+        group("tp", [0, 1]),
+        group("tp", [2, 3]),
+        group("pp", [0, 2]),
+        group("pp", [1, 3]),
+    )
     tables = {0: [tp01, pp02], 1: [tp01, pp13], 2: [tp23, pp02], 3: [tp23, pp13]}
-    v = view([
-        summary(0, {0: 41, 1: 0}, [(0, "all_reduce", 41, 12, 0, -1)], idle_s=12),
-        summary(1, {0: 40, 1: 0}, idle_s=12.5),
-        summary(2, {0: 30, 1: 0}, [(1, "recv", 11, 11, FLAG_P2P, 0)], idle_s=11),
-        summary(3, {0: 30, 1: 0}, [(1, "recv", 11, 11.5, FLAG_P2P, 1)], idle_s=11.5),
-    ], tables)
+    v = view(
+        [
+            summary(0, {0: 41, 1: 0}, [(0, "all_reduce", 41, 12, 0, -1)], idle_s=12),
+            summary(1, {0: 40, 1: 0}, idle_s=12.5),
+            summary(2, {0: 30, 1: 0}, [(1, "recv", 11, 11, FLAG_P2P, 0)], idle_s=11),
+            summary(3, {0: 30, 1: 0}, [(1, "recv", 11, 11.5, FLAG_P2P, 1)], idle_s=11.5),
+        ],
+        tables,
+    )
     (h,) = find_hangs(v, lambda gid: 10.0, 1.0)
     assert (h.kind.value, h.cause.value, h.ranks) == ("hang", "compute", [1])
     assert h.group["role"] == "tp" and h.group["ranks"] == [0, 1]
@@ -64,8 +87,13 @@ def test_hang_root_is_the_rank_in_no_collective_tp2_pp2():
 def test_no_hang_below_the_threshold_and_adaptive_threshold():
     dp = group("dp", [0, 1])
     tables = {0: [dp], 1: [dp]}
-    v = view([summary(0, {0: 9}, [(0, "all_reduce", 9, 8, 0, -1)], idle_s=8),
-              summary(1, {0: 8}, idle_s=8)], tables)
+    v = view(
+        [
+            summary(0, {0: 9}, [(0, "all_reduce", 9, 8, 0, -1)], idle_s=8),
+            summary(1, {0: 8}, idle_s=8),
+        ],
+        tables,
+    )
     assert find_hangs(v, lambda gid: 10.0, 1.0) == []
     d = Diagnoser(DiagnoserConfig(hang_min_s=3), interval_s=0.5)
     assert d.threshold_s(dp.group_id) == 6  # no op completed yet: twice the floor
@@ -78,8 +106,9 @@ def test_no_hang_below_the_threshold_and_adaptive_threshold():
 def test_everyone_arrived_is_a_communication_hang_with_all_members_suspect():
     dp = group("dp", [0, 1, 2])
     tables = {r: [dp] for r in range(3)}
-    v = view([summary(r, {0: 7}, [(0, "all_reduce", 7, 20, 0, -1)], idle_s=20)
-              for r in range(3)], tables)
+    v = view(
+        [summary(r, {0: 7}, [(0, "all_reduce", 7, 20, 0, -1)], idle_s=20) for r in range(3)], tables
+    )
     (h,) = find_hangs(v, lambda gid: 10.0, 1.0)
     assert (h.cause.value, h.ranks, h.group["role"]) == ("communication", [0, 1, 2], "dp")
 
@@ -88,9 +117,13 @@ def test_p2p_ordering_cycle_is_a_deadlock():
     pp = group("pp", [0, 1])
     tables = {0: [pp], 1: [pp]}
     # Both ranks block in a send to the other: neither posts the matching recv.
-    v = view([summary(0, {0: 0}, [(0, "send", 3, 15, FLAG_P2P | FLAG_SEND, 1)], idle_s=15),
-              summary(1, {0: 0}, [(0, "send", 3, 15, FLAG_P2P | FLAG_SEND, 0)], idle_s=15)],
-             tables)
+    v = view(
+        [
+            summary(0, {0: 0}, [(0, "send", 3, 15, FLAG_P2P | FLAG_SEND, 1)], idle_s=15),
+            summary(1, {0: 0}, [(0, "send", 3, 15, FLAG_P2P | FLAG_SEND, 0)], idle_s=15),
+        ],
+        tables,
+    )
     (h,) = find_hangs(v, lambda gid: 10.0, 1.0)
     assert (h.kind.value, h.cause.value, h.ranks) == ("deadlock", "software", [0, 1])
 
@@ -104,8 +137,13 @@ def test_mismatch_names_the_minority_and_a_tie_names_both():
     (m,) = find_mismatches(v)
     assert (m.kind.value, m.cause.value, m.ranks) == ("mismatch", "software", [2])
     pair = group("tp", [0, 1])
-    v = view([summary(0, {0: 3}, [(0, "all_reduce", 3, 1, 0, -1)]),
-              summary(1, {0: 3}, [(0, "broadcast", 3, 1, 0, -1)])], {0: [pair], 1: [pair]})
+    v = view(
+        [
+            summary(0, {0: 3}, [(0, "all_reduce", 3, 1, 0, -1)]),
+            summary(1, {0: 3}, [(0, "broadcast", 3, 1, 0, -1)]),
+        ],
+        {0: [pair], 1: [pair]},
+    )
     assert find_mismatches(v)[0].ranks == [0, 1]
 
 
@@ -126,10 +164,15 @@ def test_groups_stalled_behind_a_mismatch_are_not_separate_hangs():
     # op, no channel evidence): an effect, folded into the mismatch verdict.
     dp, tp = group("dp", [0, 1]), group("tp", [2, 3])
     tables = {0: [dp], 1: [dp], 2: [tp], 3: [tp]}
-    v = view([summary(0, {0: 5}, [(0, "all_reduce", 5, 12, 0, -1)], idle_s=12),
-              summary(1, {0: 5}, [(0, "broadcast", 5, 12, 0, -1)], idle_s=12),
-              summary(2, {0: 9}, [(0, "all_reduce", 9, 11, 0, -1)], idle_s=11),
-              summary(3, {0: 9}, [(0, "all_reduce", 9, 11, 0, -1)], idle_s=11)], tables)
+    v = view(
+        [
+            summary(0, {0: 5}, [(0, "all_reduce", 5, 12, 0, -1)], idle_s=12),
+            summary(1, {0: 5}, [(0, "broadcast", 5, 12, 0, -1)], idle_s=12),
+            summary(2, {0: 9}, [(0, "all_reduce", 9, 11, 0, -1)], idle_s=11),
+            summary(3, {0: 9}, [(0, "all_reduce", 9, 11, 0, -1)], idle_s=11),
+        ],
+        tables,
+    )
     verdicts = Diagnoser(DiagnoserConfig(hang_min_s=3), interval_s=0.5).round(v)
     assert [x.kind.value for x in verdicts] == ["mismatch"]
     assert any("stalled behind it: all of tp[2, 3]" in e for e in verdicts[0].evidence)
@@ -138,8 +181,15 @@ def test_groups_stalled_behind_a_mismatch_are_not_separate_hangs():
 def test_unresponsive_by_heartbeat_or_gone_process_but_not_after_a_clean_exit():
     dp = group("dp", [0, 1, 2])
     tables = {r: [dp] for r in range(3)}
-    v = view([summary(0, {0: 1}), summary(1, {0: 1}, hb_age_s=30),
-              summary(2, {0: 1}, flags=FLAG_EXITED, hb_age_s=60)], tables, gone=[2])
+    v = view(
+        [
+            summary(0, {0: 1}),
+            summary(1, {0: 1}, hb_age_s=30),
+            summary(2, {0: 1}, flags=FLAG_EXITED, hb_age_s=60),
+        ],
+        tables,
+        gone=[2],
+    )
     assert [u.ranks for u in find_unresponsive(v, 10.0)] == [[1]]
     v = view([summary(0, {0: 1}), summary(1, {0: 1}, hb_age_s=0.5)], tables, gone=[1])
     (u,) = find_unresponsive(v, 10.0)
@@ -150,8 +200,11 @@ def test_summary_round_trip_and_size_budget():
     s = summary(3, {0: 40, 1: 50, 2: 60}, [(1, "recv", 4, 1, FLAG_P2P, 2)])
     # Times in whole microseconds: the encoding keeps them relative, at that resolution.
     s.steps = [StepStat(i, NOW - 1000 * i, 50_000, 30_000) for i in range(20)]
-    s.samples = [ArrivalSample(slot, 4 * k, NOW - 3000 * k, 1500, 65536)
-                 for slot in range(3) for k in range(8)]
+    s.samples = [
+        ArrivalSample(slot, 4 * k, NOW - 3000 * k, 1500, 65536)
+        for slot in range(3)
+        for k in range(8)
+    ]
     s.stack = ["train.py:10 in main", "model.py:20 in forward"]
     data = encode_summary(s)
     back = decode_summary(data)

@@ -1,6 +1,5 @@
 """Fault specs: parsing, and one-line errors for bad specs (also through the CLI)."""
 
-
 import pytest
 
 from ccld_plugin.harness.faults import FaultSpecError, parse_fault, parse_faults
@@ -14,20 +13,25 @@ def test_specs_parse_with_defaults():
     assert parse_fault("comm-hang@3:step=4").is_comm
     assert parse_faults(["none"]) == []
     assert [str(f) for f in parse_faults(["mismatch@1:step=2", "compute-hang@0"])] == [
-        "mismatch@1:step=2", "compute-hang@0:step=3"]
+        "mismatch@1:step=2",
+        "compute-hang@0:step=3",
+    ]
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("compute-sloww@1:factor=2", "unknown kind 'compute-sloww'"),
-    ("compute-hang", "needs a rank after '@'"),
-    ("compute-hang@x", "needs a rank after '@'"),
-    ("compute-slow@1", "needs factor=..."),
-    ("compute-slow@1:factor=0.5", r"factor must be in \(1, 100\]"),
-    ("compute-hang@1:when=3", "unknown parameter 'when'"),
-    ("comm-slow@1:rate=fast", "must look like 20mbit"),
-    ("compute-hang@1:step", "must be key=value"),
-    ("compute-hang@1:step=-1", "step must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("compute-sloww@1:factor=2", "unknown kind 'compute-sloww'"),
+        ("compute-hang", "needs a rank after '@'"),
+        ("compute-hang@x", "needs a rank after '@'"),
+        ("compute-slow@1", "needs factor=..."),
+        ("compute-slow@1:factor=0.5", r"factor must be in \(1, 100\]"),
+        ("compute-hang@1:when=3", "unknown parameter 'when'"),
+        ("comm-slow@1:rate=fast", "must look like 20mbit"),
+        ("compute-hang@1:step", "must be key=value"),
+        ("compute-hang@1:step=-1", "step must be >= 0"),
+    ],
+)
 def test_bad_specs_are_one_line_errors(spec, message):
     with pytest.raises(FaultSpecError, match=message) as info:
         parse_fault(spec)

@@ -20,7 +20,17 @@ def test_args_provider_alone_and_chained() -> None:
 
     provider = ccld.combine_providers(mine, None, ccld.add_ccld_args)
     args = provider(argparse.ArgumentParser()).parse_args(
-        ["--my-flag", "3", "--ccld", "--ccld-config", "c.yaml",
-         "--ccld-set", "a.b=1", "--ccld-set", "job=x"])
+        [
+            "--my-flag",
+            "3",
+            "--ccld",
+            "--ccld-config",
+            "c.yaml",
+            "--ccld-set",
+            "a.b=1",
+            "--ccld-set",
+            "job=x",
+        ]
+    )
     assert (args.my_flag, args.ccld, args.ccld_config) == (3, True, "c.yaml")
     assert args.ccld_set == ["a.b=1", "job=x"]

@@ -17,22 +17,45 @@ NOW = 100 * S
 
 
 def ch(peer: int, direction: str, wait: str, stalled_s: float = 5.0) -> PeerChannel:
-    return PeerChannel(peer=peer, wait=wait, direction=direction, conns=2, rtos=0, sent=0,
-                       received=0, queued=1 << 18, rtt_us=0, min_rtt_us=0, retrans=0,
-                       rwnd_share=0.0, sndbuf_share=0.0, busy_share=0.0, stalled_s=stalled_s,
-                       source="nccl")
+    return PeerChannel(
+        peer=peer,
+        wait=wait,
+        direction=direction,
+        conns=2,
+        rtos=0,
+        sent=0,
+        received=0,
+        queued=1 << 18,
+        rtt_us=0,
+        min_rtt_us=0,
+        retrans=0,
+        rwnd_share=0.0,
+        sndbuf_share=0.0,
+        busy_share=0.0,
+        stalled_s=stalled_s,
+        source="nccl",
+    )
 
 
-def view(entries: dict[int, list[PeerChannel]], silent: tuple[int, ...] = ()
-         ) -> tuple[JobView, GroupInfo]:
+def view(
+    entries: dict[int, list[PeerChannel]], silent: tuple[int, ...] = ()
+) -> tuple[JobView, GroupInfo]:
     ranks = sorted(entries)
     g = GroupInfo(group_id_of(ranks), "dp", tuple(ranks))
     summaries = {}
     for r, es in entries.items():
         t = NOW - (10 * S if r in silent else 0)
-        summaries[r] = RankSummary(rank=r, pid=1, host="h", time_ns=t, heartbeat_ns=t, step=1,
-                                   last_progress_ns=t, groups_version=1,
-                                   channels=encode_channels(es, 1.0, len(es)))
+        summaries[r] = RankSummary(
+            rank=r,
+            pid=1,
+            host="h",
+            time_ns=t,
+            heartbeat_ns=t,
+            step=1,
+            last_progress_ns=t,
+            groups_version=1,
+            channels=encode_channels(es, 1.0, len(es)),
+        )
     return JobView(summaries, {r: [g] for r in ranks}, NOW, 0, len(ranks)), g
 
 
@@ -43,51 +66,93 @@ def located(entries: dict[int, list[PeerChannel]], silent: tuple[int, ...] = ())
 
 def test_broadcast_root_whose_gpu_produces_nothing() -> None:
     # Tree 0 -> {1, 2}, 1 -> 3: nothing is owed to rank 0; its sends wait for its GPU.
-    found = located({0: [ch(1, "send", "local"), ch(2, "send", "local")],
-                     1: [ch(0, "recv", "network"), ch(3, "send", "local")],
-                     2: [ch(0, "recv", "network")],
-                     3: [ch(1, "recv", "network")]})
+    found = located(
+        {
+            0: [ch(1, "send", "local"), ch(2, "send", "local")],
+            1: [ch(0, "recv", "network"), ch(3, "send", "local")],
+            2: [ch(0, "recv", "network")],
+            3: [ch(1, "recv", "network")],
+        }
+    )
     assert found is not None and (found.ranks, found.cause) == ([0], Cause.COMPUTE)
     assert found.link is None
 
 
 def test_two_ranks_gpu_stuck() -> None:
-    found = located({0: [ch(1, "send", "local"), ch(1, "recv", "local")],
-                     1: [ch(0, "send", "peer"), ch(0, "recv", "network")]})
+    found = located(
+        {
+            0: [ch(1, "send", "local"), ch(1, "recv", "local")],
+            1: [ch(0, "send", "peer"), ch(0, "recv", "network")],
+        }
+    )
     assert found is not None and (found.ranks, found.cause) == ([0], Cause.COMPUTE)
 
 
 def test_credit_and_data_waiting_for_each_other_is_the_link() -> None:
     # 2 holds data for 3 and has no credit; 3 has posted its receive and no data comes:
     # the messages between them are lost.
-    found = located({1: [ch(2, "send", "local"), ch(0, "recv", "network")],
-                     2: [ch(3, "send", "peer"), ch(1, "recv", "local")],
-                     3: [ch(2, "recv", "network"), ch(0, "send", "local")],
-                     0: [ch(3, "recv", "network"), ch(1, "send", "local")]})
+    found = located(
+        {
+            1: [ch(2, "send", "local"), ch(0, "recv", "network")],
+            2: [ch(3, "send", "peer"), ch(1, "recv", "local")],
+            3: [ch(2, "recv", "network"), ch(0, "send", "local")],
+            0: [ch(3, "recv", "network"), ch(1, "send", "local")],
+        }
+    )
     assert found is not None and (found.ranks, found.link) == ([2, 3], [2, 3])
     assert found.cause == Cause.COMMUNICATION
 
 
 def test_two_faults_name_both() -> None:
     # Two 2-rank rings stuck in one group's op: GPU of 0 and GPU of 3.
-    found = located({0: [ch(1, "send", "local"), ch(1, "recv", "local")],
-                     1: [ch(0, "send", "peer"), ch(0, "recv", "network")],
-                     2: [ch(3, "send", "peer"), ch(3, "recv", "network")],
-                     3: [ch(2, "send", "local"), ch(2, "recv", "local")]})
+    found = located(
+        {
+            0: [ch(1, "send", "local"), ch(1, "recv", "local")],
+            1: [ch(0, "send", "peer"), ch(0, "recv", "network")],
+            2: [ch(3, "send", "peer"), ch(3, "recv", "network")],
+            3: [ch(2, "send", "local"), ch(2, "recv", "local")],
+        }
+    )
     assert found is not None and found.ranks == [0, 3]
 
 
 def test_silent_culprit_is_named_without_a_cause() -> None:
-    found = located({0: [ch(1, "send", "local"), ch(1, "recv", "local")],
-                     1: [ch(0, "send", "peer"), ch(2, "recv", "network")],
-                     2: [ch(0, "recv", "network"), ch(1, "send", "local")]}, silent=(0,))
+    found = located(
+        {
+            0: [ch(1, "send", "local"), ch(1, "recv", "local")],
+            1: [ch(0, "send", "peer"), ch(2, "recv", "network")],
+            2: [ch(0, "recv", "network"), ch(1, "send", "local")],
+        },
+        silent=(0,),
+    )
     assert found is not None and (found.ranks, found.cause) == ([0], Cause.UNKNOWN)
 
 
 def test_short_waits_and_tcp_entries_are_not_nccl_stalls() -> None:
-    assert located({0: [ch(1, "send", "local", stalled_s=0.2)],
-                    1: [ch(0, "recv", "network", stalled_s=0.2)]}) is None
-    tcp = PeerChannel(peer=1, wait="network", direction="send", conns=1, rtos=3, sent=0,
-                      received=0, queued=1 << 16, rtt_us=100, min_rtt_us=10, retrans=0,
-                      rwnd_share=0.0, sndbuf_share=0.0, busy_share=0.0, stalled_s=5.0)
+    assert (
+        located(
+            {
+                0: [ch(1, "send", "local", stalled_s=0.2)],
+                1: [ch(0, "recv", "network", stalled_s=0.2)],
+            }
+        )
+        is None
+    )
+    tcp = PeerChannel(
+        peer=1,
+        wait="network",
+        direction="send",
+        conns=1,
+        rtos=3,
+        sent=0,
+        received=0,
+        queued=1 << 16,
+        rtt_us=100,
+        min_rtt_us=10,
+        retrans=0,
+        rwnd_share=0.0,
+        sndbuf_share=0.0,
+        busy_share=0.0,
+        stalled_s=5.0,
+    )
     assert located({0: [tcp], 1: []}) is None

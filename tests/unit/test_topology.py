@@ -1,6 +1,5 @@
 """Topology registry: pure, on synthetic groups laid out like Megatron's."""
 
-
 import pytest
 
 from ccld_plugin.harness.workload import Layout, layout_groups

@@ -37,16 +37,31 @@ TABLES = {r: [DP, TP[r // 2]] for r in range(4)}
 STEP_NS = 100 * MS
 
 
-def _summary(rank: int, steps: list[int], now: int, compute_ms: float = 60.0,
-             blocked_us: tuple[int, int] = (20_000, 10_000),
-             flights: tuple = ()) -> RankSummary:
+def _summary(
+    rank: int,
+    steps: list[int],
+    now: int,
+    compute_ms: float = 60.0,
+    blocked_us: tuple[int, int] = (20_000, 10_000),
+    flights: tuple = (),
+) -> RankSummary:
     stats = [StepStat(s, s * STEP_NS, 100_000, int(compute_ms * 1000)) for s in steps]
     return RankSummary(
-        rank=rank, pid=1, host=f"h{rank // 2}", time_ns=now, heartbeat_ns=now,
-        step=steps[-1] if steps else 0, last_progress_ns=now, groups_version=1,
-        groups=[GroupProgress(0, 9, 9, 2, blocked_us[0], 0, 0),
-                GroupProgress(1, 9, 9, 2, blocked_us[1], 0, 0)],
-        in_flight=list(flights), steps=stats)
+        rank=rank,
+        pid=1,
+        host=f"h{rank // 2}",
+        time_ns=now,
+        heartbeat_ns=now,
+        step=steps[-1] if steps else 0,
+        last_progress_ns=now,
+        groups_version=1,
+        groups=[
+            GroupProgress(0, 9, 9, 2, blocked_us[0], 0, 0),
+            GroupProgress(1, 9, 9, 2, blocked_us[1], 0, 0),
+        ],
+        in_flight=list(flights),
+        steps=stats,
+    )
 
 
 def _job_views(steps: int, first: int = 0, slow_rank: int = 2) -> list[JobView]:
@@ -55,10 +70,8 @@ def _job_views(steps: int, first: int = 0, slow_rank: int = 2) -> list[JobView]:
     views = []
     for s in range(first, first + steps):
         now = (s + 1) * STEP_NS + 1
-        sums = {r: _summary(r, [s], now, 120.0 if r == slow_rank else 60.0)
-                for r in range(4)}
-        views.append(JobView(summaries=sums, tables=TABLES, now_ns=now, job_start_ns=0,
-                             world=4))
+        sums = {r: _summary(r, [s], now, 120.0 if r == slow_rank else 60.0) for r in range(4)}
+        views.append(JobView(summaries=sums, tables=TABLES, now_ns=now, job_start_ns=0, world=4))
     return views
 
 
@@ -66,14 +79,26 @@ def _joined(view: JobView, step: int, last: int = 2) -> list[Joined]:
     """Two joined samples: DP ranks waited 30 ms for ``last``; TP rank 1 waited 1 ms."""
     t = step * STEP_NS + 50 * MS
 
-    def joined(g: GroupInfo, t_last: int, who: int, waits: dict[int, int], transfer: int,
-               nbytes: int) -> Joined:
-        return Joined(g, 4 * step, t_last, who, transfer, nbytes, np.array(list(waits)),
-                      np.array([t_last - w for w in waits.values()]))
+    def joined(
+        g: GroupInfo, t_last: int, who: int, waits: dict[int, int], transfer: int, nbytes: int
+    ) -> Joined:
+        return Joined(
+            g,
+            4 * step,
+            t_last,
+            who,
+            transfer,
+            nbytes,
+            np.array(list(waits)),
+            np.array([t_last - w for w in waits.values()]),
+        )
 
-    return [joined(DP, t, last, {r: (0 if r == last else 30 * MS) for r in range(4)}, 2 * MS,
-                   4_000_000),
-            joined(TP[0], t - MS, 0, {0: 0, 1: 1 * MS}, 1 * MS, 1_000_000)]
+    return [
+        joined(
+            DP, t, last, {r: (0 if r == last else 30 * MS) for r in range(4)}, 2 * MS, 4_000_000
+        ),
+        joined(TP[0], t - MS, 0, {0: 0, 1: 1 * MS}, 1 * MS, 1_000_000),
+    ]
 
 
 def test_step_rows_wait_for_every_rank_and_decompose_the_step():
@@ -81,8 +106,13 @@ def test_step_rows_wait_for_every_rank_and_decompose_the_step():
     v0, v1 = _job_views(2)
     (row,) = m.update(v0, _joined(v0, 0))
     assert m.update(v0, []) == []  # the same summaries read again add nothing
-    assert (row.step, row.ranks, row.step_ms, row.compute_ms, row.compute_max_ms) == \
-        (0, 4, 100.0, 60.0, 120.0)
+    assert (row.step, row.ranks, row.step_ms, row.compute_ms, row.compute_max_ms) == (
+        0,
+        4,
+        100.0,
+        60.0,
+        120.0,
+    )
     assert (row.slowest_rank, row.slowest_ratio) == (2, 2.0)  # vs its DP cohort's 60 ms
     assert row.blocked_ms == {"dp": 20.0, "tp": 10.0}
     assert (row.skew_ms, row.skew_role, row.skew_last_rank) == (30.0, "dp", 2)
@@ -92,12 +122,18 @@ def test_step_rows_wait_for_every_rank_and_decompose_the_step():
     # Rank 3 has not finished step 1 yet: no row until it has.
     partial = dict(v1.summaries)
     partial[3] = _summary(3, [], v1.now_ns + 5)
-    assert m.update(JobView(summaries=partial, tables=TABLES, now_ns=v1.now_ns,
-                            job_start_ns=0, world=4), _joined(v1, 1)) == []
+    assert (
+        m.update(
+            JobView(summaries=partial, tables=TABLES, now_ns=v1.now_ns, job_start_ns=0, world=4),
+            _joined(v1, 1),
+        )
+        == []
+    )
     late = dict(v1.summaries)
     late[3] = _summary(3, [1], v1.now_ns + 10, blocked_us=(0, 0))
-    (row1,) = m.update(JobView(summaries=late, tables=TABLES, now_ns=v1.now_ns + 10,
-                               job_start_ns=0, world=4), [])
+    (row1,) = m.update(
+        JobView(summaries=late, tables=TABLES, now_ns=v1.now_ns + 10, job_start_ns=0, world=4), []
+    )
     assert (row1.step, row1.ranks, row1.time_s, row1.skew_last_rank) == (1, 4, 0.1, 2)
     # Rank 3's time in collectives reported before its step 1 ended counts towards it.
     assert row1.blocked_ms == {"dp": 20.0, "tp": 10.0}
@@ -107,8 +143,7 @@ def test_blocked_time_is_shared_among_the_steps_of_a_summary():
     m = PanelMetrics()
     now = 3 * STEP_NS
     sums = {r: _summary(r, [0, 1], now, blocked_us=(40_000, 0)) for r in range(4)}
-    rows = m.update(JobView(summaries=sums, tables=TABLES, now_ns=now, job_start_ns=0,
-                            world=4), [])
+    rows = m.update(JobView(summaries=sums, tables=TABLES, now_ns=now, job_start_ns=0, world=4), [])
     assert [(r.step, r.blocked_ms) for r in rows] == [(0, {"dp": 20.0}), (1, {"dp": 20.0})]
 
 
@@ -140,8 +175,16 @@ def test_rank_table_heatmap_and_bandwidth_history():
     assert mat.shape == (4, 4) and (mat[2] == 120).all() and (mat[0] == 60).all()
     # A last step that rank 3 has not reported yet is left out rather than drawn grey.
     now = 7 * STEP_NS
-    m.update(JobView(summaries={r: _summary(r, [6], now) for r in range(3)}, tables=TABLES,
-                     now_ns=now, job_start_ns=0, world=4), [])
+    m.update(
+        JobView(
+            summaries={r: _summary(r, [6], now) for r in range(3)},
+            tables=TABLES,
+            now_ns=now,
+            job_start_ns=0,
+            world=4,
+        ),
+        [],
+    )
     assert m.compute_matrix(4)[2] == [2, 3, 4, 5]
     rgb = heatmap_rgb(mat)
     assert (rgb[2] == [165, 0, 38]).all()  # twice the step's median: the darkest red
@@ -185,10 +228,17 @@ def test_hang_watch_names_the_oldest_op_and_its_threshold():
     flight = [InFlightOp(0, OP_CODES["all_reduce"], 0, -1, 9, 64, now - 7 * S)]
     sums = {r: _summary(r, [], now, flights=flight if r != 2 else ()) for r in range(4)}
     sums[1].in_flight[0] = InFlightOp(0, OP_CODES["all_reduce"], 0, -1, 9, 64, now - 8 * S)
-    w = hang_watch(JobView(summaries=sums, tables=TABLES, now_ns=now, job_start_ns=0, world=4),
-                   lambda gid: 10.0 if gid == DP.group_id else 0.0)
-    assert (w.oldest_rank, w.role, w.op, w.threshold_s, w.blocked_ranks) == \
-        (1, "dp", "all_reduce", 10.0, 3)
+    w = hang_watch(
+        JobView(summaries=sums, tables=TABLES, now_ns=now, job_start_ns=0, world=4),
+        lambda gid: 10.0 if gid == DP.group_id else 0.0,
+    )
+    assert (w.oldest_rank, w.role, w.op, w.threshold_s, w.blocked_ranks) == (
+        1,
+        "dp",
+        "all_reduce",
+        10.0,
+        3,
+    )
     assert w.oldest_age_s == 8.0 and w.time_s == 50.0
     assert w.as_log()["ccld/hang/oldest_op_age_s"] == 8.0
 
@@ -204,17 +254,29 @@ def test_take_new_joined_walks_back_to_the_last_one_taken():
 
 
 def _verdict() -> Verdict:
-    return Verdict(kind=Kind.SLOW, cause=Cause.COMMUNICATION, ranks=[3], group=DP.to_dict(),
-                   link=[2, 3], step=9, detected_s=4.5, severity=3.1,
-                   evidence=["dp[0, 1, 2, 3] moves 1.0 MB/s", "second line"])
+    return Verdict(
+        kind=Kind.SLOW,
+        cause=Cause.COMMUNICATION,
+        ranks=[3],
+        group=DP.to_dict(),
+        link=[2, 3],
+        step=9,
+        detected_s=4.5,
+        severity=3.1,
+        evidence=["dp[0, 1, 2, 3] moves 1.0 MB/s", "second line"],
+    )
 
 
 def test_verdict_row_has_every_field():
     row = dict(zip(VERDICT_COLUMNS, verdict_row(_verdict().to_dict()), strict=True))
     fields = set(_verdict().to_dict()) - {"group"}
     assert fields <= set(row) and {"group_role", "group_ranks", "group_id"} <= set(row)
-    assert (row["kind"], row["ranks"], row["link"], row["group_ranks"]) == \
-        ("slow", "[3]", "[2, 3]", "[0, 1, 2, 3]")
+    assert (row["kind"], row["ranks"], row["link"], row["group_ranks"]) == (
+        "slow",
+        "[3]",
+        "[2, 3]",
+        "[0, 1, 2, 3]",
+    )
     assert row["evidence"] == "dp[0, 1, 2, 3] moves 1.0 MB/s\nsecond line"
     assert row["stack"] is None and row["schema"] == 1
 

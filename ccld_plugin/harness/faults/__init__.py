@@ -8,5 +8,4 @@ act on.
 from ccld_plugin.harness.faults.inject import Injector, injector_for
 from ccld_plugin.harness.faults.spec import FaultSpec, FaultSpecError, parse_fault, parse_faults
 
-__all__ = ["FaultSpec", "FaultSpecError", "Injector", "injector_for", "parse_fault",
-           "parse_faults"]
+__all__ = ["FaultSpec", "FaultSpecError", "Injector", "injector_for", "parse_fault", "parse_faults"]

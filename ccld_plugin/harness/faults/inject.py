@@ -23,8 +23,13 @@ __all__ = ["Injector", "injector_for"]
 
 
 class Injector:
-    def __init__(self, rank: int, faults: Sequence[FaultSpec], log_path: Path | None = None,
-                 world: int | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        faults: Sequence[FaultSpec],
+        log_path: Path | None = None,
+        world: int | None = None,
+    ) -> None:
         self.rank = rank
         self.faults = [f for f in faults if f.rank == rank and not f.is_comm]
         self.log_path = log_path
@@ -106,15 +111,23 @@ class Injector:
         from ccld_plugin.runtime.session import job_seconds
 
         now = time.monotonic_ns()
-        entry = {"fault": str(fault), "kind": fault.kind, "rank": fault.rank, "step": step,
-                 "onset_s": job_seconds(now), "onset_mono_ns": now, "wall_time": time.time()}
+        entry = {
+            "fault": str(fault),
+            "kind": fault.kind,
+            "rank": fault.rank,
+            "step": step,
+            "onset_s": job_seconds(now),
+            "onset_mono_ns": now,
+            "wall_time": time.time(),
+        }
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "a") as fh:  # one short O_APPEND write per line
             fh.write(json.dumps(entry) + "\n")
 
 
-def injector_for(rank: int, specs: Sequence[str] | None = None,
-                 world: int | None = None) -> Injector | None:
+def injector_for(
+    rank: int, specs: Sequence[str] | None = None, world: int | None = None
+) -> Injector | None:
     """The injector for this rank from ``specs``, else from the ``CCLD_FAULTS`` environment
     variable (specs separated by ';'). None when no compute fault targets this rank."""
     if specs is None:

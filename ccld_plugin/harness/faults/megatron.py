@@ -26,8 +26,10 @@ def attach_faults() -> Injector | None:
         return None
     from megatron.core import parallel_state as ps
 
-    injector.bind_groups({
-        "dp": ps.get_data_parallel_group(),
-        "tp": ps.get_tensor_model_parallel_group(),
-    })
+    injector.bind_groups(
+        {
+            "dp": ps.get_data_parallel_group(),
+            "tp": ps.get_tensor_model_parallel_group(),
+        }
+    )
     return injector

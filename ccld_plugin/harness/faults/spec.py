@@ -58,8 +58,10 @@ def parse_fault(text: str) -> FaultSpec:
     head, _, params = spec.partition(":")
     kind, at, rank_s = head.partition("@")
     if kind not in FAULT_KINDS:
-        raise FaultSpecError(f"fault {spec!r}: unknown kind {kind!r}; known: "
-                             f"{', '.join(FAULT_KINDS)} (form: {_FORM})")
+        raise FaultSpecError(
+            f"fault {spec!r}: unknown kind {kind!r}; known: "
+            f"{', '.join(FAULT_KINDS)} (form: {_FORM})"
+        )
     if not at or not rank_s.isdigit():
         raise FaultSpecError(f"fault {spec!r}: needs a rank after '@' (form: {_FORM})")
     values: dict[str, str] = {}
@@ -71,8 +73,10 @@ def parse_fault(text: str) -> FaultSpec:
     required, optional = FAULT_KINDS[kind]
     unknown = set(values) - required - optional
     if unknown:
-        raise FaultSpecError(f"fault {spec!r}: unknown parameter {sorted(unknown)[0]!r}; "
-                             f"{kind} takes {', '.join(sorted(required | optional))}")
+        raise FaultSpecError(
+            f"fault {spec!r}: unknown parameter {sorted(unknown)[0]!r}; "
+            f"{kind} takes {', '.join(sorted(required | optional))}"
+        )
     missing = required - set(values)
     if missing:
         raise FaultSpecError(f"fault {spec!r}: {kind} needs {sorted(missing)[0]}=...")
@@ -80,16 +84,18 @@ def parse_fault(text: str) -> FaultSpec:
         step = int(values.get("step", DEFAULT_STEP))
         factor = float(values.get("factor", 1.0))
     except ValueError:
-        raise FaultSpecError(f"fault {spec!r}: step must be an integer and factor a number")\
-            from None
+        raise FaultSpecError(
+            f"fault {spec!r}: step must be an integer and factor a number"
+        ) from None
     if step < 0:
         raise FaultSpecError(f"fault {spec!r}: step must be >= 0")
     if kind == "compute-slow" and not 1.0 < factor <= 100.0:
         raise FaultSpecError(f"fault {spec!r}: factor must be in (1, 100]")
     rate = values.get("rate", "")
     if kind == "comm-slow" and not _RATE.match(rate):
-        raise FaultSpecError(f"fault {spec!r}: rate {rate!r} must look like 20mbit "
-                             "(bit, kbit, mbit, gbit)")
+        raise FaultSpecError(
+            f"fault {spec!r}: rate {rate!r} must look like 20mbit (bit, kbit, mbit, gbit)"
+        )
     return FaultSpec(kind=kind, rank=int(rank_s), step=step, factor=factor, rate=rate)
 
 
@@ -102,6 +108,7 @@ def parse_faults(texts: Iterable[str], world: int | None = None) -> list[FaultSp
     faults = [parse_fault(t) for t in items]
     for f in faults:
         if world is not None and f.rank >= world:
-            raise FaultSpecError(f"fault {str(f)!r}: rank {f.rank} is outside the world "
-                                 f"of {world} ranks")
+            raise FaultSpecError(
+                f"fault {str(f)!r}: rank {f.rank} is outside the world of {world} ranks"
+            )
     return faults

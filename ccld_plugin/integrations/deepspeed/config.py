@@ -48,7 +48,8 @@ def ccld_block(source: Any) -> Mapping[str, Any] | None:
     if block is not None and not isinstance(block, Mapping):
         raise ConfigError(
             f"ccld config: the DeepSpeed config's {BLOCK_KEY!r} must be an object, "
-            f"not {type(block).__name__}")
+            f"not {type(block).__name__}"
+        )
     return block
 
 

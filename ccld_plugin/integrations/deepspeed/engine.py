@@ -59,8 +59,11 @@ def _rebind_backend_captures() -> int:
     for key, value in list(vars(cdb).items()):
         name = getattr(value, "__name__", None)
         wrapper = getattr(c10d, name, None) if isinstance(name, str) else None
-        if wrapper is not None and wrapper is not value and \
-                getattr(wrapper, "__wrapped__", None) is value:
+        if (
+            wrapper is not None
+            and wrapper is not value
+            and getattr(wrapper, "__wrapped__", None) is value
+        ):
             setattr(cdb, key, wrapper)
             count += 1
     return count
@@ -138,8 +141,9 @@ class EngineHooks:
 
 
 # ---------------------------------------------------------------------- entry points
-def install(engine: Any, overrides: Iterable[str] = (),
-            config: CcldConfig | None = None) -> EngineHooks | None:
+def install(
+    engine: Any, overrides: Iterable[str] = (), config: CcldConfig | None = None
+) -> EngineHooks | None:
     """Turn the plugin on for an engine built by ``deepspeed.initialize``.
 
     Reads the engine's ``"ccld"`` block (or uses ``config``), enables the plugin, registers
@@ -210,7 +214,8 @@ def initialize(*args: Any, ccld_overrides: Iterable[str] = (), **kwargs: Any) ->
         ds_comm.init_distributed(
             dist_backend=get_accelerator().communication_backend_name(),
             distributed_port=bound.get("distributed_port", TORCH_DISTRIBUTED_DEFAULT_PORT),
-            dist_init_required=bound.get("dist_init_required"))
+            dist_init_required=bound.get("dist_init_required"),
+        )
         ccld_plugin.enable(cfg)
     result = deepspeed.initialize(*args, **kwargs)
     if enabled:

@@ -61,18 +61,23 @@ def deepspeed_groups(engine: Any) -> list[tuple[Any, str]]:
     zero_role = "dp_cp" if sp > 1 else "dp"
     add(getattr(getattr(engine, "optimizer", None), "dp_process_group", None), zero_role)
     module = getattr(engine, "module", None)
-    param = next((p for p in module.parameters() if hasattr(p, "ds_process_group")),
-                 None) if module is not None else None
+    param = (
+        next((p for p in module.parameters() if hasattr(p, "ds_process_group")), None)
+        if module is not None
+        else None
+    )
     add(getattr(param, "ds_process_group", None), zero_role)
     for group in (getattr(engine, "expert_parallel_group", None) or {}).values():
         add(group, "ep")
     for group in (getattr(engine, "expert_data_parallel_group", None) or {}).values():
         add(group, "other")
     mpu = getattr(engine, "mpu", None)
-    for getter, role in (("get_tensor_model_parallel_group", "tp"),
-                         ("get_pipeline_model_parallel_group", "pp"),
-                         ("get_pipe_parallel_group", "pp"),
-                         ("get_model_parallel_group", "mp")):
+    for getter, role in (
+        ("get_tensor_model_parallel_group", "tp"),
+        ("get_pipeline_model_parallel_group", "pp"),
+        ("get_pipe_parallel_group", "pp"),
+        ("get_model_parallel_group", "mp"),
+    ):
         fn = getattr(mpu, getter, None)
         if fn is not None:
             try:

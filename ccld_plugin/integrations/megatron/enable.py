@@ -37,12 +37,22 @@ def add_ccld_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     Returns the parser, as Megatron's ``extra_args_provider`` contract requires.
     """
     g = parser.add_argument_group("ccld", "slow / hang diagnosis (ccld_plugin)")
-    g.add_argument("--ccld", action="store_true",
-                   help="trace collectives and diagnose slow and hung ranks")
-    g.add_argument("--ccld-config", metavar="PATH", default=None,
-                   help="YAML config of the plugin (default: built-in defaults)")
-    g.add_argument("--ccld-set", metavar="KEY=VALUE", action="append", default=None,
-                   help="override one config key, e.g. board.dir=/tmp/boards (repeatable)")
+    g.add_argument(
+        "--ccld", action="store_true", help="trace collectives and diagnose slow and hung ranks"
+    )
+    g.add_argument(
+        "--ccld-config",
+        metavar="PATH",
+        default=None,
+        help="YAML config of the plugin (default: built-in defaults)",
+    )
+    g.add_argument(
+        "--ccld-set",
+        metavar="KEY=VALUE",
+        action="append",
+        default=None,
+        help="override one config key, e.g. board.dir=/tmp/boards (repeatable)",
+    )
     return parser
 
 
@@ -83,8 +93,10 @@ def install(args: argparse.Namespace) -> Session | None:
 
         groups = parallel_state_groups()
         if not groups:
-            log.warning("ccld: no parallel_state groups yet; call install(args) after "
-                        "initialize_model_parallel to get tp/pp/dp roles")
+            log.warning(
+                "ccld: no parallel_state groups yet; call install(args) after "
+                "initialize_model_parallel to get tp/pp/dp roles"
+            )
         for group, role in groups:
             ccld_plugin.register_group(group, role)
     except Exception as exc:  # noqa: BLE001 - roles are a refinement; tracing goes on
@@ -95,4 +107,3 @@ def install(args: argparse.Namespace) -> Session | None:
 def mark_iteration(iteration: int) -> None:
     """Mark the start of training iteration ``iteration`` (a no-op when the plugin is off)."""
     ccld_plugin.mark_step(iteration)
-

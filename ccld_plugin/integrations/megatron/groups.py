@@ -48,8 +48,7 @@ import torch.distributed as dist
 
 __all__ = ["ROLES", "parallel_state_groups"]
 
-ROLES = ("tp", "pp", "dp", "ep", "etp", "cp", "dp_cp", "embd", "pos_embd", "mp", "world",
-         "other")
+ROLES = ("tp", "pp", "dp", "ep", "etp", "cp", "dp_cp", "embd", "pos_embd", "mp", "world", "other")
 
 
 def _getters(ps: Any) -> list[tuple[str, Callable[[], Any]]]:

@@ -58,8 +58,12 @@ class WriterProcess:
         worker = Path(__file__).with_name("worker.py")
         # Its own session: the launcher's kill of the job's process group must not take
         # it down before it has finished the run.
-        self.proc = subprocess.Popen([python, str(worker)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [python, str(worker)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
         try:
             fcntl.fcntl(self.proc.stdin.fileno(), 1031, PIPE_SIZE)  # F_SETPIPE_SZ
         except OSError:
@@ -67,8 +71,9 @@ class WriterProcess:
         self.failure: str | None = None
         self.ready = threading.Event()
         self.run_dir: str | None = None
-        self._status = threading.Thread(target=self._read_status, name="ccld-wandb-status",
-                                        daemon=True)
+        self._status = threading.Thread(
+            target=self._read_status, name="ccld-wandb-status", daemon=True
+        )
         self._status.start()
         self.send([{"op": "init", "kwargs": init_kwargs}])
 

@@ -19,20 +19,30 @@ HEATMAP_MAX_ROWS = 512  # more ranks than this are binned (the slowest of a bin 
 def encode_png(rgb: np.ndarray) -> bytes:
     """A minimal PNG encoder (8-bit RGB, no filtering): pillow is not needed."""
     h, w, _ = rgb.shape
-    raw = np.concatenate([np.zeros((h, 1), np.uint8),
-                          np.ascontiguousarray(rgb, np.uint8).reshape(h, w * 3)], axis=1)
+    raw = np.concatenate(
+        [np.zeros((h, 1), np.uint8), np.ascontiguousarray(rgb, np.uint8).reshape(h, w * 3)], axis=1
+    )
 
     def chunk(kind: bytes, data: bytes) -> bytes:
-        return (struct.pack(">I", len(data)) + kind + data
-                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+        return (
+            struct.pack(">I", len(data))
+            + kind
+            + data
+            + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+        )
 
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(raw.tobytes(), 6)) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(raw.tobytes(), 6))
+        + chunk(b"IEND", b"")
+    )
 
 
 # Diverging map over log2(ratio to the step's median): blue 0.5x, white 1x, red 2x+.
-_ANCHORS = np.array([[49, 54, 149], [116, 173, 209], [247, 247, 247], [244, 109, 67],
-                     [165, 0, 38]], float)
+_ANCHORS = np.array(
+    [[49, 54, 149], [116, 173, 209], [247, 247, 247], [244, 109, 67], [165, 0, 38]], float
+)
 _MISSING = np.array([110, 110, 110], float)
 
 
@@ -66,13 +76,15 @@ def _scale(rgb: np.ndarray) -> tuple[np.ndarray, int, int]:
     return np.repeat(np.repeat(rgb, ch, axis=0), cw, axis=1), cw, ch
 
 
-def _heatmap_html(png: bytes, ranks: list[int], steps: list[int], ch: int, k: int,
-                  slowest: str) -> str:
+def _heatmap_html(
+    png: bytes, ranks: list[int], steps: list[int], ch: int, k: int, slowest: str
+) -> str:
     src = "data:image/png;base64," + base64.b64encode(png).decode()
     labels = ""
     if k == 1 and ch >= 10 and len(ranks) <= 64:
-        labels = "".join(f'<div style="height:{ch}px;line-height:{ch}px">rank {r}</div>'
-                         for r in ranks)
+        labels = "".join(
+            f'<div style="height:{ch}px;line-height:{ch}px">rank {r}</div>' for r in ranks
+        )
         labels = f'<div style="text-align:right;padding-right:4px">{labels}</div>'
     rows = f"ranks {ranks[0]}-{ranks[-1]}" if ranks else "no ranks"
     if k > 1:
@@ -84,10 +96,11 @@ def _heatmap_html(png: bytes, ranks: list[int], steps: list[int], ch: int, k: in
         'style="image-rendering:pixelated"/></div>'
         f"<div>rows: {html.escape(rows)} (top to bottom); columns: steps "
         f"{steps[0] if steps else '-'}-{steps[-1] if steps else '-'} (left to right)</div>"
-        '<div>colour: compute time relative to the step\'s median '
+        "<div>colour: compute time relative to the step's median "
         f'<span style="display:inline-block;width:120px;height:9px;'
         f'background:linear-gradient(to right,{gradient})"></span> 0.5x - 1x - 2x; '
-        f"grey: not reported</div><div>{html.escape(slowest)}</div></div>")
+        f"grey: not reported</div><div>{html.escape(slowest)}</div></div>"
+    )
 
 
 def heatmap_panel(matrix: np.ndarray, ranks: list[int], steps: list[int]) -> tuple[bytes, str]:

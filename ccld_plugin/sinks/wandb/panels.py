@@ -47,8 +47,11 @@ TRIM_RAGGED = 5  # heatmap: trailing steps not yet reported by every rank, dropp
 def group_label(g: GroupInfo) -> str:
     """Readable name of a group for legends and tables: ``dp[0,2,4,6]``."""
     ranks = list(g.ranks)
-    shown = ",".join(map(str, ranks)) if len(ranks) <= 8 else \
-        f"{ranks[0]},{ranks[1]},..,{ranks[-1]} ({len(ranks)})"
+    shown = (
+        ",".join(map(str, ranks))
+        if len(ranks) <= 8
+        else f"{ranks[0]},{ranks[1]},..,{ranks[-1]} ({len(ranks)})"
+    )
     return f"{g.role}[{shown}]"
 
 
@@ -118,10 +121,15 @@ class StepRow:
         """The row as W&B keys (section ``ccld/per_step``, x-axis ``ccld/step``)."""
         p = "ccld/per_step/"
         out: dict[str, float | int] = {
-            "ccld/step": self.step, "ccld/time_s": self.time_s, p + "ranks": self.ranks,
-            p + "step_ms": self.step_ms, p + "step_max_ms": self.step_max_ms,
-            p + "compute_ms": self.compute_ms, p + "compute_max_ms": self.compute_max_ms,
-            p + "slowest_rank": self.slowest_rank}
+            "ccld/step": self.step,
+            "ccld/time_s": self.time_s,
+            p + "ranks": self.ranks,
+            p + "step_ms": self.step_ms,
+            p + "step_max_ms": self.step_max_ms,
+            p + "compute_ms": self.compute_ms,
+            p + "compute_max_ms": self.compute_max_ms,
+            p + "slowest_rank": self.slowest_rank,
+        }
         if self.slowest_ratio is not None:
             out[p + "slowest_ratio"] = round(self.slowest_ratio, 3)
         for role, ms in sorted(self.blocked_ms.items()):
@@ -149,8 +157,11 @@ class HangWatch:
     def as_log(self) -> dict[str, float | int]:
         p = "ccld/hang/"
         out: dict[str, float | int] = {
-            "ccld/time_s": self.time_s, p + "oldest_op_age_s": round(self.oldest_age_s, 3),
-            p + "blocked_ranks": self.blocked_ranks, p + "idle_max_s": round(self.idle_max_s, 3)}
+            "ccld/time_s": self.time_s,
+            p + "oldest_op_age_s": round(self.oldest_age_s, 3),
+            p + "blocked_ranks": self.blocked_ranks,
+            p + "idle_max_s": round(self.idle_max_s, 3),
+        }
         if self.oldest_rank is not None:
             out[p + "oldest_rank"] = self.oldest_rank
         if self.threshold_s is not None:
@@ -165,8 +176,9 @@ def hang_watch(view: JobView, threshold_s: Callable[[int], float] | None = None)
         return HangWatch(view.seconds(view.now_ns), 0.0, None, None, None, None, 0, idle)
     b = max(blocked.values(), key=lambda x: x.age_s)
     thr = threshold_s(b.group.group_id) if threshold_s is not None else None
-    return HangWatch(view.seconds(view.now_ns), b.age_s, b.rank, b.group.role, b.op_name, thr,
-                     len(blocked), idle)
+    return HangWatch(
+        view.seconds(view.now_ns), b.age_s, b.rank, b.group.role, b.op_name, thr, len(blocked), idle
+    )
 
 
 @dataclass(frozen=True)
@@ -184,15 +196,31 @@ class RankRow:
     bandwidth: dict[str, float]  # role -> MB/s of its group of that role
 
     def as_row(self, roles: list[str]) -> list:
-        return [self.rank, self.host, self.steps, round(self.compute_ms, 3),
-                round(self.blocked_ms, 3), round(self.wait_ms, 3), round(self.last_share, 3),
-                None if self.ratio is None else round(self.ratio, 3),
-                *[round(self.bandwidth[r], 2) if r in self.bandwidth else None for r in roles]]
+        return [
+            self.rank,
+            self.host,
+            self.steps,
+            round(self.compute_ms, 3),
+            round(self.blocked_ms, 3),
+            round(self.wait_ms, 3),
+            round(self.last_share, 3),
+            None if self.ratio is None else round(self.ratio, 3),
+            *[round(self.bandwidth[r], 2) if r in self.bandwidth else None for r in roles],
+        ]
 
     @staticmethod
     def columns(roles: list[str]) -> list[str]:
-        return ["rank", "host", "steps", "compute_ms", "blocked_ms", "wait_ms", "last_share",
-                "cohort_ratio", *[f"bw_{r}_MBps" for r in roles]]
+        return [
+            "rank",
+            "host",
+            "steps",
+            "compute_ms",
+            "blocked_ms",
+            "wait_ms",
+            "last_share",
+            "cohort_ratio",
+            *[f"bw_{r}_MBps" for r in roles],
+        ]
 
 
 def take_new_joined(joined: deque[Joined], last: Joined | None) -> list[Joined]:
@@ -242,13 +270,15 @@ class PanelMetrics:
                 g = view.group(rank, gp.slot)
                 if g is not None and gp.blocked_us:
                     acc[g.role] += gp.blocked_us
-            fresh = [st for st in s.steps if st.step not in self.steps or
-                     rank not in self.steps[st.step]]
+            fresh = [
+                st for st in s.steps if st.step not in self.steps or rank not in self.steps[st.step]
+            ]
             for st in fresh:
                 self.steps[st.step][rank] = st
                 self._max_step[rank] = max(self._max_step.get(rank, st.step), st.step)
-                bisect.insort(self._starts[rank], (st.start_ns, st.start_ns + st.step_us * 1000,
-                                                   st.step))
+                bisect.insort(
+                    self._starts[rank], (st.start_ns, st.start_ns + st.step_us * 1000, st.step)
+                )
             if fresh:
                 # Time inside a role's ops is reported per summary interval; share what
                 # built up since the last finished step evenly among the steps it covers.
@@ -293,8 +323,9 @@ class PanelMetrics:
         limit = last_any if final else last_common
         rows = []
         # Known steps only: step numbers need not be contiguous (a sample counter).
-        for step in sorted(s for s, stats in self.steps.items()
-                           if self.next_step <= s <= limit and stats):
+        for step in sorted(
+            s for s, stats in self.steps.items() if self.next_step <= s <= limit and stats
+        ):
             row = self._row(step)
             self.rows.append(row)
             rows.append(row)
@@ -326,20 +357,26 @@ class PanelMetrics:
             for role, ms in per_role.items():
                 blocked[role].append(ms)
         n = len(stats)
-        worst = max(self.samples.get(step, ()), key=lambda j: max(j.waits_ns.values()),
-                    default=None)
+        worst = max(
+            self.samples.get(step, ()), key=lambda j: max(j.waits_ns.values()), default=None
+        )
         slowest = max(compute, key=lambda r: (compute[r], -r))
         return StepRow(
             step=step,
             time_s=round((min(st.start_ns for st in stats.values()) - self.job_start_ns) / 1e9, 3),
-            ranks=n, step_ms=statistics.median(step_ms), step_max_ms=max(step_ms),
-            compute_ms=statistics.median(compute.values()), compute_max_ms=max(compute.values()),
+            ranks=n,
+            step_ms=statistics.median(step_ms),
+            step_max_ms=max(step_ms),
+            compute_ms=statistics.median(compute.values()),
+            compute_max_ms=max(compute.values()),
             blocked_ms={role: round(sum(v) / n, 3) for role, v in blocked.items()},
             skew_ms=round(max(worst.waits_ns.values()) / 1e6, 3) if worst else None,
             skew_role=worst.group.role if worst else None,
             skew_last_rank=worst.last if worst else None,
-            slowest_rank=slowest, slowest_ratio=cohort_ratio(self.topology, slowest, compute),
-            bandwidth=_rates(self.samples.get(step, ())))
+            slowest_rank=slowest,
+            slowest_ratio=cohort_ratio(self.topology, slowest, compute),
+            bandwidth=_rates(self.samples.get(step, ())),
+        )
 
     def rank_rows(self, last_steps: int) -> list[RankRow]:
         """Each rank over the last ``last_steps`` finished steps."""
@@ -359,8 +396,9 @@ class PanelMetrics:
                 waits[r].append(w)
             lasts[j.last] += 1
         rates = _rates(samples)
-        compute = {r: statistics.median(st.compute_us / 1000 for st in sts)
-                   for r, sts in per_rank.items()}
+        compute = {
+            r: statistics.median(st.compute_us / 1000 for st in sts) for r, sts in per_rank.items()
+        }
         rows = []
         for r in sorted(per_rank):
             sts = per_rank[r]
@@ -369,12 +407,19 @@ class PanelMetrics:
                 if r in rate.group.ranks:
                     # A rank in several groups of one role: show its slowest.
                     bw[rate.group.role] = min(bw.get(rate.group.role, rate.mb_s), rate.mb_s)
-            rows.append(RankRow(
-                rank=r, host=self.hosts.get(r, ""), steps=len(sts), compute_ms=compute[r],
-                blocked_ms=statistics.median((st.step_us - st.compute_us) / 1000 for st in sts),
-                wait_ms=statistics.fmean(waits[r]) / 1e6 if waits[r] else 0.0,
-                last_share=lasts[r] / len(waits[r]) if waits[r] else 0.0,
-                ratio=cohort_ratio(self.topology, r, compute), bandwidth=bw))
+            rows.append(
+                RankRow(
+                    rank=r,
+                    host=self.hosts.get(r, ""),
+                    steps=len(sts),
+                    compute_ms=compute[r],
+                    blocked_ms=statistics.median((st.step_us - st.compute_us) / 1000 for st in sts),
+                    wait_ms=statistics.fmean(waits[r]) / 1e6 if waits[r] else 0.0,
+                    last_share=lasts[r] / len(waits[r]) if waits[r] else 0.0,
+                    ratio=cohort_ratio(self.topology, r, compute),
+                    bandwidth=bw,
+                )
+            )
         return rows
 
     def bandwidth_history(self) -> dict[int, tuple[GroupInfo, list[int], list[float]]]:

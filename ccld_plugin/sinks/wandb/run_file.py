@@ -24,8 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunContents", "RunFileError", "TableInfo", "find_run_files", "iter_records",
-           "print_summary", "read_run", "wait_for_run"]
+__all__ = [
+    "RunContents",
+    "RunFileError",
+    "TableInfo",
+    "find_run_files",
+    "iter_records",
+    "print_summary",
+    "read_run",
+    "wait_for_run",
+]
 
 HEADER = struct.Struct("<4sHB")
 IDENT, MAGIC, VERSION = b":W&B", 0xBEE1, 0
@@ -48,7 +56,7 @@ def iter_records(path: Path) -> Iterator[bytes]:
         raise RunFileError(f"{path}: too short for a .wandb header")
     ident, magic, version = HEADER.unpack_from(data)
     if ident != IDENT or magic != MAGIC:
-        raise RunFileError(f"{path}: not a .wandb file (header {data[:HEADER.size]!r})")
+        raise RunFileError(f"{path}: not a .wandb file (header {data[: HEADER.size]!r})")
     if version != VERSION:
         raise RunFileError(f"{path}: .wandb version {version}, this reader knows {VERSION}")
     pos, parts = HEADER.size, None  # the header counts towards the first block
@@ -115,12 +123,22 @@ class RunContents:
         return sorted(k for k in self.points if k.startswith(prefix))
 
     def to_dict(self) -> dict:
-        return {"file": str(self.file), "run_id": self.run_id, "project": self.project,
-                "name": self.name, "records": self.records, "finished": self.finished,
-                "exit_code": self.exit_code, "points": dict(sorted(self.points.items())),
-                "tables": {k: {"columns": t.columns, "rows": len(t.rows), "logged": t.logged}
-                           for k, t in sorted(self.tables.items())},
-                "charts": dict(sorted(self.charts.items())), "alerts": self.alerts}
+        return {
+            "file": str(self.file),
+            "run_id": self.run_id,
+            "project": self.project,
+            "name": self.name,
+            "records": self.records,
+            "finished": self.finished,
+            "exit_code": self.exit_code,
+            "points": dict(sorted(self.points.items())),
+            "tables": {
+                k: {"columns": t.columns, "rows": len(t.rows), "logged": t.logged}
+                for k, t in sorted(self.tables.items())
+            },
+            "charts": dict(sorted(self.charts.items())),
+            "alerts": self.alerts,
+        }
 
 
 def _items(items: Any) -> dict[str, Any]:
@@ -199,8 +217,9 @@ def read_run(path: Path) -> RunContents:
                         cfg = spec.get("panel_config", {}) if isinstance(spec, dict) else {}
                         out.charts[chart] = cfg.get("panelDefId", "?")
         elif kind == "alert":
-            out.alerts.append({"title": rec.alert.title, "text": rec.alert.text,
-                               "level": rec.alert.level})
+            out.alerts.append(
+                {"title": rec.alert.title, "text": rec.alert.text, "level": rec.alert.level}
+            )
         elif kind == "exit":
             out.finished, out.exit_code = True, rec.exit.exit_code
     for k, v in table_values.items():
@@ -246,10 +265,15 @@ def print_summary(c: RunContents, console: Any = None, prefix: str = "") -> None
     from rich.table import Table
 
     console = console or Console()
-    state = (f"finished (exit code {c.exit_code})" if c.finished
-             else "not finished (still being written, or its writer was killed)")
-    console.print(f"[bold]W&B run[/] {c.run_id} ({c.name or 'unnamed'}), project "
-                  f"{c.project!r}: {c.records} records, {state}\n  {c.file}")
+    state = (
+        f"finished (exit code {c.exit_code})"
+        if c.finished
+        else "not finished (still being written, or its writer was killed)"
+    )
+    console.print(
+        f"[bold]W&B run[/] {c.run_id} ({c.name or 'unnamed'}), project "
+        f"{c.project!r}: {c.records} records, {state}\n  {c.file}"
+    )
     keys = Table("key", "points", "last", title="history keys", title_justify="left")
     for k in c.keys(prefix):
         v = c.last.get(k)
@@ -259,21 +283,26 @@ def print_summary(c: RunContents, console: Any = None, prefix: str = "") -> None
         keys.add_row(k, str(c.points[k]), str(shown))
     console.print(keys)
     if c.tables:
-        tables = Table("table", "rows", "times logged", "columns", title="tables",
-                       title_justify="left")
+        tables = Table(
+            "table", "rows", "times logged", "columns", title="tables", title_justify="left"
+        )
         for k, t in sorted(c.tables.items()):
             if k.startswith(prefix):
                 tables.add_row(k, str(len(t.rows)), str(t.logged), ", ".join(t.columns))
         console.print(tables)
     if c.charts:
-        console.print("[bold]custom charts[/]: " + ", ".join(
-            f"{k} ({v})" for k, v in sorted(c.charts.items())))
+        console.print(
+            "[bold]custom charts[/]: "
+            + ", ".join(f"{k} ({v})" for k, v in sorted(c.charts.items()))
+        )
     console.print(f"[bold]alerts[/]: {len(c.alerts)}")
     for a in c.alerts:
         console.print(f"  [{a['level']}] {a['title']}")
         for line in a["text"].splitlines()[:4]:
             console.print(f"      {line}", style="dim")
     if c.finished is False:
-        console.print("[dim]wandb writes this file out when the run finishes; "
-                      "records of an unfinished run may be missing[/]")
+        console.print(
+            "[dim]wandb writes this file out when the run finishes; "
+            "records of an unfinished run may be missing[/]"
+        )
     console.print(f"[dim]upload it with: wandb sync {c.run_dir.resolve()}[/]")

@@ -187,8 +187,9 @@ class WandbSink:
             except WandbUnavailable:
                 raise
             except Exception as exc:  # noqa: BLE001 - e.g. the writer could not be started
-                raise WandbUnavailable(f"the W&B writer could not start: "
-                                       f"{type(exc).__name__}: {exc}") from None
+                raise WandbUnavailable(
+                    f"the W&B writer could not start: {type(exc).__name__}: {exc}"
+                ) from None
             if self._backend is None:
                 return
             msgs = [*self._define_msgs(), *self._early]
@@ -210,14 +211,23 @@ class WandbSink:
         try:
             found = importlib.util.find_spec("wandb") is not None
         except (ImportError, ValueError) as exc:
-            raise WandbUnavailable(f"wandb cannot be imported: {type(exc).__name__}: {exc}") \
-                from None
+            raise WandbUnavailable(
+                f"wandb cannot be imported: {type(exc).__name__}: {exc}"
+            ) from None
         if not found:
-            raise WandbUnavailable("wandb cannot be imported: ModuleNotFoundError: No module "
-                                   "named 'wandb' (pip install wandb)")
-        kwargs = {"project": self.cfg.project, "entity": self.cfg.entity,
-                  "name": self.cfg.run_name, "mode": mode, "dir": self.cfg.dir,
-                  "job_type": "ccld", "config": {"ccld_world": self._world}}
+            raise WandbUnavailable(
+                "wandb cannot be imported: ModuleNotFoundError: No module "
+                "named 'wandb' (pip install wandb)"
+            )
+        kwargs = {
+            "project": self.cfg.project,
+            "entity": self.cfg.entity,
+            "name": self.cfg.run_name,
+            "mode": mode,
+            "dir": self.cfg.dir,
+            "job_type": "ccld",
+            "config": {"ccld_world": self._world},
+        }
         return WriterProcess({k: v for k, v in kwargs.items() if v is not None}, self.python)
 
     # -------------------------------------------------------------- panels
@@ -225,11 +235,18 @@ class WandbSink:
     def _define_msgs() -> list[dict]:
         by_step = ["ccld/per_step/*", "ccld/bandwidth/*", "ccld/ranks/*", "ccld/heatmap/*"]
         by_time = ["ccld/hang/*", "ccld/verdicts/*"]
-        return [{"op": "define", "name": "ccld/step"}, {"op": "define", "name": "ccld/time_s"},
-                *({"op": "define", "name": n, "step_metric": "ccld/step"} for n in by_step),
-                *({"op": "define", "name": n, "step_metric": "ccld/time_s"} for n in by_time),
-                {"op": "define", "name": "ccld/hang/oldest_op_age_s", "step_metric":
-                 "ccld/time_s", "summary": "max"}]
+        return [
+            {"op": "define", "name": "ccld/step"},
+            {"op": "define", "name": "ccld/time_s"},
+            *({"op": "define", "name": n, "step_metric": "ccld/step"} for n in by_step),
+            *({"op": "define", "name": n, "step_metric": "ccld/time_s"} for n in by_time),
+            {
+                "op": "define",
+                "name": "ccld/hang/oldest_op_age_s",
+                "step_metric": "ccld/time_s",
+                "summary": "max",
+            },
+        ]
 
     def _step_msgs(self, rows: list[StepRow]) -> list[dict]:
         msgs = []
@@ -267,23 +284,35 @@ class WandbSink:
         if ranks:
             roles = sorted({r for row in ranks for r in row.bandwidth})
             shown = _top(ranks, MAX_TABLE_ROWS, lambda r: r.ratio or 0.0)
-            data["ccld/ranks/table"] = {"_ccld": "table", "columns": ranks[0].columns(roles),
-                                        "data": [r.as_row(roles) for r in shown]}
+            data["ccld/ranks/table"] = {
+                "_ccld": "table",
+                "columns": ranks[0].columns(roles),
+                "data": [r.as_row(roles) for r in shown],
+            }
             bars = _top(ranks, MAX_BARS, lambda r: r.compute_ms)
             data["ccld/ranks/compute_bar"] = {
-                "_ccld": "bar", "columns": ["rank", "compute_ms"],
+                "_ccld": "bar",
+                "columns": ["rank", "compute_ms"],
                 "data": [[str(r.rank), round(r.compute_ms, 3)] for r in bars],
-                "label": "rank", "value": "compute_ms",
-                "title": f"compute ms per step by rank (median of the last {n} steps)"}
+                "label": "rank",
+                "value": "compute_ms",
+                "title": f"compute ms per step by rank (median of the last {n} steps)",
+            }
         for role, (xs, ys, keys) in self._bandwidth_lines().items():
             data[f"ccld/bandwidth/{role}_by_group"] = {
-                "_ccld": "lines", "xs": xs, "ys": ys, "keys": keys, "xname": "step",
-                "title": f"{role} transfer bandwidth (MB/s), one line per group"}
+                "_ccld": "lines",
+                "xs": xs,
+                "ys": ys,
+                "keys": keys,
+                "xname": "step",
+                "title": f"{role} transfer bandwidth (MB/s), one line per group",
+            }
         msgs = [{"op": "log", "data": data}]
         png = self._heatmap(data)
         if png is not None:
-            msgs.append({"op": "file", "name": "ccld_heatmap.png",
-                         "b64": base64.b64encode(png).decode()})
+            msgs.append(
+                {"op": "file", "name": "ccld_heatmap.png", "b64": base64.b64encode(png).decode()}
+            )
         return msgs
 
     def _bandwidth_lines(self) -> dict[str, tuple[list, list, list]]:
@@ -307,10 +336,17 @@ class WandbSink:
     def _verdict_msgs(self, v: dict) -> list[dict]:
         self._verdicts.append(verdict_row(v))
         table = {"_ccld": "table", "columns": VERDICT_COLUMNS, "data": list(self._verdicts)}
-        return [{"op": "log", "data": {"ccld/time_s": v.get("detected_s") or 0.0,
-                                       "ccld/verdicts/table": table,
-                                       "ccld/verdicts/count": len(self._verdicts)}},
-                # Also in the summary: in someone else's run a history row is only written
-                # when they next log, which a hung job never does.
-                {"op": "summary", "data": {"ccld/verdicts/table": table}},
-                alert_message(v)]
+        return [
+            {
+                "op": "log",
+                "data": {
+                    "ccld/time_s": v.get("detected_s") or 0.0,
+                    "ccld/verdicts/table": table,
+                    "ccld/verdicts/count": len(self._verdicts),
+                },
+            },
+            # Also in the summary: in someone else's run a history row is only written
+            # when they next log, which a hung job never does.
+            {"op": "summary", "data": {"ccld/verdicts/table": table}},
+            alert_message(v),
+        ]

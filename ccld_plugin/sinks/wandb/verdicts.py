@@ -13,15 +13,23 @@ _STUCK_KINDS = {"hang", "deadlock", "unresponsive", "mismatch"}
 
 VERDICT_COLUMNS: list[str] = [
     *(f.name for f in dataclasses.fields(Verdict) if f.name != "group"),
-    "group_role", "group_ranks", "group_id", "schema"]
+    "group_role",
+    "group_ranks",
+    "group_id",
+    "schema",
+]
 
 
 def verdict_row(v: dict) -> list:
     """A verdict record as a table row in :data:`VERDICT_COLUMNS` order: lists of numbers
     as JSON, lines of text (evidence, stack) one per line, the group in three columns."""
     g = v.get("group") or {}
-    cells = {**v, "group_role": g.get("role"), "group_ranks": g.get("ranks"),
-             "group_id": g.get("group_id")}
+    cells = {
+        **v,
+        "group_role": g.get("role"),
+        "group_ranks": g.get("ranks"),
+        "group_id": g.get("group_id"),
+    }
     row = []
     for col in VERDICT_COLUMNS:
         x = cells.get(col)
@@ -37,10 +45,16 @@ def alert_message(v: dict) -> dict:
     ranks = ", ".join(map(str, v["ranks"]))
     where = f" in {g['role']}{g['ranks']}" if g else ""
     title = f"ccld {v['kind']}: rank {ranks} ({v['cause']})"
-    lines = [f"{v['kind']} verdict, {v['cause']}-bound: rank {ranks}{where}"
-             + (f" at {v['op']}" if v.get("op") else "")
-             + (f", {v['severity']}x" if v.get("severity") and v["kind"] == "slow" else "")
-             + f" (step {v.get('step')}, detected {v.get('detected_s')} s)",
-             *[f"- {e}" for e in v.get("evidence", [])[:6]]]
-    return {"op": "alert", "title": title, "text": "\n".join(lines),
-            "level": "ERROR" if v["kind"] in _STUCK_KINDS else "WARN"}
+    lines = [
+        f"{v['kind']} verdict, {v['cause']}-bound: rank {ranks}{where}"
+        + (f" at {v['op']}" if v.get("op") else "")
+        + (f", {v['severity']}x" if v.get("severity") and v["kind"] == "slow" else "")
+        + f" (step {v.get('step')}, detected {v.get('detected_s')} s)",
+        *[f"- {e}" for e in v.get("evidence", [])[:6]],
+    ]
+    return {
+        "op": "alert",
+        "title": title,
+        "text": "\n".join(lines),
+        "level": "ERROR" if v["kind"] in _STUCK_KINDS else "WARN",
+    }

@@ -73,15 +73,21 @@ class Applier:
             table = wb.Table(columns=v["columns"], data=v["data"], allow_mixed_types=True)
             return wb.plot.bar(table, v["label"], v["value"], title=v.get("title", ""))
         if kind == "lines":
-            return wb.plot.line_series(xs=v["xs"], ys=v["ys"], keys=v["keys"],
-                                       title=v.get("title", ""), xname=v.get("xname", "x"))
+            return wb.plot.line_series(
+                xs=v["xs"],
+                ys=v["ys"],
+                keys=v["keys"],
+                title=v.get("title", ""),
+                xname=v.get("xname", "x"),
+            )
         raise ValueError(f"unknown panel kind {kind!r}")
 
     def apply(self, msg: dict) -> None:
         op, run = msg["op"], self.run
         if op == "define":
-            run.define_metric(msg["name"], step_metric=msg.get("step_metric"),
-                              summary=msg.get("summary"))
+            run.define_metric(
+                msg["name"], step_metric=msg.get("step_metric"), summary=msg.get("summary")
+            )
         elif op == "log":
             data = {k: self.value(v) for k, v in msg["data"].items()}
             run.log(data, commit=False) if self.attached else run.log(data)
@@ -89,8 +95,12 @@ class Applier:
             for k, v in msg["data"].items():
                 run.summary[k] = self.value(v)
         elif op == "alert":
-            run.alert(title=msg["title"][:63], text=msg["text"], level=msg.get("level", "WARN"),
-                      wait_duration=msg.get("wait_s", 1))
+            run.alert(
+                title=msg["title"][:63],
+                text=msg["text"],
+                level=msg.get("level", "WARN"),
+                wait_duration=msg.get("wait_s", 1),
+            )
         elif op == "file":
             path = os.path.join(run.dir, msg["name"])
             with open(path, "wb") as fh:
@@ -113,8 +123,14 @@ def _open_run(kwargs: dict) -> tuple[Any, Any]:
 
     if kwargs.get("dir"):
         os.makedirs(kwargs["dir"], exist_ok=True)
-    settings = wandb.Settings(console="off", silent=True, disable_git=True, save_code=False,
-                              x_disable_stats=True, x_save_requirements=False)
+    settings = wandb.Settings(
+        console="off",
+        silent=True,
+        disable_git=True,
+        save_code=False,
+        x_disable_stats=True,
+        x_save_requirements=False,
+    )
     run = wandb.init(**kwargs, reinit="create_new", settings=settings)
     return wandb, run
 
@@ -140,9 +156,12 @@ def main() -> int:
         _status(out, error=f"{type(exc).__name__}: {exc}")
         return 1
     _status(out, ready=True, dir=os.path.dirname(run.dir), id=run.id)
-    print(f"[ccld] W&B run {run.id} ({run.settings.mode}) in {os.path.dirname(run.dir)}; "
-          f"upload an offline run with: wandb sync {os.path.dirname(run.dir)}",
-          file=sys.stderr, flush=True)
+    print(
+        f"[ccld] W&B run {run.id} ({run.settings.mode}) in {os.path.dirname(run.dir)}; "
+        f"upload an offline run with: wandb sync {os.path.dirname(run.dir)}",
+        file=sys.stderr,
+        flush=True,
+    )
     applier = Applier(wandb, run, attached=False)
     failed: set[str] = set()
     for msg in messages:

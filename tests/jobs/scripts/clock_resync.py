@@ -13,9 +13,16 @@ import ccld_plugin
 
 out = Path(sys.argv[1])
 dist.init_process_group("gloo")
-session = ccld_plugin.enable(overrides=[
-    f"board.dir={out / 'boards'}", "job=clock", "agent.interval_s=0.5",
-    "agent.clock_resync_s=1", f"sinks.jsonl={out / 'verdicts.jsonl'}", "sinks.console=false"])
+session = ccld_plugin.enable(
+    overrides=[
+        f"board.dir={out / 'boards'}",
+        "job=clock",
+        "agent.interval_s=0.5",
+        "agent.clock_resync_s=1",
+        f"sinks.jsonl={out / 'verdicts.jsonl'}",
+        "sinks.console=false",
+    ]
+)
 assert session is not None
 t = torch.ones(16)
 for step in range(100):  # ~5 s: every rank runs the same steps
@@ -23,6 +30,8 @@ for step in range(100):  # ~5 s: every rank runs the same steps
     dist.all_reduce(t)
     time.sleep(0.05)
 agent = session.services.agent
-print("CLOCK " + json.dumps({"resyncs": agent.resyncs, "offset_ns": agent.clock.offset_ns}),
-      flush=True)
+print(
+    "CLOCK " + json.dumps({"resyncs": agent.resyncs, "offset_ns": agent.clock.offset_ns}),
+    flush=True,
+)
 ccld_plugin.disable()

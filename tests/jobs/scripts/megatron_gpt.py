@@ -36,14 +36,21 @@ def _probe() -> dict:
 
     from ccld_plugin.runtime.session import current
 
-    names = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "isend",
-             "irecv", "batch_isend_irecv", "_coalescing_manager")
+    names = (
+        "all_reduce",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "isend",
+        "irecv",
+        "batch_isend_irecv",
+        "_coalescing_manager",
+    )
     traced = {f"c10d.{n}": _is_traced(getattr(c10d, n)) for n in names}
     traced["dist.all_reduce"] = _is_traced(sys.modules["torch.distributed"].all_reduce)
     traced["param_and_grad_buffer.dist_reduce_scatter_func"] = _is_traced(
-        buffers.dist_reduce_scatter_func)
-    traced["param_and_grad_buffer.dist_all_gather_func"] = _is_traced(
-        buffers.dist_all_gather_func)
+        buffers.dist_reduce_scatter_func
+    )
+    traced["param_and_grad_buffer.dist_all_gather_func"] = _is_traced(buffers.dist_all_gather_func)
     traced["param_and_grad_buffer._coalescing_manager"] = _is_traced(buffers._coalescing_manager)
     traced["mappings.dist_all_gather_func"] = _is_traced(mappings.dist_all_gather_func)
     return {"rank": c10d.get_rank(), "session": current() is not None, "traced": traced}

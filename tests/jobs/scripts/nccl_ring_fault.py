@@ -34,10 +34,17 @@ lib, fault, where, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(s
 verdicts_file = out / "verdicts.jsonl"
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-session = ccld_plugin.enable(overrides=[
-    f"board.dir={out / 'boards'}", "job=nccl-ring", "diagnoser.hang_min_s=3",
-    "agent.interval_s=0.5", "agent.stack_after_s=1", f"sinks.jsonl={verdicts_file}",
-    "sinks.console=false"])
+session = ccld_plugin.enable(
+    overrides=[
+        f"board.dir={out / 'boards'}",
+        "job=nccl-ring",
+        "diagnoser.hang_min_s=3",
+        "agent.interval_s=0.5",
+        "agent.stack_after_s=1",
+        f"sinks.jsonl={verdicts_file}",
+        "sinks.console=false",
+    ]
+)
 assert session is not None
 ring_ranks = list(range(1, world))
 ring = dist.new_group(ring_ranks)
@@ -54,13 +61,19 @@ ccld_plugin.mark_step(HEALTHY_STEPS)
 
 if rank in ring_ranks:
     harness = ctypes.CDLL(lib)
-    harness.ccld_harness_ring.argtypes = [ctypes.c_char_p, ctypes.c_uint64, ctypes.c_int,
-                                          ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    harness.ccld_harness_ring.argtypes = [
+        ctypes.c_char_p,
+        ctypes.c_uint64,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
     entry = session.tracer.entry(ring)
-    index = session.board.enter(entry.slot, OP_CODES["all_reduce"], FLAG_CUDA | FLAG_ASYNC,
-                                1 << 24)
-    bad = harness.ccld_harness_ring(nccl_plugin_path().encode(), 0xC0FFEE, len(ring_ranks),
-                                    ring_ranks.index(rank), fault, where)
+    index = session.board.enter(entry.slot, OP_CODES["all_reduce"], FLAG_CUDA | FLAG_ASYNC, 1 << 24)
+    bad = harness.ccld_harness_ring(
+        nccl_plugin_path().encode(), 0xC0FFEE, len(ring_ranks), ring_ranks.index(rank), fault, where
+    )
     print("HARNESS " + json.dumps({"bad_returns": bad}), flush=True)
     if fault == 0:  # the collective completed: its work is done
         session.board.exit(index, STATE_DONE)

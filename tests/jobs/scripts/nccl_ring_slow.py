@@ -26,13 +26,25 @@ COMPUTE_S = 0.15
 lib, slow_rank, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-session = ccld_plugin.enable(overrides=[
-    f"board.dir={out / 'boards'}", "job=nccl-slow", "diagnoser.hang_min_s=5",
-    "agent.interval_s=0.5", f"sinks.jsonl={out / 'verdicts.jsonl'}", "sinks.console=false"])
+session = ccld_plugin.enable(
+    overrides=[
+        f"board.dir={out / 'boards'}",
+        "job=nccl-slow",
+        "diagnoser.hang_min_s=5",
+        "agent.interval_s=0.5",
+        f"sinks.jsonl={out / 'verdicts.jsonl'}",
+        "sinks.console=false",
+    ]
+)
 assert session is not None
 harness = ctypes.CDLL(lib)
-harness.ccld_harness_ring_timed.argtypes = [ctypes.c_char_p, ctypes.c_uint64, ctypes.c_int,
-                                            ctypes.c_int, ctypes.c_int]
+harness.ccld_harness_ring_timed.argtypes = [
+    ctypes.c_char_p,
+    ctypes.c_uint64,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+]
 plugin = nccl_plugin_path().encode()
 world_slot = session.tracer.entry(dist.group.WORLD).slot
 t = torch.ones(1024)
