@@ -5,10 +5,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from ccld_plugin.harness.demo import DemoOptions, run_demo
 from ccld_plugin.harness.launch import LocalJob
 
 SCRIPTS = Path(__file__).parent / "scripts"
+
+# Short thresholds for tests (the defaults stay for users and the demo): a hang after 3 s,
+# stacks after 1 s in flight, an agent report every 0.5 s.
+FAST = ("diagnoser.hang_min_s=3", "agent.stack_after_s=1", "agent.interval_s=0.5")
+# ... and a rank silent for 4 s is unresponsive (plain torch jobs: short, GIL-free waits).
+FAST_UNRESPONSIVE = (*FAST, "diagnoser.unresponsive_s=4")
 
 
 @dataclass
@@ -51,3 +59,28 @@ def run_job(
         f"--- rank {r}\n{log[-2000:]}" for r, log in enumerate(logs)
     )
     return JobResult(codes, logs, out)
+
+
+def demo(
+    out: Path,
+    *faults: str,
+    overrides: tuple[str, ...] = FAST,
+    extra: tuple[str, ...] = (),
+    **options: Any,
+) -> tuple[int, dict]:
+    """Run ``ccld demo`` with ``faults`` into ``out``; its exit code and summary.json.
+    ``options`` are DemoOptions fields (framework, world, tp, pp, steps, timeout_s, ...)."""
+    opts = DemoOptions(faults=list(faults), out=out, overrides=[*overrides, *extra], **options)
+    code = run_demo(opts)
+    return code, json.loads((out / "summary.json").read_text())
+
+
+def only(summary: dict, kind: str, cause: str | None = None) -> dict:
+    """The one verdict of ``kind`` (and ``cause``) in a demo's summary."""
+    found = [
+        v
+        for v in summary["verdicts"]
+        if v["kind"] == kind and (cause is None or v["cause"] == cause)
+    ]
+    assert len(found) == 1, summary["verdicts"]
+    return found[0]

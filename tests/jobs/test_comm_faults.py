@@ -14,16 +14,11 @@ import os
 import subprocess
 from pathlib import Path
 
+from job_runner import FAST_UNRESPONSIVE, demo, only
+
 from ccld_plugin.board.reader import BoardReader, board_files
-from ccld_plugin.harness.demo import DemoOptions, run_demo
 from ccld_plugin.harness.faults import netns
 
-FAST = [
-    "diagnoser.hang_min_s=3",
-    "agent.stack_after_s=1",
-    "agent.interval_s=0.5",
-    "diagnoser.unresponsive_s=4",
-]
 # Tests of slowness keep the default hang floor: on a loaded 2-core host a first step can
 # keep the other ranks waiting 3 s, which the short floor of the hang tests would flag.
 NO_SHORT_HANGS = ("diagnoser.hang_min_s=10",)
@@ -46,42 +41,32 @@ def _ours() -> list[str]:
     ]
 
 
-def demo(
-    tmp_path: Path,
-    tp: int,
-    pp: int,
-    steps: int,
-    *faults: str,
-    framework: str = "torch",
-    extra: tuple[str, ...] = (),
+def netns_demo(
+    tmp_path: Path, tp: int, pp: int, steps: int, *faults: str, **options: object
 ) -> tuple[int, dict]:
-    opts = DemoOptions(
-        framework=framework,
+    """A 4-rank demo in a closed network, which must leave no namespace behind."""
+    result = demo(
+        tmp_path / "out",
+        *faults,
         world=4,
         tp=tp,
         pp=pp,
         steps=steps,
-        faults=list(faults),
-        out=tmp_path / "out",
-        overrides=[*FAST, *extra],
-        timeout_s=150,
         netns=True,
+        overrides=FAST_UNRESPONSIVE,
+        timeout_s=150,
+        **{"framework": "torch", **options},
     )
-    code = run_demo(opts)
     assert _ours() == [], "the run left its network behind"
-    return code, json.loads((tmp_path / "out" / "summary.json").read_text())
-
-
-def only(summary: dict, kind: str, cause: str) -> dict:
-    found = [v for v in summary["verdicts"] if (v["kind"], v["cause"]) == (kind, cause)]
-    assert len(found) == 1, summary["verdicts"]
-    return found[0]
+    return result
 
 
 def test_comm_slow_on_one_rank_of_dp4(tmp_path: Path) -> None:
     # One DP group, no sibling group to compare bandwidth with: the channel evidence
     # (ring links 1->0 and 2->1 slow, 0->3 and 3->2 not) names the rank.
-    code, summary = demo(tmp_path, 1, 1, 14, "comm-slow@1:rate=50mbit,step=3", extra=NO_SHORT_HANGS)
+    code, summary = netns_demo(
+        tmp_path, 1, 1, 14, "comm-slow@1:rate=50mbit,step=3", extra=NO_SHORT_HANGS
+    )
     v = only(summary, "slow", "communication")
     assert (v["ranks"], v["link"], v["group"]["role"]) == ([1], None, "dp")
     assert any("every slow link has rank 1" in e for e in v["evidence"])
@@ -97,7 +82,7 @@ def test_comm_slow_on_one_rank_of_tp2_pp2_megatron(tmp_path: Path) -> None:
     # Megatron GPT (the demo's default), rank 1: TP peer 0, PP peer 3. Both of its links
     # are slow, its TP sibling 2<->3 and PP sibling 0<->2 are not. (At 50 Mbit/s on a busy
     # host its small PP flows may not stand out: the verdict then names the link 0<->1.)
-    code, summary = demo(
+    code, summary = netns_demo(
         tmp_path,
         2,
         2,
@@ -116,7 +101,7 @@ def test_comm_slow_on_one_rank_of_tp2_pp2_megatron(tmp_path: Path) -> None:
 def test_comm_hang_names_the_rank_whose_link_is_cut(tmp_path: Path) -> None:
     # Its summaries stop too (the control plane crosses the same link): it must be a
     # communication hang on rank 2, not a compute hang, a deadlock or "unresponsive".
-    code, summary = demo(tmp_path, 1, 1, 40, "comm-hang@2:step=4")
+    code, summary = netns_demo(tmp_path, 1, 1, 40, "comm-hang@2:step=4")
     v = only(summary, "hang", "communication")
     assert (v["ranks"], v["group"]["role"]) == ([2], "dp")
     assert any("unacknowledged for" in e for e in v["evidence"])
@@ -126,7 +111,7 @@ def test_comm_hang_names_the_rank_whose_link_is_cut(tmp_path: Path) -> None:
 
 
 def test_compute_slow_and_comm_slow_on_different_ranks(tmp_path: Path) -> None:
-    code, summary = demo(
+    code, summary = netns_demo(
         tmp_path,
         1,
         1,
@@ -142,7 +127,7 @@ def test_compute_slow_and_comm_slow_on_different_ranks(tmp_path: Path) -> None:
 
 
 def test_compute_hang_shows_healthy_links_to_the_hung_rank(tmp_path: Path) -> None:
-    code, summary = demo(tmp_path, 1, 1, 40, "compute-hang@2:step=4")
+    code, summary = netns_demo(tmp_path, 1, 1, 40, "compute-hang@2:step=4")
     v = only(summary, "hang", "compute")
     assert v["ranks"] == [2]
     # gloo sends only once the receiver asks, so nothing queues toward a hung rank: its
@@ -152,7 +137,7 @@ def test_compute_hang_shows_healthy_links_to_the_hung_rank(tmp_path: Path) -> No
 
 
 def test_healthy_run_in_namespaces_has_no_verdict(tmp_path: Path) -> None:
-    code, summary = demo(tmp_path, 2, 2, 40, "none", extra=("board.cleanup=false",))
+    code, summary = netns_demo(tmp_path, 2, 2, 40, "none", extra=("board.cleanup=false",))
     assert summary["verdicts"] == []
     assert summary["steps_completed"] == 40 and code == 0
     # The channel table was filled, with the gloo connections mapped to peer ranks.

@@ -1,33 +1,20 @@
 """Verdicts on real DeepSpeed jobs (examples/deepspeed/train.py, 4 ranks, gloo on the CPU
 accelerator), with ZeRO-2 and ZeRO-3, each fault injected through the demo's launcher."""
 
-import json
-
 import pytest
-
-from ccld_plugin.harness.demo import DemoOptions, run_demo
-
-FAST = ["diagnoser.hang_min_s=3", "agent.stack_after_s=1", "agent.interval_s=0.5"]
-
-
-def ds_demo(tmp_path, zero, steps, fault):
-    opts = DemoOptions(
-        framework="deepspeed",
-        world=4,
-        steps=steps,
-        faults=[fault],
-        out=tmp_path / "out",
-        overrides=FAST,
-        timeout_s=300,
-        zero_stage=zero,
-    )
-    code = run_demo(opts)
-    return code, json.loads((tmp_path / "out" / "summary.json").read_text())
+from job_runner import demo
 
 
 @pytest.mark.parametrize("zero", [2, 3])
 def test_compute_hang(tmp_path, zero):
-    code, summary = ds_demo(tmp_path, zero, 40, "compute-hang@2:step=3")
+    code, summary = demo(
+        tmp_path / "out",
+        "compute-hang@2:step=3",
+        framework="deepspeed",
+        zero_stage=zero,
+        steps=40,
+        timeout_s=300,
+    )
     (v,) = summary["verdicts"]
     assert (v["kind"], v["cause"], v["ranks"], v["group"]["role"]) == ("hang", "compute", [2], "dp")
     assert v["stack"] and code == 0
@@ -35,7 +22,14 @@ def test_compute_hang(tmp_path, zero):
 
 @pytest.mark.parametrize("zero", [2, 3])
 def test_compute_slow(tmp_path, zero):
-    code, summary = ds_demo(tmp_path, zero, 40, "compute-slow@1:factor=2,step=3")
+    code, summary = demo(
+        tmp_path / "out",
+        "compute-slow@1:factor=2,step=3",
+        framework="deepspeed",
+        zero_stage=zero,
+        steps=40,
+        timeout_s=300,
+    )
     slow = [v for v in summary["verdicts"] if v["kind"] == "slow"]
     assert [(v["cause"], v["ranks"], v["group"]["role"]) for v in slow] == [
         ("compute", [1], "dp")
@@ -44,5 +38,7 @@ def test_compute_slow(tmp_path, zero):
 
 
 def test_healthy_zero2_run_has_no_verdict(tmp_path):
-    code, summary = ds_demo(tmp_path, 2, 60, "none")
+    code, summary = demo(
+        tmp_path / "out", "none", framework="deepspeed", zero_stage=2, steps=60, timeout_s=300
+    )
     assert summary["verdicts"] == [] and summary["steps_completed"] == 60 and code == 0

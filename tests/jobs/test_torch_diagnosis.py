@@ -2,50 +2,23 @@
 demo's launcher and asserts the verdict's kind, cause, ranks and group role. Thresholds
 are short (hang_min_s=3) so the suite stays fast; the defaults stay for users."""
 
-import json
 import os
 import signal
 import time
 
 import pytest
+from job_runner import FAST_UNRESPONSIVE, demo, only
 
-from ccld_plugin.harness.demo import DemoOptions, run_demo
 from ccld_plugin.harness.launch import LocalJob
 from ccld_plugin.sinks.jsonl import read_verdicts
 
-FAST = [
-    "diagnoser.hang_min_s=3",
-    "agent.stack_after_s=1",
-    "agent.interval_s=0.5",
-    "diagnoser.unresponsive_s=4",
-]
-
-
-def demo(tmp_path, world, tp, pp, steps, fault, extra=()):
-    opts = DemoOptions(
-        framework="torch",
-        world=world,
-        tp=tp,
-        pp=pp,
-        steps=steps,
-        faults=[fault],
-        out=tmp_path / "out",
-        overrides=[*FAST, *extra],
-        timeout_s=240,
-    )
-    code = run_demo(opts)
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    return code, summary
-
-
-def only(summary, kind):
-    found = [v for v in summary["verdicts"] if v["kind"] == kind]
-    assert len(found) == 1, summary["verdicts"]
-    return found[0]
+TORCH = dict(framework="torch", overrides=FAST_UNRESPONSIVE, timeout_s=240)
 
 
 def test_compute_hang_dp_only(tmp_path):
-    code, summary = demo(tmp_path, 4, 1, 1, 40, "compute-hang@2:step=4")
+    code, summary = demo(
+        tmp_path / "out", "compute-hang@2:step=4", world=4, tp=1, pp=1, steps=40, **TORCH
+    )
     v = only(summary, "hang")
     assert (v["cause"], v["ranks"], v["group"]["role"]) == ("compute", [2], "dp")
     assert v["group"]["ranks"] == [0, 1, 2, 3]
@@ -60,7 +33,9 @@ def test_compute_hang_dp_only(tmp_path):
 def test_compute_hang_middle_rank_tp2_pp2_traced_to_root(tmp_path):
     # Rank 1: stage 0, TP index 1. Its TP peer waits in an all-reduce; the stage-1 ranks
     # wait in recv for stage 0: they are blocked too, but must not be blamed.
-    code, summary = demo(tmp_path, 4, 2, 2, 40, "compute-hang@1:step=4")
+    code, summary = demo(
+        tmp_path / "out", "compute-hang@1:step=4", world=4, tp=2, pp=2, steps=40, **TORCH
+    )
     v = only(summary, "hang")
     assert (v["cause"], v["ranks"], v["group"]["role"]) == ("compute", [1], "tp")
     assert v["group"]["ranks"] == [0, 1]
@@ -69,14 +44,18 @@ def test_compute_hang_middle_rank_tp2_pp2_traced_to_root(tmp_path):
 
 
 def test_diagnoser_rank_itself_hangs(tmp_path):
-    code, summary = demo(tmp_path, 4, 1, 1, 40, "compute-hang@0:step=4")
+    code, summary = demo(
+        tmp_path / "out", "compute-hang@0:step=4", world=4, tp=1, pp=1, steps=40, **TORCH
+    )
     v = only(summary, "hang")
     assert (v["cause"], v["ranks"], v["group"]["role"]) == ("compute", [0], "dp")
     assert code == 0
 
 
 def test_mismatch(tmp_path):
-    code, summary = demo(tmp_path, 4, 1, 1, 40, "mismatch@3:step=4")
+    code, summary = demo(
+        tmp_path / "out", "mismatch@3:step=4", world=4, tp=1, pp=1, steps=40, **TORCH
+    )
     v = only(summary, "mismatch")
     assert (v["cause"], v["ranks"], v["group"]["role"]) == ("software", [3], "dp")
     assert v["op"] == "all_gather_into_tensor"
@@ -89,7 +68,9 @@ def test_compute_slow_factor_2_tp2_pp2_dp2(tmp_path):
     # 8 ranks on this 2-core machine: the cohort's compute times are noisy, and a window
     # can miss; 60 steps leave room for two consecutive windows (README: worst 22 steps
     # under load).
-    code, summary = demo(tmp_path, 8, 2, 2, 60, "compute-slow@5:factor=2,step=3")
+    code, summary = demo(
+        tmp_path / "out", "compute-slow@5:factor=2,step=3", world=8, tp=2, pp=2, steps=60, **TORCH
+    )
     v = only(summary, "slow")
     assert (v["cause"], v["ranks"]) == ("compute", [5])
     assert v["group"]["role"] in ("tp", "dp") and 5 in v["group"]["ranks"]
@@ -103,7 +84,7 @@ def test_compute_slow_factor_2_tp2_pp2_dp2(tmp_path):
 
 
 def test_healthy_run_of_100_steps_has_no_verdict(tmp_path):
-    code, summary = demo(tmp_path, 4, 2, 2, 100, "none")
+    code, summary = demo(tmp_path / "out", "none", world=4, tp=2, pp=2, steps=100, **TORCH)
     assert summary["verdicts"] == []
     assert summary["steps_completed"] == 100
     assert summary["exit"] == [0, 0, 0, 0] and code == 0
@@ -111,7 +92,12 @@ def test_healthy_run_of_100_steps_has_no_verdict(tmp_path):
 
 def test_killed_rank_is_unresponsive(tmp_path):
     out = tmp_path / "out"
-    sets = [*FAST, f"board.dir={out}", "job=b", f"sinks.jsonl={out / 'verdicts.jsonl'}"]
+    sets = [
+        *FAST_UNRESPONSIVE,
+        f"board.dir={out}",
+        "job=b",
+        f"sinks.jsonl={out / 'verdicts.jsonl'}",
+    ]
     job = LocalJob(
         world=4,
         argv=[

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from job_runner import demo
 
 from ccld_plugin.config import DiagnoserConfig, load_config
 from ccld_plugin.diagnose import Diagnoser, JobView
 from ccld_plugin.diagnose.arrivals import Joined
 from ccld_plugin.diagnose.records import Cause, Kind, Verdict
 from ccld_plugin.errors import contained_errors
-from ccld_plugin.harness.demo import DemoOptions, run_demo
 from ccld_plugin.sinks import build_sinks
 from ccld_plugin.sinks.jsonl import read_verdicts
 from ccld_plugin.sinks.wandb.backends import WriterProcess
@@ -33,7 +33,6 @@ from ccld_plugin.sinks.wandb.verdicts import VERDICT_COLUMNS, verdict_row
 from ccld_plugin.wire.summary import GroupProgress, RankSummary, StepStat
 from ccld_plugin.wire.topology import GroupInfo, group_id_of
 
-FAST = ["diagnoser.hang_min_s=3", "agent.stack_after_s=1", "agent.interval_s=0.5"]
 PER_STEP = [
     "step_ms",
     "compute_ms",
@@ -46,18 +45,19 @@ S, MS = 1_000_000_000, 1_000_000
 
 
 def _demo(out: Path, extra: list[str]) -> int:
-    opts = DemoOptions(
+    """A 4-rank DP job whose rank 2 hangs at step 4, with the W&B sink on."""
+    code, _ = demo(
+        out,
+        "compute-hang@2:step=4",
         framework="torch",
         world=4,
         tp=1,
         pp=1,
         steps=40,
-        faults=["compute-hang@2:step=4"],
-        out=out,
-        overrides=[*FAST, "sinks.wandb.enabled=true", *extra],
+        extra=("sinks.wandb.enabled=true", *extra),
         timeout_s=120,
     )
-    return run_demo(opts)
+    return code
 
 
 # ---------------------------------------------------------------------- real jobs

@@ -3,6 +3,8 @@ encoded and decoded as the control plane carries them."""
 
 from __future__ import annotations
 
+from builders import MS, group, job_view, rank_summary
+
 from ccld_plugin.diagnose.arrivals import PENDING_TTL_NS, ArrivalJoin
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.wire.summary import (
@@ -12,24 +14,19 @@ from ccld_plugin.wire.summary import (
     decode_summary,
     encode_summary,
 )
-from ccld_plugin.wire.topology import GroupInfo, group_id_of
+from ccld_plugin.wire.topology import GroupInfo
 
-MS = 1_000_000
-DP = GroupInfo(group_id_of([0, 1, 2]), "dp", (0, 1, 2))
-SOLO = GroupInfo(group_id_of([5]), "other", (5,))
+DP = group("dp", [0, 1, 2])
+SOLO = group("other", [5])
 
 
 def summary(rank: int, t: int, samples: list[tuple[int, int, int, int]]) -> RankSummary:
     """Rank ``rank``'s decoded summary at ``t`` with (slot, seq, enter, dur_us) samples."""
-    s = RankSummary(
-        rank=rank,
+    s = rank_summary(
+        rank,
+        t,
         pid=1,
-        host="h",
-        time_ns=t,
-        heartbeat_ns=t,
         step=1,
-        last_progress_ns=t,
-        groups_version=1,
         groups=[GroupProgress(0, 40, 40, 1, 0, 0, 0), GroupProgress(1, 40, 40, 1, 0, 0, 0)],
         samples=[ArrivalSample(sl, q, e, d, 1 << 20) for sl, q, e, d in samples],
     )
@@ -37,7 +34,7 @@ def summary(rank: int, t: int, samples: list[tuple[int, int, int, int]]) -> Rank
 
 
 def view(summaries: list[RankSummary], now: int) -> JobView:
-    return JobView({s.rank: s for s in summaries}, {r: [DP, SOLO] for r in (0, 1, 2, 5)}, now, 0, 6)
+    return job_view(summaries, {r: [DP, SOLO] for r in (0, 1, 2, 5)}, now, world=6)
 
 
 def test_join_across_rounds_duplicates_and_unknown_slots() -> None:

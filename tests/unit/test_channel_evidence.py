@@ -4,6 +4,7 @@ connections, and slow links over windows: on synthetic views."""
 from __future__ import annotations
 
 import pytest
+from builders import S, group, job_view, peer_channel, rank_summary
 
 from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkJudgement
 from ccld_plugin.diagnose.tcp_evidence import channel_evidence, cut_off_rank, toward_lines
@@ -16,37 +17,12 @@ from ccld_plugin.wire.peer_channels import (
     decode_channels,
     encode_channels,
 )
-from ccld_plugin.wire.summary import RankSummary
-from ccld_plugin.wire.topology import GroupInfo, group_id_of
+from ccld_plugin.wire.topology import GroupInfo
 
-S = 1_000_000_000
 INTERVAL = 0.5
 
 
-def entry(peer: int, **kw: object) -> PeerChannel:
-    base = dict(
-        peer=peer,
-        wait="none",
-        direction="send",
-        conns=1,
-        rtos=0,
-        sent=0,
-        received=0,
-        queued=0,
-        rtt_us=100,
-        min_rtt_us=10,
-        retrans=0,
-        rwnd_share=0.0,
-        sndbuf_share=0.0,
-        busy_share=0.0,
-        stalled_s=0.0,
-    )
-    base.update(kw)
-    return PeerChannel(**base)  # type: ignore[arg-type]
-
-
-def group(role: str, ranks: list[int]) -> GroupInfo:
-    return GroupInfo(group_id_of(ranks), role, tuple(ranks))
+entry = peer_channel
 
 
 DP4 = [group("world", [0, 1, 2, 3]), group("dp", [0, 1, 2, 3])]
@@ -68,27 +44,15 @@ def view(
     """A view in which rank r's latest summary, made ages[r] seconds ago, carries
     reports[r] as its channel evidence."""
     ages = ages or {}
-    summaries = {}
-    for r, entries in reports.items():
-        t = now - int(ages.get(r, 0.0) * S)
-        summaries[r] = RankSummary(
-            rank=r,
-            pid=1000 + r,
-            host="h",
-            time_ns=t,
-            heartbeat_ns=t,
-            step=5,
-            last_progress_ns=t,
-            groups_version=1,
+    summaries = [
+        rank_summary(
+            r,
+            now - int(ages.get(r, 0.0) * S),
             channels=encode_channels(entries, INTERVAL, len(entries)),
         )
-    return JobView(
-        summaries=summaries,
-        tables={r: groups for r in reports},
-        now_ns=now,
-        job_start_ns=0,
-        world=4,
-    )
+        for r, entries in reports.items()
+    ]
+    return job_view(summaries, {r: groups for r in reports}, now, world=4)
 
 
 # --- codec ----------------------------------------------------------------------------------

@@ -3,8 +3,10 @@ wait-for graph roots, cycles, mismatches, unresponsive ranks, and the summary en
 
 import dataclasses
 
+from builders import NOW, S, group, job_view, rank_summary
+
 from ccld_plugin.config import DiagnoserConfig
-from ccld_plugin.diagnose import Diagnoser, JobView
+from ccld_plugin.diagnose import Diagnoser
 from ccld_plugin.diagnose.hang import find_hangs, find_mismatches, find_unresponsive
 from ccld_plugin.wire.codes import FLAG_P2P, FLAG_SEND, OP_CODES
 from ccld_plugin.wire.summary import (
@@ -12,33 +14,20 @@ from ccld_plugin.wire.summary import (
     ArrivalSample,
     GroupProgress,
     InFlightOp,
-    RankSummary,
     StepStat,
     arrival_samples,
     decode_summary,
     encode_summary,
 )
-from ccld_plugin.wire.topology import GroupInfo, group_id_of
-
-S = 1_000_000_000
-NOW = 100 * S
-
-
-def group(role, ranks):
-    return GroupInfo(group_id_of(ranks), role, tuple(ranks))
 
 
 def summary(rank, entered, flights=(), idle_s=0.0, hb_age_s=0.0, flags=0, step=5):
     """entered: {slot: seq}; flights: (slot, op, seq, age_s, flags, peer)."""
-    return RankSummary(
-        rank=rank,
-        pid=1000 + rank,
-        host="h",
-        time_ns=NOW,
+    return rank_summary(
+        rank,
         heartbeat_ns=NOW - int(hb_age_s * S),
         step=step,
         last_progress_ns=NOW - int(idle_s * S),
-        groups_version=1,
         flags=flags,
         groups=[GroupProgress(slot, seq, seq, 0, 0, 0, 0) for slot, seq in entered.items()],
         in_flight=[
@@ -49,14 +38,7 @@ def summary(rank, entered, flights=(), idle_s=0.0, hb_age_s=0.0, flags=0, step=5
 
 
 def view(summaries, tables, gone=()):
-    return JobView(
-        summaries={s.rank: s for s in summaries},
-        tables=tables,
-        now_ns=NOW,
-        job_start_ns=0,
-        world=len(summaries),
-        gone=set(gone),
-    )
+    return job_view(summaries, tables, gone=gone)
 
 
 def test_hang_root_is_the_rank_in_no_collective_tp2_pp2():

@@ -5,33 +5,24 @@ records in test_nccl_profiler.py."""
 
 from __future__ import annotations
 
+from builders import NOW, S, group, job_view, peer_channel, rank_summary
+
 from ccld_plugin.diagnose.nccl_evidence import nccl_evidence
 from ccld_plugin.diagnose.records import Cause
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.wire.peer_channels import PeerChannel, encode_channels
-from ccld_plugin.wire.summary import RankSummary
-from ccld_plugin.wire.topology import GroupInfo, group_id_of
-
-S = 1_000_000_000
-NOW = 100 * S
+from ccld_plugin.wire.topology import GroupInfo
 
 
 def ch(peer: int, direction: str, wait: str, stalled_s: float = 5.0) -> PeerChannel:
-    return PeerChannel(
-        peer=peer,
+    return peer_channel(
+        peer,
         wait=wait,
         direction=direction,
         conns=2,
-        rtos=0,
-        sent=0,
-        received=0,
         queued=1 << 18,
         rtt_us=0,
         min_rtt_us=0,
-        retrans=0,
-        rwnd_share=0.0,
-        sndbuf_share=0.0,
-        busy_share=0.0,
         stalled_s=stalled_s,
         source="nccl",
     )
@@ -40,23 +31,18 @@ def ch(peer: int, direction: str, wait: str, stalled_s: float = 5.0) -> PeerChan
 def view(
     entries: dict[int, list[PeerChannel]], silent: tuple[int, ...] = ()
 ) -> tuple[JobView, GroupInfo]:
-    ranks = sorted(entries)
-    g = GroupInfo(group_id_of(ranks), "dp", tuple(ranks))
-    summaries = {}
-    for r, es in entries.items():
-        t = NOW - (10 * S if r in silent else 0)
-        summaries[r] = RankSummary(
-            rank=r,
+    g = group("dp", sorted(entries))
+    summaries = [
+        rank_summary(
+            r,
+            NOW - (10 * S if r in silent else 0),
             pid=1,
-            host="h",
-            time_ns=t,
-            heartbeat_ns=t,
             step=1,
-            last_progress_ns=t,
-            groups_version=1,
             channels=encode_channels(es, 1.0, len(es)),
         )
-    return JobView(summaries, {r: [g] for r in ranks}, NOW, 0, len(ranks)), g
+        for r, es in entries.items()
+    ]
+    return job_view(summaries, {r: [g] for r in g.ranks}), g
 
 
 def located(entries: dict[int, list[PeerChannel]], silent: tuple[int, ...] = ()):

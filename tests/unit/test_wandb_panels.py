@@ -13,6 +13,7 @@ import zlib
 from collections import deque
 
 import numpy as np
+from builders import MS, S, group, job_view, rank_summary
 
 from ccld_plugin.config import DiagnoserConfig, WandbConfig, load_config
 from ccld_plugin.diagnose import Diagnoser, JobView
@@ -25,14 +26,11 @@ from ccld_plugin.sinks.wandb.sink import WandbSink
 from ccld_plugin.sinks.wandb.verdicts import VERDICT_COLUMNS, verdict_row
 from ccld_plugin.wire.codes import OP_CODES
 from ccld_plugin.wire.summary import GroupProgress, InFlightOp, RankSummary, StepStat
-from ccld_plugin.wire.topology import GroupInfo, group_id_of
-
-S, MS = 1_000_000_000, 1_000_000
-
+from ccld_plugin.wire.topology import GroupInfo
 
 # ---------------------------------------------------------------------- synthetic
-DP = GroupInfo(group_id_of([0, 1, 2, 3]), "dp", (0, 1, 2, 3))
-TP = [GroupInfo(group_id_of([0, 1]), "tp", (0, 1)), GroupInfo(group_id_of([2, 3]), "tp", (2, 3))]
+DP = group("dp", [0, 1, 2, 3])
+TP = [group("tp", [0, 1]), group("tp", [2, 3])]
 TABLES = {r: [DP, TP[r // 2]] for r in range(4)}
 STEP_NS = 100 * MS
 
@@ -46,15 +44,12 @@ def _summary(
     flights: tuple = (),
 ) -> RankSummary:
     stats = [StepStat(s, s * STEP_NS, 100_000, int(compute_ms * 1000)) for s in steps]
-    return RankSummary(
-        rank=rank,
+    return rank_summary(
+        rank,
+        now,
         pid=1,
         host=f"h{rank // 2}",
-        time_ns=now,
-        heartbeat_ns=now,
         step=steps[-1] if steps else 0,
-        last_progress_ns=now,
-        groups_version=1,
         groups=[
             GroupProgress(0, 9, 9, 2, blocked_us[0], 0, 0),
             GroupProgress(1, 9, 9, 2, blocked_us[1], 0, 0),
@@ -71,7 +66,7 @@ def _job_views(steps: int, first: int = 0, slow_rank: int = 2) -> list[JobView]:
     for s in range(first, first + steps):
         now = (s + 1) * STEP_NS + 1
         sums = {r: _summary(r, [s], now, 120.0 if r == slow_rank else 60.0) for r in range(4)}
-        views.append(JobView(summaries=sums, tables=TABLES, now_ns=now, job_start_ns=0, world=4))
+        views.append(job_view(sums, TABLES, now, world=4))
     return views
 
 
@@ -143,7 +138,7 @@ def test_blocked_time_is_shared_among_the_steps_of_a_summary():
     m = PanelMetrics()
     now = 3 * STEP_NS
     sums = {r: _summary(r, [0, 1], now, blocked_us=(40_000, 0)) for r in range(4)}
-    rows = m.update(JobView(summaries=sums, tables=TABLES, now_ns=now, job_start_ns=0, world=4), [])
+    rows = m.update(job_view(sums, TABLES, now, world=4), [])
     assert [(r.step, r.blocked_ms) for r in rows] == [(0, {"dp": 20.0}), (1, {"dp": 20.0})]
 
 
@@ -151,7 +146,7 @@ def test_sparse_step_numbers_and_the_flush_at_the_end():
     m = PanelMetrics()
     now = 50 * STEP_NS
     sums = {r: _summary(r, [0, 10, 20] if r != 1 else [0, 10], now) for r in range(4)}
-    view = JobView(summaries=sums, tables=TABLES, now_ns=now, job_start_ns=0, world=4)
+    view = job_view(sums, TABLES, now, world=4)
     assert [r.step for r in m.update(view, [])] == [0, 10]  # rank 1 has not finished 20
     (last,) = m.flush()  # the job is ending: what some ranks finished is shown too
     assert (last.step, last.ranks) == (20, 3)
@@ -229,7 +224,7 @@ def test_hang_watch_names_the_oldest_op_and_its_threshold():
     sums = {r: _summary(r, [], now, flights=flight if r != 2 else ()) for r in range(4)}
     sums[1].in_flight[0] = InFlightOp(0, OP_CODES["all_reduce"], 0, -1, 9, 64, now - 8 * S)
     w = hang_watch(
-        JobView(summaries=sums, tables=TABLES, now_ns=now, job_start_ns=0, world=4),
+        job_view(sums, TABLES, now, world=4),
         lambda gid: 10.0 if gid == DP.group_id else 0.0,
     )
     assert (w.oldest_rank, w.role, w.op, w.threshold_s, w.blocked_ranks) == (
