@@ -243,7 +243,7 @@ def _allowed_keys(dotted_parent: str) -> list[str]:
     for part in filter(None, dotted_parent.split(".")):
         fields = {f.name: f for f in dataclasses.fields(node)}
         f = fields.get(part)
-        if f is None or not isinstance(f.default_factory, type):  # type: ignore[arg-type]
+        if f is None or not isinstance(f.default_factory, type):
             return sorted(fields)
         node = f.default_factory
     return sorted(f.name for f in dataclasses.fields(node))

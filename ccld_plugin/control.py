@@ -128,7 +128,7 @@ class ControlPlane:
 
     # ---------------------------------------------------------------- summaries
     def publish(self, rank: int, summary: bytes) -> None:
-        self.store.set(f"s/{rank}", summary)
+        self.store.set(f"s/{rank}", summary)  # type: ignore[arg-type]  # bytes are stored as is
 
     def read_summaries(self, ranks: Iterable[int]) -> dict[int, bytes]:
         """Latest summaries of ``ranks``; ranks that never published are left out."""

@@ -120,7 +120,7 @@ def _default_probe() -> TcpProbe:
         return TcpProbe()
     except FileNotFoundError:
         # An editable install keeps the built library next to the extension module.
-        from ccld_plugin import _native
+        import ccld_plugin._native as _native
 
         return TcpProbe(find_library(next(Path(_native.__file__).parent.glob(LIBRARY_GLOB))))
 

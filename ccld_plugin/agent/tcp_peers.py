@@ -48,9 +48,9 @@ def map_peers(
     for c in conns:
         if c.remote[1] == 0:
             continue
-        rank = exact.get(_canonical(c.remote))
-        if rank is None:
-            rank = wildcard.get(c.remote[1])
-        if rank is not None and rank != _AMBIGUOUS:
-            out[c] = rank
+        peer = exact.get(_canonical(c.remote))
+        if peer is None:
+            peer = wildcard.get(c.remote[1])
+        if peer is not None and peer != _AMBIGUOUS:
+            out[c] = peer
     return out

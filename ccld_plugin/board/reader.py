@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ccld_plugin import _native
+import ccld_plugin._native as _native
 from ccld_plugin.wire.topology import GroupInfo, role_name
 
 __all__ = [

@@ -147,10 +147,11 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
     for v in verdicts[len(printed) :]:  # written by the diagnoser's last round
         console.print(render_verdict(v))
     injected = _read_jsonl(out / "faults.jsonl")
+    latency = match_faults(injected, verdicts)
     summary = {
         "verdicts": verdicts,
         "faults": injected,
-        "latency_s": match_faults(injected, verdicts),
+        "latency_s": latency,
         "steps_completed": _steps_completed(out / "boards", opts.steps),
         "exit": codes,
     }
@@ -161,7 +162,7 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
         shutil.rmtree(out / "boards", ignore_errors=True)
     launched = all(c is not None for c in codes)
     if faults:
-        diagnosed = len(injected) >= len(faults) and all(m["verdict"] for m in summary["latency_s"])
+        diagnosed = len(injected) >= len(faults) and all(m["verdict"] for m in latency)
     else:
         diagnosed = not verdicts
     return 0 if launched and diagnosed else 1

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from ccld_plugin import _native, errors
+import ccld_plugin._native as _native
+from ccld_plugin import errors
 from ccld_plugin.config import CcldConfig, ConfigSource, load_config
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.runtime.tracer import Tracer

@@ -23,7 +23,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from ccld_plugin import _native
+import ccld_plugin._native as _native
 from ccld_plugin.errors import report_error
 from ccld_plugin.wire.codes import (
     FLAG_ASYNC,
@@ -518,7 +518,7 @@ class Tracer:
                 w = self._wrap_coalescing_manager(orig)
             w.__name__ = w.__qualname__ = name
             w.__doc__ = orig.__doc__
-            w.__wrapped__ = orig
+            w.__wrapped__ = orig  # type: ignore[attr-defined]  # as functools.wraps sets it
             self._wrappers[name] = w
         _rebind({id(o): (o, self._wrappers[n]) for n, o in self._originals.items()})
 

@@ -41,7 +41,8 @@ _FNV_PRIME = 0x100000001B3
 def group_id_of(ranks: Iterable[int]) -> int:
     """Stable 64-bit id of a group: FNV-1a over its sorted global ranks (int32 LE)."""
     h = _FNV_OFFSET
-    for byte in struct.pack(f"<{len(r := sorted(ranks))}i", *r):
+    ordered = sorted(ranks)
+    for byte in struct.pack(f"<{len(ordered)}i", *ordered):
         h = ((h ^ byte) * _FNV_PRIME) & 0xFFFFFFFFFFFFFFFF
     return h
 
