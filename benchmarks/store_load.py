@@ -19,7 +19,9 @@ those wanted, the read round latency, the CPU share of the store's process (user
 time from /proc over the measured window, in % of one core) and of the load generator, and
 whether the store held: achieved >= 95% of wanted, no errors, write p99 below half the
 interval and read p99 below the interval. The load generator shares the machine with the
-store, so on a small machine the numbers are pessimistic.
+store, so on a small machine the numbers are pessimistic. Each client's connect does a
+reverse DNS lookup of its address (c10d's log lines); the children's resolver gives up
+after 1 s (RES_OPTIONS, unless set), so a lossy DNS server slows the set-up only.
 
 Usage:
     python benchmarks/store_load.py [--ranks 16384 65536] [--ranks-per-node 8]
@@ -67,6 +69,7 @@ class Spec:
     interval_s: float
     value_bytes: int
     timeout_s: float
+    connect_timeout_s: float
 
 
 @dataclass
@@ -129,16 +132,18 @@ def host_store(conn: Connection) -> None:
         pass
 
 
-def client(port: int, timeout_s: float) -> dist.TCPStore:
-    """A new client connection to the store."""
-    return dist.TCPStore(
+def client(spec: Spec) -> dist.TCPStore:
+    """A new client connection to the store: the connect timeout, then the requests' one."""
+    store = dist.TCPStore(
         host_name="127.0.0.1",
-        port=port,
+        port=spec.port,
         is_master=False,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timedelta(seconds=spec.connect_timeout_s),
         wait_for_workers=False,
         use_libuv=True,
     )
+    store.set_timeout(timedelta(seconds=spec.timeout_s))
+    return store
 
 
 # ------------------------------------------------------------------ writers
@@ -147,8 +152,8 @@ def write_nodes(index: int, spec: Spec, conn: Connection) -> None:
     ids = range(index, spec.connections, spec.workers)
     value = os.urandom(spec.value_bytes)
     try:
-        stores = [client(spec.port, spec.timeout_s) for _ in ids]
-        for store, i in zip(stores, ids):
+        stores = [client(spec) for _ in ids]
+        for store, i in zip(stores, ids, strict=True):
             store.set(KEY.format(i), value)
     except (RuntimeError, OSError) as exc:
         conn.send(("error", f"writer {index}: {one_line(exc)}"))
@@ -172,7 +177,7 @@ def write_schedule(
     cpu0 = cpu_self()
     base = start
     while True:
-        for store, key, phase in zip(stores, keys, phases):
+        for store, key, phase in zip(stores, keys, phases, strict=True):
             if not wait_until(base + phase, end):
                 out.cpu_s = cpu_self() - cpu0
                 return out
@@ -250,7 +255,7 @@ class Fleet:
     def __exit__(self, *exc: object) -> None:
         for proc, conn in self.procs:
             if proc.is_alive():
-                with_timeout_send(conn, None)
+                send_if_open(conn, None)
         deadline = time.monotonic() + JOIN_S
         for proc, _ in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -261,7 +266,7 @@ class Fleet:
             conn.close()
 
 
-def with_timeout_send(conn: Connection, msg: object) -> None:
+def send_if_open(conn: Connection, msg: object) -> None:
     """Send ``msg`` unless the other end is gone."""
     try:
         conn.send(msg)
@@ -303,6 +308,7 @@ def run_load(fleet: Fleet, row: Row, args: argparse.Namespace) -> None:
         args.interval_s,
         args.ranks_per_node * BYTES_PER_RANK,
         args.timeout_s,
+        args.setup_timeout_s,
     )
     writers = [fleet.spawn(write_nodes, w, spec) for w in range(spec.workers)]
     for w in writers:
@@ -310,7 +316,7 @@ def run_load(fleet: Fleet, row: Row, args: argparse.Namespace) -> None:
         if kind == "error":
             raise ConnectionError(detail)
     row.setup_s = time.monotonic() - t0
-    reader = client(port, args.timeout_s)
+    reader = client(spec)
     start = time.time() + START_LEAD_S
     end = start + args.seconds
     for w in writers:
@@ -441,8 +447,17 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def quiet_clients() -> None:
+    """Environment of the children: c10d logs errors only (each size reports its first
+    error in one line), and a client's reverse DNS lookup of its own address at connect
+    (for c10d's log lines) gives up after 1 s instead of the resolver's 2 x 5 s."""
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+
+
 def main() -> None:
     args = parse_args()
+    quiet_clients()
     fd_limit = raise_fd_limit()
     cap = min(fd_limit, ephemeral_ports()) - FD_MARGIN
     print(
