@@ -29,7 +29,7 @@ class JsonlSink:
 
 def read_verdicts(path: Path) -> list[dict]:
     """Records of a verdicts file; a torn last line (the writer died) is skipped."""
-    out = []
+    out: list[dict] = []
     if not path.exists():
         return out
     for line in path.read_text(encoding="utf-8").splitlines():
