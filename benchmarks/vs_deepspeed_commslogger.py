@@ -115,7 +115,7 @@ def main() -> int:
             f"({m['steps_to_verdict']} steps, {m['latency_s']} s after onset)"
         )
         for e in v["evidence"]:
-            print(f"    - {e}")
+            print(f"    - {e['text']}")
     if not ours["verdicts"]:
         print("  no verdict")
     return 0

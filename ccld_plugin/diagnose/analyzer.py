@@ -19,7 +19,7 @@ from ccld_plugin.diagnose.hang import (
     find_mismatches,
     find_unresponsive,
 )
-from ccld_plugin.diagnose.records import Cause, Kind, Verdict
+from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.slow import SlowDetector
 from ccld_plugin.diagnose.view import JobView
 
@@ -103,9 +103,24 @@ class Diagnoser:
             and sorted(v.ranks) == sorted(v.group["ranks"])
         ]
         for m in mismatches[:1]:
-            m.evidence += [f"stalled behind it: {v.evidence[0]}" for v in effects[:4]]
+            # Each effect is shown by its hang's first item (all_entered), nested whole
+            # under "item" as its record: the stalled group's data stays readable as data.
+            m.evidence += [
+                Evidence.of(
+                    "stalled_behind",
+                    "stalled behind it: {item[text]}",
+                    item=v.evidence[0].to_dict(),
+                )
+                for v in effects[:4]
+            ]
             if len(effects) > 4:
-                m.evidence.append(f"... and {len(effects) - 4} more stalled groups")
+                m.evidence.append(
+                    Evidence.of(
+                        "more_stalled",
+                        "... and {count} more stalled groups",
+                        count=len(effects) - 4,
+                    )
+                )
         return [v for v in hangs if v not in effects]
 
     def reported(self, kind: Kind) -> bool:

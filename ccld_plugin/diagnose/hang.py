@@ -16,7 +16,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 
 from ccld_plugin.diagnose import tcp_evidence as chan
-from ccld_plugin.diagnose.records import Cause, Kind, Verdict
+from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.view import Blocked, JobView
 from ccld_plugin.wire.codes import FLAG_P2P, OP_NAMES
 from ccld_plugin.wire.topology import GroupInfo
@@ -37,10 +37,6 @@ _SIZE_MAY_DIFFER = {
 }
 
 ChannelEvidence = Callable[[JobView, GroupInfo, list[int]], chan.Located | None]
-
-
-def _fmt_group(g: GroupInfo) -> str:
-    return f"{g.role}{list(g.ranks)}"
 
 
 def waits_for(view: JobView, b: Blocked, blocked: dict[int, Blocked]) -> list[int]:
@@ -170,15 +166,39 @@ def _compute_hang(
     s = view.summaries[root]
     idle = view.idle_s(root)
     evidence = [
-        f"rank {root} has not entered {first.op_name} seq {first.op.seq} on {_fmt_group(g)}; "
-        f"ranks {sorted(b.rank for b in by_group[gid])} wait for it "
-        f"({max(b.age_s for b in by_group[gid]):.1f} s)",
-        f"rank {root} is in no collective; no progress for {idle:.1f} s (step {s.step})",
+        Evidence.of(
+            "not_entered",
+            "rank {rank} has not entered {op} seq {seq} on {role}{members}; ranks {waiting} "
+            "wait for it ({wait_s:.1f} s)",
+            rank=root,
+            op=first.op_name,
+            seq=first.op.seq,
+            role=g.role,
+            members=list(g.ranks),
+            waiting=sorted(b.rank for b in by_group[gid]),
+            wait_s=max(b.age_s for b in by_group[gid]),
+        ),
+        Evidence.of(
+            "in_no_collective",
+            "rank {rank} is in no collective; no progress for {idle_s:.1f} s (step {step})",
+            rank=root,
+            idle_s=idle,
+            step=s.step,
+        ),
     ]
     others = sorted(r for r in blocked if r not in {b.rank for b in by_group[gid]})
     if others:
-        chains = [f"{r}->{'/'.join(map(str, graph[r]))} ({blocked[r].group.role})" for r in others]
-        evidence.append("blocked elsewhere, traced back to the root: " + ", ".join(chains))
+        # One sentence over a list of chains: the template indexes into it.
+        chains = [{"rank": r, "waits_for": graph[r], "role": blocked[r].group.role} for r in others]
+        links = ", ".join(
+            f"{{chains[{i}][rank]}}->{{chains[{i}][waits_for]:join(/)}} ({{chains[{i}][role]}})"
+            for i in range(len(chains))
+        )
+        evidence.append(
+            Evidence.of(
+                "wait_chain", "blocked elsewhere, traced back to the root: " + links, chains=chains
+            )
+        )
     return Verdict(
         kind=Kind.HANG,
         cause=Cause.COMPUTE,
@@ -209,16 +229,25 @@ def _root_hang(
     waiters = sorted(r for r, targets in graph.items() if root in targets)
     cut = chan.cut_off_rank(view, root, view.summaries)
     if cut is None:
-        v.evidence += chan.toward_lines(view, root, waiters)
+        v.evidence += chan.toward_evidence(view, root, waiters)
         return v
     stuck = [blocked[r] for r in waiters]
     age = max(b.age_s for b in stuck)
+    assert v.group is not None  # _compute_hang always names the root's group
     v.cause, v.link, v.stack = Cause.COMMUNICATION, cut.link, None
     v.evidence = [
-        f"ranks {waiters} wait for rank {root} in {v.op} on "
-        f"{v.group['role']}{v.group['ranks']} ({age:.1f} s); its last summary "
-        f"predates the stall",
-        *cut.lines,
+        Evidence.of(
+            "waits_for_silent",
+            "ranks {waiting} wait for rank {rank} in {op} on {role}{members} ({wait_s:.1f} s); "
+            "its last summary predates the stall",
+            waiting=waiters,
+            rank=root,
+            op=v.op,
+            role=v.group["role"],
+            members=v.group["ranks"],
+            wait_s=age,
+        ),
+        *cut.evidence,
     ]
     v.onset_s = view.seconds(min(b.op.enter_ns for b in stuck))
     v.step = max(view.summaries[r].step for r in waiters)  # the root's own is stale
@@ -230,12 +259,26 @@ def _deadlock(view: JobView, cycle: list[int], blocked: dict[int, Blocked]) -> V
     ops = [blocked[r] for r in cycle]
     first = ops[0]
     evidence = [
-        f"rank {b.rank} waits in {b.op_name} seq {b.op.seq} on {_fmt_group(b.group)}"
-        + (f" for peer {b.op.peer}" if b.p2p else "")
-        + f" ({b.age_s:.1f} s)"
+        Evidence.of(
+            "waits_in",
+            "rank {rank} waits in {op} seq {seq} on {role}{members}"
+            + (" for peer {peer}" if b.p2p else "")
+            + " ({wait_s:.1f} s)",
+            rank=b.rank,
+            op=b.op_name,
+            seq=b.op.seq,
+            role=b.group.role,
+            members=list(b.group.ranks),
+            peer=b.op.peer if b.p2p else None,
+            wait_s=b.age_s,
+        )
         for b in ops
     ]
-    evidence.append("the waits form a cycle: " + " -> ".join(map(str, [*cycle, cycle[0]])))
+    evidence.append(
+        Evidence.of(
+            "cycle", "the waits form a cycle: {cycle:join( -> )} -> {cycle[0]}", cycle=cycle
+        )
+    )
     onset = min(b.op.enter_ns for b in ops)
     return Verdict(
         kind=Kind.DEADLOCK,
@@ -267,15 +310,29 @@ def _comm_hangs(
         members = [b.op.peer, b.rank] if b.p2p else list(b.group.ranks)
         ranks, link, cause = sorted(members), None, Cause.COMMUNICATION
         evidence = [
-            f"all of {_fmt_group(b.group)} entered {b.op_name} seq {b.op.seq}; it has "
-            f"not completed for {b.age_s:.1f} s"
+            Evidence.of(
+                "all_entered",
+                "all of {role}{members} entered {op} seq {seq}; it has not completed for "
+                "{wait_s:.1f} s",
+                role=b.group.role,
+                members=list(b.group.ranks),
+                op=b.op_name,
+                seq=b.op.seq,
+                wait_s=b.age_s,
+            )
         ]
         found = channel_evidence(view, b.group, members) if channel_evidence else None
         if found is not None:
             ranks, link, cause = found.ranks, found.link, found.cause
-            evidence += found.lines
+            evidence += found.evidence
         else:
-            evidence.append("no channel data to name the link: every member is a suspect")
+            evidence.append(
+                Evidence.of(
+                    "no_channel_data",
+                    "no channel data to name the link: every member is a suspect",
+                    suspects=ranks,
+                )
+            )
         culprit = view.summaries.get(ranks[0]) if len(ranks) == 1 else None
         v = Verdict(
             kind=Kind.HANG,
@@ -306,7 +363,13 @@ def _fold(verdicts: list[Verdict]) -> list[Verdict]:
     for v in verdicts:
         first = out.setdefault(tuple(v.ranks), v)
         if first is not v:
-            first.evidence.append(f"also stuck on it: {v.evidence[0]}")
+            # The other group's hang is folded in whole: its first item (all_entered) is
+            # nested under "item" as its record, so readers need not parse the sentence.
+            first.evidence.append(
+                Evidence.of(
+                    "also_stuck", "also stuck on it: {item[text]}", item=v.evidence[0].to_dict()
+                )
+            )
     return list(out.values())
 
 
@@ -339,7 +402,16 @@ def find_mismatches(view: JobView) -> list[Verdict]:
         tie = list(counts.values()).count(top_n) > 1
         g = groups[gid]
         evidence = [
-            f"rank {r} entered {n} ({b} B) as seq {seq} of {_fmt_group(g)}"
+            Evidence.of(
+                "entered_op",
+                "rank {rank} entered {op} ({bytes} B) as seq {seq} of {role}{members}",
+                rank=r,
+                op=n,
+                bytes=b,
+                seq=seq,
+                role=g.role,
+                members=list(g.ranks),
+            )
             for r, (n, b, _) in sorted(entries.items())
         ]
         if tie:
@@ -352,11 +424,20 @@ def find_mismatches(view: JobView) -> list[Verdict]:
             if agreed:
                 top, tie = next(v for v in sig.values() if v[0] == agreed[0]), False
                 evidence.append(
-                    f"{sum(sibling.values())} sibling {g.role} groups ran {agreed[0]} as seq {seq}"
+                    Evidence.of(
+                        "sibling_majority",
+                        "{count} sibling {role} groups ran {op} as seq {seq}",
+                        count=sum(sibling.values()),
+                        role=g.role,
+                        op=agreed[0],
+                        seq=seq,
+                    )
                 )
         culprits = sorted(r for r, v in sig.items() if tie or v != top)
         if tie:
-            evidence.append("no majority among the members: all are named")
+            evidence.append(
+                Evidence.of("no_majority", "no majority among the members: all are named")
+            )
         verdicts.append(
             Verdict(
                 kind=Kind.MISMATCH,
@@ -400,17 +481,45 @@ def find_unresponsive(view: JobView, unresponsive_s: float) -> list[Verdict]:
             continue
         if not gone and chan.cut_off_rank(view, rank, view.summaries) is not None:
             continue  # alive but cut off: a communication hang (find_hangs), not a wedge
-        last = [
-            f"{OP_NAMES.get(op.op, '?')} seq {op.seq} on {_fmt_group(g)}"
-            for op, g in view.ops_of(rank)
-        ]
+        ops = view.ops_of(rank)
         evidence = [
-            f"process {s.pid} on {s.host} no longer exists"
+            Evidence.of(
+                "process_gone",
+                "process {pid} on {host} no longer exists",
+                pid=s.pid,
+                host=s.host,
+            )
             if gone
-            else f"agent heartbeat stopped {age:.1f} s ago (process wedged?)",
-            f"last step {s.step}; last op entered: {last[0] if last else 'none'}",
+            else Evidence.of(
+                "heartbeat_stopped",
+                "agent heartbeat stopped {age_s:.1f} s ago (process wedged?)",
+                age_s=age,
+            )
         ]
-        group = view.ops_of(rank)[0][1].to_dict() if last else None
+        last: dict[str, object] = {
+            "op": None,
+            "seq": None,
+            "role": None,
+            "members": None,
+        }  # none entered
+        if ops:
+            op, g = ops[0]
+            last = {
+                "op": OP_NAMES.get(op.op, "?"),
+                "seq": op.seq,
+                "role": g.role,
+                "members": list(g.ranks),
+            }
+        evidence.append(
+            Evidence.of(
+                "last_op",
+                "last step {step}; last op entered: "
+                + ("{op} seq {seq} on {role}{members}" if ops else "none"),
+                step=s.step,
+                **last,
+            )
+        )
+        group = ops[0][1].to_dict() if ops else None
         verdicts.append(
             Verdict(
                 kind=Kind.UNRESPONSIVE,

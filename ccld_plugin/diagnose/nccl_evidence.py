@@ -28,14 +28,8 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 
-from ccld_plugin.diagnose.records import Cause
-from ccld_plugin.diagnose.tcp_evidence import (
-    STALL_S,
-    Located,
-    fmt_bytes,
-    is_silent,
-    report_of,
-)
+from ccld_plugin.diagnose.records import Cause, Evidence
+from ccld_plugin.diagnose.tcp_evidence import STALL_S, Located, is_silent, report_of
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.wire.peer_channels import PeerChannel
 from ccld_plugin.wire.topology import GroupInfo
@@ -121,19 +115,31 @@ def _ends(edges: dict[Node, set[Node]], start: Node) -> set[Node]:
     return ends
 
 
-def _wait_line(rank: int, e: PeerChannel) -> str:
-    what = {
-        ("local", "send"): "waits for its GPU to produce the data",
-        ("local", "recv"): "the data arrived; its GPU does not consume it",
-        ("peer", "send"): f"waits for rank {e.peer}'s credit (a free receive buffer)",
-        ("network", "send"): "handed to the network, not completed",
-        ("network", "recv"): f"waits for data from rank {e.peer} on the network",
-    }[(e.wait, e.direction)]
+# What a stalled transfer step waits for, by (wait state, direction).
+_WAITS_FOR = {
+    ("local", "send"): "waits for its GPU to produce the data",
+    ("local", "recv"): "the data arrived; its GPU does not consume it",
+    ("peer", "send"): "waits for rank {peer}'s credit (a free receive buffer)",
+    ("network", "send"): "handed to the network, not completed",
+    ("network", "recv"): "waits for data from rank {peer} on the network",
+}
+
+
+def _wait(rank: int, e: PeerChannel) -> Evidence:
     toward = "to" if e.direction == "send" else "from"
-    return (
-        f"rank {rank} {e.direction} {toward} {e.peer} ({e.conns} channel"
-        f"{'s' if e.conns != 1 else ''}, {fmt_bytes(e.queued)} pending): {what}; "
-        f"no progress for {e.stalled_s:.1f} s"
+    channels = "channel" if e.conns == 1 else "channels"
+    return Evidence.of(
+        "nccl_wait",
+        "rank {rank} {direction} " + toward + " {peer} ({conns} " + channels + ", "
+        "{pending:bytes} pending): " + _WAITS_FOR[(e.wait, e.direction)] + "; "
+        "no progress for {stalled_s:.1f} s",
+        rank=rank,
+        direction=e.direction,
+        peer=e.peer,
+        wait=e.wait,
+        conns=e.conns,
+        pending=e.queued,
+        stalled_s=e.stalled_s,
     )
 
 
@@ -153,17 +159,23 @@ def nccl_evidence(view: JobView, group: GroupInfo, members: list[int]) -> Locate
     if len(culprits) == 1 and len(culprits[0]) == 1:
         (root,) = culprits[0]
         own = stalls.get(root, [])
-        mine = [_wait_line(root, e) for e in own[:2]]
+        mine = [_wait(root, e) for e in own[:2]]
         into = [
             (r, e)
             for r, es in stalls.items()
             for e in es
             if r != root and e.peer == root and (e.wait, e.direction) != ("local", "send")
         ]
-        theirs = [_wait_line(r, e) for r, e in into[:2]]
-        count = (
-            f"{len(waiters)} of {len(members)} ranks of {group.role}{list(group.ranks)} "
-            f"wait on rank {root}, directly or through other ranks"
+        theirs = [_wait(r, e) for r, e in into[:2]]
+        count = Evidence.of(
+            "waiting_on_rank",
+            "{count} of {of} ranks of {role}{members} wait on rank {rank}, directly or "
+            "through other ranks",
+            count=len(waiters),
+            of=len(members),
+            role=group.role,
+            members=list(group.ranks),
+            rank=root,
         )
         rep = report_of(view, root)
         if rep is None or is_silent(view, root, rep.interval_s):
@@ -173,7 +185,12 @@ def nccl_evidence(view: JobView, group: GroupInfo, members: list[int]) -> Locate
                 [
                     *theirs,
                     count,
-                    (f"rank {root} sends no summaries: what its own channels wait on is not known"),
+                    Evidence.of(
+                        "no_summaries",
+                        "rank {rank} sends no summaries: what its own channels wait on is not "
+                        "known",
+                        rank=root,
+                    ),
                 ],
                 Cause.UNKNOWN,
             )
@@ -186,9 +203,11 @@ def nccl_evidence(view: JobView, group: GroupInfo, members: list[int]) -> Locate
                     *mine,
                     *theirs,
                     count,
-                    (
-                        f"data reached rank {root} and its GPU does not take it: the GPU is "
-                        "busy or stuck outside this collective (compute-bound)"
+                    Evidence.of(
+                        "gpu_not_consuming",
+                        "data reached rank {rank} and its GPU does not take it: the GPU is "
+                        "busy or stuck outside this collective (compute-bound)",
+                        rank=root,
                     ),
                 ],
                 Cause.COMPUTE,
@@ -201,10 +220,13 @@ def nccl_evidence(view: JobView, group: GroupInfo, members: list[int]) -> Locate
                     *theirs,
                     *mine,
                     count,
-                    (
-                        f"rank {root} grants no credit to ranks {credit} and none of its receives "
-                        f"waits (it posts none): its receive side (NCCL proxy or transport) is "
-                        f"stuck, while its GPU only waits for input"
+                    Evidence.of(
+                        "no_credit",
+                        "rank {rank} grants no credit to ranks {ranks} and none of its receives "
+                        "waits (it posts none): its receive side (NCCL proxy or transport) is "
+                        "stuck, while its GPU only waits for input",
+                        rank=root,
+                        ranks=credit,
                     ),
                 ],
             )
@@ -216,10 +238,12 @@ def nccl_evidence(view: JobView, group: GroupInfo, members: list[int]) -> Locate
                     *mine,
                     *theirs,
                     count,
-                    (
-                        f"rank {root}'s GPU does not produce the data its peers wait for, and "
-                        f"nothing is owed to it: the GPU is busy or stuck outside this collective "
-                        f"(compute-bound)"
+                    Evidence.of(
+                        "gpu_not_producing",
+                        "rank {rank}'s GPU does not produce the data its peers wait for, and "
+                        "nothing is owed to it: the GPU is busy or stuck outside this "
+                        "collective (compute-bound)",
+                        rank=root,
                     ),
                 ],
                 Cause.COMPUTE,
@@ -230,9 +254,11 @@ def nccl_evidence(view: JobView, group: GroupInfo, members: list[int]) -> Locate
             [
                 *theirs,
                 count,
-                (
-                    f"rank {root} shows no pending transfer step of this collective: its NCCL "
-                    f"work for it has not started"
+                Evidence.of(
+                    "nccl_not_started",
+                    "rank {rank} shows no pending transfer step of this collective: its NCCL "
+                    "work for it has not started",
+                    rank=root,
                 ),
             ],
             Cause.UNKNOWN,
@@ -245,20 +271,42 @@ def nccl_evidence(view: JobView, group: GroupInfo, members: list[int]) -> Locate
             for e in stalls.get(r, [])
             if e.peer in (a, b) and e.wait in ("network", "peer")
         ]
-        lines = [_wait_line(r, e) for r, e in pair[:3]]
+        evidence = [_wait(r, e) for r, e in pair[:3]]
         if any(e.wait == "network" and e.direction == "send" for _, e in pair):
-            lines.append(
-                f"steps handed to the network between ranks {a} and {b} do not "
-                f"complete: the link is down or lossy"
+            evidence.append(
+                Evidence.of(
+                    "nccl_link_down",
+                    "steps handed to the network between ranks {link[0]} and {link[1]} do "
+                    "not complete: the link is down or lossy",
+                    link=[a, b],
+                )
             )
         else:
-            lines.append(
-                f"ranks {a} and {b} wait for each other (credit one way, data the "
-                f"other): the messages between them are lost on their link"
+            evidence.append(
+                Evidence.of(
+                    "messages_lost",
+                    "ranks {link[0]} and {link[1]} wait for each other (credit one way, "
+                    "data the other): the messages between them are lost on their link",
+                    link=[a, b],
+                )
             )
-        lines.append(f"{len(waiters)} of {len(members)} ranks wait on this link")
-        return Located([a, b], [a, b], lines)
+        evidence.append(
+            Evidence.of(
+                "waiting_on_link",
+                "{count} of {of} ranks wait on this link",
+                count=len(waiters),
+                of=len(members),
+                link=[a, b],
+            )
+        )
+        return Located([a, b], [a, b], evidence)
     ranks = sorted({r for n in culprits for r in n})
-    lines = [_wait_line(r, e) for r in ranks for e in stalls.get(r, [])[:1]]
-    lines.append("the NCCL channels' waits end at several places: every one is named")
-    return Located(ranks, None, lines)
+    evidence = [_wait(r, e) for r in ranks for e in stalls.get(r, [])[:1]]
+    evidence.append(
+        Evidence.of(
+            "several_ends",
+            "the NCCL channels' waits end at several places: every one is named",
+            ranks=ranks,
+        )
+    )
+    return Located(ranks, None, evidence)

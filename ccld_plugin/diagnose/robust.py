@@ -9,14 +9,17 @@ the left-out positions costs a few steps per query.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping
+from typing import Generic, TypeVar
 
 __all__ = ["RankedValues"]
 
+K = TypeVar("K", bound=Hashable)
 
-class RankedValues:
+
+class RankedValues(Generic[K]):
     """Values sorted once, by key."""
 
-    def __init__(self, values: Mapping[Hashable, float]) -> None:
+    def __init__(self, values: Mapping[K, float]) -> None:
         order = sorted(values, key=values.__getitem__)
         self.values = [values[k] for k in order]
         self.pos = {k: i for i, k in enumerate(order)}
@@ -24,7 +27,7 @@ class RankedValues:
     def __len__(self) -> int:
         return len(self.values)
 
-    def median_without(self, left_out: Iterable[Hashable]) -> float:
+    def median_without(self, left_out: Iterable[K]) -> float:
         """The median (the mean of the two middle values for an even count) of the values
         whose keys are not in ``left_out``; some must remain."""
         skip = sorted(self.pos[k] for k in left_out)

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose.arrivals import ArrivalJoin, Joined
-from ccld_plugin.diagnose.records import Cause, Kind, Verdict
+from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.robust import RankedValues
 from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkFinding
 from ccld_plugin.diagnose.view import JobView
@@ -81,7 +81,7 @@ class SlowDetector:
 
     # ------------------------------------------------------------------ windows
     def evaluate(self, view: JobView) -> list[Verdict]:
-        verdicts = []
+        verdicts: list[Verdict] = []
         while True:
             lo = self.next_window_start()
             hi = lo + self.cfg.window_steps
@@ -105,7 +105,7 @@ class SlowDetector:
             end = max(st.start_ns + st.step_us * 1000 for st in stats)
             t0 = start if t0 is None else min(t0, start)
             t1 = end if t1 is None else max(t1, end)
-        if t0 is None:
+        if t0 is None or t1 is None:  # both are set together
             return []
         while self.joined and self.joined[0].time_ns < t0:  # windows go forward only
             self.joined.popleft()
@@ -252,12 +252,13 @@ class SlowDetector:
     ) -> Verdict:
         imposed: dict[int, float] = defaultdict(float)
         groups: dict[int, GroupInfo] = {}
+        group: GroupInfo | None  # None for a rank in no dp, tp or world group
         for j in mine:
             if j.last == r:
                 imposed[j.group.group_id] += sum(w for m, w in j.waits_ns.items() if m != r)
                 groups[j.group.group_id] = j.group
         if imposed:
-            group = groups[max(imposed, key=imposed.get)]
+            group = groups[max(imposed, key=imposed.__getitem__)]
         else:
             group = (
                 view.topology.group_of(r, "dp")
@@ -267,17 +268,32 @@ class SlowDetector:
         first = self.first_seen.get(key, lo)
         onset_step = self.steps[r].get(first)
         evidence = [
-            f"compute {x / 1000:.1f} ms/step vs {med / 1000:.1f} ms median of its "
-            f"cohort {cohort} ({x / med:.2f}x) over steps {lo}-{hi - 1}"
+            Evidence.of(
+                "compute_excess",
+                "compute {compute_ms:.1f} ms/step vs {median_ms:.1f} ms median of its cohort "
+                "{cohort} ({ratio:.2f}x) over steps {first_step}-{last_step}",
+                compute_ms=x / 1000,
+                median_ms=med / 1000,
+                cohort=cohort,
+                ratio=x / med,
+                first_step=lo,
+                last_step=hi - 1,
+            )
         ]
         if balance.share is not None and mine:
             waited = balance.for_r_ns / balance.last_n / 1e6 if balance.last_n else 0.0
-            roles = sorted({j.group.role for j in mine})
             evidence.append(
-                f"last to arrive in {balance.last_n / len(mine):.0%} of "
-                f"{len(mine)} sampled collectives of its {'/'.join(roles)} "
-                f"groups; peers waited {waited:.1f} ms per op, "
-                f"{balance.share:.0%} of the waiting in them"
+                Evidence.of(
+                    "waited_for",
+                    "last to arrive in {last_share:.0%} of {samples} sampled collectives of "
+                    "its {roles:join(/)} groups; peers waited {wait_ms:.1f} ms per op, "
+                    "{waited_share:.0%} of the waiting in them",
+                    last_share=balance.last_n / len(mine),
+                    samples=len(mine),
+                    roles=sorted({j.group.role for j in mine}),
+                    wait_ms=waited,
+                    waited_share=balance.share,
+                )
             )
         return Verdict(
             kind=Kind.SLOW,
@@ -346,13 +362,13 @@ class SlowDetector:
         # where no sibling group exists to compare bandwidth with (one DP group).
         judged = self.channels.slow_links(view, t0, t1)
         found = judged.found
-        if not slow and found is None:
-            for key in [k for k in self.streak if k[:2] == (Kind.SLOW, Cause.COMMUNICATION)]:
-                self.streak.pop(key)
-                self.first_seen.pop(key, None)
-            self._channel_found = None
-            return []
         if not slow:
+            if found is None:
+                for key in [k for k in self.streak if k[:2] == (Kind.SLOW, Cause.COMMUNICATION)]:
+                    self.streak.pop(key)
+                    self.first_seen.pop(key, None)
+                self._channel_found = None
+                return []
             # A window too short for the channel evidence holds its streak as it is.
             return self._channel_slow(view, found, lo, hi) if judged.fresh else []
         common = set(slow[0][0].ranks)
@@ -370,14 +386,25 @@ class SlowDetector:
             return []
         g, b, ref = worst
         evidence = [
-            f"{s[0].role}{list(s[0].ranks)} moves {s[1] / 1e6:.1f} MB/s vs "
-            f"{s[2] / 1e6:.1f} MB/s for its siblings / history"
-            for s in slow
+            Evidence.of(
+                "group_bandwidth",
+                "{role}{members} moves {mb_s:.1f} MB/s vs {ref_mb_s:.1f} MB/s for its "
+                "siblings / history",
+                role=sg.role,
+                members=list(sg.ranks),
+                mb_s=sb / 1e6,
+                ref_mb_s=sref / 1e6,
+            )
+            for sg, sb, sref in slow
         ]
         if len(slow) > 1:
-            evidence.append(f"slow groups intersect in ranks {ranks}")
+            evidence.append(
+                Evidence.of(
+                    "groups_intersect", "slow groups intersect in ranks {ranks}", ranks=ranks
+                )
+            )
         if found is not None:
-            evidence += found.lines
+            evidence += found.evidence
         return [
             Verdict(
                 kind=Kind.SLOW,
@@ -423,7 +450,7 @@ class SlowDetector:
                 onset_s=self._onset(view, key, found.ranks),
                 detected_s=view.seconds(view.now_ns),
                 severity=found.severity,
-                evidence=found.lines,
+                evidence=found.evidence,
             )
         ]
 

@@ -18,8 +18,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ccld_plugin.diagnose.records import Evidence
 from ccld_plugin.diagnose.robust import RankedValues
-from ccld_plugin.diagnose.tcp_evidence import common_culprit, fmt_bytes
+from ccld_plugin.diagnose.tcp_evidence import common_culprit
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.wire.codes import DIRECTION_SEND, SOURCE_NCCL, SOURCE_TCP
 from ccld_plugin.wire.peer_channels import ChannelRows, channel_rows
@@ -76,7 +77,7 @@ class LinkFinding:
     link: list[int] | None
     group: GroupInfo | None  # the group the slowest link belongs to
     severity: float  # the slow links' time per byte over their references'
-    lines: list[str]
+    evidence: list[Evidence]
 
 
 @dataclass(frozen=True)
@@ -115,15 +116,6 @@ def link_role(view: JobView, a: int, b: int) -> GroupInfo | None:
     if not groups:
         return None
     return min(groups, key=lambda g: (g.role == "world", g.size))
-
-
-def _fmt_link(st: LinkStats) -> str:
-    return (
-        f"rank {st.src} -> {st.dst}: RTT {st.rtt_us / 1000:.1f} ms (floor "
-        f"{st.floor_us / 1000:.2f} ms), send queue busy {st.busy:.0%}, "
-        f"{st.s_per_mb * 1000:.0f} ms per MB ({1 / st.s_per_mb:.1f} MB/s while busy), "
-        f"up to {fmt_bytes(st.queued)} queued, {st.retrans} retransmits"
-    )
 
 
 class _SiblingMedians:
@@ -316,21 +308,52 @@ class _Rules:
 
     eligible: Callable[[LinkStats, float], bool]  # (link, reference RTT)
     slow: Callable[[LinkStats, float], bool]  # (link, reference time per MB)
-    line: Callable[[LinkStats, float, float, str], str]
+    line: Callable[[LinkStats, float, float, str], Evidence]
 
 
-def _tcp_line(st: LinkStats, r_rtt: float, r_spm: float, src: str) -> str:
-    return (
-        _fmt_link(st) + f"; {st.rtt_us / r_rtt:.0f}x the RTT and "
-        f"{st.s_per_mb / r_spm:.0f}x the time per byte of {src}"
+# What a slow link is compared with, by the ``reference`` of its evidence.
+_REFERENCES = {
+    "siblings": "links of the same role that share no rank with it",
+    "history": "its own history",
+}
+
+
+def _tcp_line(st: LinkStats, r_rtt: float, r_spm: float, ref: str) -> Evidence:
+    return Evidence.of(
+        "link_slow",
+        "rank {rank} -> {peer}: RTT {rtt_ms:.1f} ms (floor {floor_ms:.2f} ms), send queue busy "
+        "{busy_share:.0%}, {ms_per_mb:.0f} ms per MB ({mb_s:.1f} MB/s while busy), up to "
+        "{queued:bytes} queued, {retransmits} retransmits; {rtt_ratio:.0f}x the RTT and "
+        "{time_ratio:.0f}x the time per byte of " + _REFERENCES[ref],
+        rank=st.src,
+        peer=st.dst,
+        rtt_ms=st.rtt_us / 1000,
+        floor_ms=st.floor_us / 1000,
+        busy_share=st.busy,
+        ms_per_mb=st.s_per_mb * 1000,
+        mb_s=1 / st.s_per_mb,
+        queued=st.queued,
+        retransmits=st.retrans,
+        rtt_ratio=st.rtt_us / r_rtt,
+        time_ratio=st.s_per_mb / r_spm,
+        reference=ref,
     )
 
 
-def _nccl_line(st: LinkStats, r_rtt: float, r_spm: float, src: str) -> str:
-    return (
-        f"rank {st.src} -> {st.dst} (NCCL): send steps wait {st.s_per_mb * 1000:.1f} ms "
-        f"per MB handed to the network, {st.s_per_mb / r_spm:.0f}x {src} "
-        f"({r_spm * 1000:.2f} ms); {fmt_bytes(st.sent)} sent in {st.ticks} intervals"
+def _nccl_line(st: LinkStats, r_rtt: float, r_spm: float, ref: str) -> Evidence:
+    return Evidence.of(
+        "nccl_link_slow",
+        "rank {rank} -> {peer} (NCCL): send steps wait {ms_per_mb:.1f} ms per MB handed to "
+        "the network, {time_ratio:.0f}x " + _REFERENCES[ref] + " ({ref_ms_per_mb:.2f} ms); "
+        "{sent:bytes} sent in {intervals} intervals",
+        rank=st.src,
+        peer=st.dst,
+        ms_per_mb=st.s_per_mb * 1000,
+        time_ratio=st.s_per_mb / r_spm,
+        ref_ms_per_mb=r_spm * 1000,
+        reference=ref,
+        sent=st.sent,
+        intervals=st.ticks,
     )
 
 
@@ -358,26 +381,27 @@ def _locate(
     role_of: Callable[[JobView, tuple[int, int]], GroupInfo | None],
 ) -> LinkFinding | None:
     """The slow links among ``links`` and the rank or link they have in common."""
-    roles = {k: role_of(view, k) for k in links}
+    groups = {k: role_of(view, k) for k in links}
+    roles = {k: g.role if g is not None else None for k, g in groups.items()}
     by_role: dict[str | None, dict[tuple[int, int], LinkStats]] = defaultdict(dict)
     for k, st in links.items():
-        by_role[roles[k].role if roles[k] is not None else None][k] = st
+        by_role[roles[k]][k] = st
     siblings = {role: _SiblingMedians(ls) for role, ls in by_role.items()}
     slow: list[tuple[LinkStats, float, float, str]] = []
     softer: list[tuple[LinkStats, float, float, str]] = []
     for k, st in links.items():
-        role = roles[k].role if roles[k] is not None else None
+        role = roles[k]
         floor = siblings[role].spm_floor(k)
         if floor is not None and st.s_per_mb < LOCATE_RATIO * floor:
             continue  # under any median its siblings can have: neither slow nor softer
         ref = siblings[role].without(k)
-        source = "links of the same role that share no rank with it"
+        source = "siblings"
         if ref is None and history[k]:
             ref = (
                 statistics.median(o.rtt_us for o in history[k]),
                 statistics.median(o.s_per_mb for o in history[k]),
             )
-            source = "its own history"
+            source = "history"
         if ref is None or not rules.eligible(st, ref[0]):
             continue
         ref_rtt, ref_spm = ref
@@ -403,15 +427,25 @@ def _locate(
             ranks, link = ends, None
             shown += other[ends[0]]
     worst, ref_rtt, ref_spm, source = max(slow, key=lambda x: x[0].s_per_mb / x[2])
-    lines = [
+    evidence = [
         rules.line(st, r_rtt, r_spm, src)
         for st, r_rtt, r_spm, src in sorted(shown, key=lambda x: (x[0].src, x[0].dst))[:4]
     ]
     if link is None and len(ranks) == 1:
-        lines.append(f"every slow link has rank {ranks[0]} at one end: its NIC or link")
+        evidence.append(
+            Evidence.of(
+                "common_rank",
+                "every slow link has rank {rank} at one end: its NIC or link",
+                rank=ranks[0],
+            )
+        )
     elif link is not None:
-        lines.append(
-            f"one link is slow ({link[0]}<->{link[1]}); the other links of both ranks are not"
+        evidence.append(
+            Evidence.of(
+                "one_link",
+                "one link is slow ({link[0]}<->{link[1]}); the other links of both ranks are not",
+                link=link,
+            )
         )
     severity = round(worst.s_per_mb / ref_spm, 2) if ref_spm > 0 else 0.0
-    return LinkFinding(ranks, link, roles.get((worst.src, worst.dst)), severity, lines)
+    return LinkFinding(ranks, link, groups.get((worst.src, worst.dst)), severity, evidence)

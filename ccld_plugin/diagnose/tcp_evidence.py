@@ -22,7 +22,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ccld_plugin.diagnose.records import Cause
+from ccld_plugin.diagnose.records import Cause, Evidence
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.wire.peer_channels import ChannelReport, PeerChannel, decode_channels
 from ccld_plugin.wire.topology import GroupInfo
@@ -33,10 +33,9 @@ __all__ = [
     "common_culprit",
     "cut_off_rank",
     "cut_off_ranks",
-    "fmt_bytes",
     "is_silent",
     "report_of",
-    "toward_lines",
+    "toward_evidence",
 ]
 
 # --- thresholds of the diagnoser ----------------------------------------------------------
@@ -52,12 +51,12 @@ SILENT_INTERVALS = 2.5
 
 @dataclass(frozen=True, slots=True)
 class Located:
-    """Where channel evidence puts a hang: the ranks (or the link) to name, the lines that
-    say why, and whether the culprit is the compute side or communication."""
+    """Where channel evidence puts a hang: the ranks (or the link) to name, the evidence
+    that says why, and whether the culprit is the compute side or communication."""
 
     ranks: list[int]
     link: list[int] | None
-    lines: list[str]
+    evidence: list[Evidence]
     cause: Cause = Cause.COMMUNICATION
 
 
@@ -101,28 +100,32 @@ def _stalled(e: PeerChannel) -> str | None:
     return None
 
 
-def fmt_bytes(n: float) -> str:
-    for unit, scale in (("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-def _fmt_rtt(e: PeerChannel) -> str:
-    return f"RTT {e.rtt_us / 1000:.1f} ms (floor {e.min_rtt_us / 1000:.2f} ms)"
-
-
-def _stall_line(rank: int, e: PeerChannel, why: str) -> str:
+def _stall(rank: int, e: PeerChannel, why: str) -> Evidence:
     if why == "peer":
-        return (
-            f"rank {rank} -> {e.peer}: {fmt_bytes(e.queued)} queued, the receiver's "
-            f"window closed {e.rwnd_share:.0%} of the last interval, nothing moved for "
-            f"{e.stalled_s:.1f} s: rank {e.peer} does not read"
+        return Evidence.of(
+            "peer_not_reading",
+            "rank {rank} -> {peer}: {queued:bytes} queued, the receiver's window closed "
+            "{window_closed_share:.0%} of the last interval, nothing moved for "
+            "{stalled_s:.1f} s: rank {peer} does not read",
+            rank=rank,
+            peer=e.peer,
+            queued=e.queued,
+            window_closed_share=e.rwnd_share,
+            stalled_s=e.stalled_s,
         )
-    rto = f", {e.rtos} retransmission timeouts in a row" if e.rtos else ""
-    return (
-        f"rank {rank} -> {e.peer}: {fmt_bytes(e.queued)} queued, unacknowledged for "
-        f"{e.stalled_s:.1f} s{rto}, {_fmt_rtt(e)}"
+    rto = ", {rtos} retransmission timeouts in a row" if e.rtos else ""
+    return Evidence.of(
+        "link_stalled",
+        "rank {rank} -> {peer}: {queued:bytes} queued, unacknowledged for {stalled_s:.1f} s"
+        + rto
+        + ", RTT {rtt_ms:.1f} ms (floor {floor_ms:.2f} ms)",
+        rank=rank,
+        peer=e.peer,
+        queued=e.queued,
+        stalled_s=e.stalled_s,
+        rtos=e.rtos,
+        rtt_ms=e.rtt_us / 1000,
+        floor_ms=e.min_rtt_us / 1000,
     )
 
 
@@ -164,30 +167,38 @@ def common_culprit(
 
 def channel_evidence(view: JobView, group: GroupInfo, members: list[int]) -> Located | None:
     """For a hang in ``group`` where nobody is missing: the rank (or link) common to the
-    stalled connections among ``members``, and evidence lines; None without stalls."""
+    stalled connections among ``members``, and the evidence; None without stalls."""
     stalls = _stalled_links(view, members)
     if not stalls:
         return None
     interval = _interval_s(view)
     silent = {r for r in members if is_silent(view, r, interval)}
     ranks, link = common_culprit([(r, e.peer) for r, e, _ in stalls], silent)
-    lines = [
-        _stall_line(r, e, why) for r, e, why in sorted(stalls, key=lambda x: -x[1].stalled_s)[:4]
+    evidence = [
+        _stall(r, e, why) for r, e, why in sorted(stalls, key=lambda x: -x[1].stalled_s)[:4]
     ]
-    lines += _silent_lines(view, sorted(silent & set(ranks)))
+    evidence += _silent(view, sorted(silent & set(ranks)))
     kinds = {why for _, _, why in stalls}
     if kinds == {"network"}:
-        lines.append(
-            "the peers' kernels acknowledge nothing: a live kernel acknowledges "
-            "even when its process stalls, so the path itself is down"
+        evidence.append(
+            Evidence.of(
+                "path_down",
+                "the peers' kernels acknowledge nothing: a live kernel acknowledges "
+                "even when its process stalls, so the path itself is down",
+            )
         )
-    return Located(ranks, link, lines)
+    return Located(ranks, link, evidence)
 
 
-def _silent_lines(view: JobView, ranks: list[int]) -> list[str]:
+def _silent(view: JobView, ranks: list[int]) -> list[Evidence]:
     return [
-        f"rank {r}'s summaries stopped arriving {_silent_s(view, r):.1f} s ago while its "
-        f"process runs: its control-plane traffic crosses the same link"
+        Evidence.of(
+            "summaries_stopped",
+            "rank {rank}'s summaries stopped arriving {silent_s:.1f} s ago while its "
+            "process runs: its control-plane traffic crosses the same link",
+            rank=r,
+            silent_s=_silent_s(view, r),
+        )
         for r in ranks
     ]
 
@@ -207,17 +218,19 @@ def cut_off_rank(view: JobView, rank: int, peers: Iterable[int]) -> Located | No
     ]
     if not to_it:
         return None
-    lines = [
-        _stall_line(r, e, why) for r, e, why in sorted(to_it, key=lambda x: -x[1].stalled_s)[:4]
-    ]
-    lines += _silent_lines(view, [rank])
-    lines.append(
-        "the peers' kernels get no acknowledgement from it: a live kernel "
-        "acknowledges even when its process stalls, so its link is down"
+    evidence = [_stall(r, e, why) for r, e, why in sorted(to_it, key=lambda x: -x[1].stalled_s)[:4]]
+    evidence += _silent(view, [rank])
+    evidence.append(
+        Evidence.of(
+            "link_down",
+            "the peers' kernels get no acknowledgement from it: a live kernel "
+            "acknowledges even when its process stalls, so its link is down",
+            rank=rank,
+        )
     )
     senders = sorted({r for r, _, _ in to_it})
     return Located(
-        [rank], [senders[0], rank] if len(senders) == 1 and len(ps) == 1 else None, lines
+        [rank], [senders[0], rank] if len(senders) == 1 and len(ps) == 1 else None, evidence
     )
 
 
@@ -231,11 +244,10 @@ def cut_off_ranks(view: JobView) -> list[int]:
     ]
 
 
-def toward_lines(view: JobView, root: int, waiters: Iterable[int]) -> list[str]:
+def toward_evidence(view: JobView, root: int, waiters: Iterable[int]) -> list[Evidence]:
     """What the waiting ranks' connections to a compute-hung ``root`` show: data held by
     a receiver that does not read, or idle and healthy links (the network is not it)."""
-    reports = {r: report_of(view, r) for r in waiters}
-    reports = {r: rep for r, rep in reports.items() if rep is not None}
+    reports = {r: rep for r in waiters if (rep := report_of(view, r)) is not None}
     if not reports:
         return []
     blocked = [
@@ -247,9 +259,17 @@ def toward_lines(view: JobView, root: int, waiters: Iterable[int]) -> list[str]:
     if blocked:
         r, e = max(blocked, key=lambda x: x[1].queued)
         return [
-            f"ranks {sorted({r for r, _ in blocked})} have data queued for rank {root} "
-            f"that it does not read: e.g. rank {r}: {fmt_bytes(e.queued)} queued, "
-            f"receive window closed {e.rwnd_share:.0%} of the interval"
+            Evidence.of(
+                "data_not_read",
+                "ranks {ranks} have data queued for rank {rank} that it does not read: "
+                "e.g. rank {example}: {queued:bytes} queued, receive window closed "
+                "{window_closed_share:.0%} of the interval",
+                ranks=sorted({r for r, _ in blocked}),
+                rank=root,
+                example=r,
+                queued=e.queued,
+                window_closed_share=e.rwnd_share,
+            )
         ]
     net = [
         (r, e)
@@ -258,15 +278,25 @@ def toward_lines(view: JobView, root: int, waiters: Iterable[int]) -> list[str]:
         if e.peer == root and _stalled(e) == "network"
     ]
     if net:
-        return [_stall_line(r, e, "network") for r, e in net[:2]]
+        return [_stall(r, e, "network") for r, e in net[:2]]
     entries = [e for rep in reports.values() for e in rep.entries if e.peer == root]
-    if entries:
-        rtt = max(e.rtt_us for e in entries)
-        state = f"{sum(e.retrans for e in entries)} retransmits, max RTT {rtt / 1000:.2f} ms"
-    else:  # idle connections are left out of the summaries
-        state = "idle, nothing outstanding either way"
+    # One fact either way; retransmits and max_rtt_ms are None when the connections are
+    # idle (idle connections are left out of the summaries).
+    state = (
+        "{retransmits} retransmits, max RTT {max_rtt_ms:.2f} ms"
+        if entries
+        else "idle, nothing outstanding either way"
+    )
     return [
-        f"connections of ranks {sorted(reports)} to rank {root}: nothing queued toward it "
-        f"({state}): the links are healthy; rank {root} has not asked for the data (it "
-        f"has not posted its receives)"
+        Evidence.of(
+            "links_healthy",
+            "connections of ranks {ranks} to rank {rank}: nothing queued toward it ("
+            + state
+            + "): the links are healthy; rank {rank} has not asked for the data (it has not "
+            "posted its receives)",
+            ranks=sorted(reports),
+            rank=root,
+            retransmits=sum(e.retrans for e in entries) if entries else None,
+            max_rtt_ms=max(e.rtt_us for e in entries) / 1000 if entries else None,
+        )
     ]

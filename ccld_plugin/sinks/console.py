@@ -34,8 +34,8 @@ def render_verdict(v: dict) -> Text:
         f"{', '.join(map(str, v['ranks']))}{where}{what}{link}{sev_txt} "
         f"(step {v.get('step')}, {onset}detected {v.get('detected_s', 0):.1f}s)"
     )
-    for line in v.get("evidence", []):
-        text.append(f"\n    - {line}", style="dim")
+    for e in v.get("evidence", []):
+        text.append(f"\n    - {e['text']}", style="dim")
     for frame in (v.get("stack") or [])[-4:]:
         text.append(f"\n      | {frame}", style="cyan")
     return text

@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+from ccld_plugin.config import make_private_dirs
 from ccld_plugin.diagnose.records import Verdict
 
 __all__ = ["JsonlSink", "read_verdicts"]
@@ -15,8 +16,9 @@ __all__ = ["JsonlSink", "read_verdicts"]
 class JsonlSink:
     def __init__(self, path: Path) -> None:
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(path, "a", encoding="utf-8")  # noqa: SIM115 - held for the run
+        make_private_dirs(path.parent)  # verdicts hold stacks and op names: the user's own
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._fh = open(fd, "a", encoding="utf-8")  # noqa: SIM115 - held for the run
 
     def emit(self, verdict: Verdict) -> None:
         self._fh.write(json.dumps(verdict.to_dict()) + "\n")
@@ -28,13 +30,19 @@ class JsonlSink:
 
 
 def read_verdicts(path: Path) -> list[dict]:
-    """Records of a verdicts file; a torn last line (the writer died) is skipped."""
+    """Records of a verdicts file as written; a torn last line (the writer died) is
+    skipped. Evidence items of schema 1 (sentences only) are read as schema 2's
+    ``{"fact": "note", "text": ..., "data": {}}``, so readers handle one shape; the
+    record's ``schema`` stays as written."""
     out: list[dict] = []
     if not path.exists():
         return out
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            out.append(json.loads(line))
+            v = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if v.get("schema", 1) < 2:
+            v["evidence"] = [{"fact": "note", "text": e, "data": {}} for e in v.get("evidence", [])]
+        out.append(v)
     return out

@@ -84,3 +84,11 @@ def only(summary: dict, kind: str, cause: str | None = None) -> dict:
     ]
     assert len(found) == 1, summary["verdicts"]
     return found[0]
+
+
+def facts(evidence: list[dict]) -> dict[str, list[dict]]:
+    """A verdict record's evidence items by fact, in order: tests assert on the data."""
+    out: dict[str, list[dict]] = {}
+    for e in evidence:
+        out.setdefault(e["fact"], []).append(e)
+    return out

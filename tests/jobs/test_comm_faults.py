@@ -14,7 +14,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from job_runner import FAST_UNRESPONSIVE, demo, only
+from job_runner import FAST_UNRESPONSIVE, demo, facts, only
 
 from ccld_plugin.board.reader import BoardReader, board_files
 from ccld_plugin.harness.faults import netns
@@ -69,8 +69,9 @@ def test_comm_slow_on_one_rank_of_dp4(tmp_path: Path) -> None:
     )
     v = only(summary, "slow", "communication")
     assert (v["ranks"], v["link"], v["group"]["role"]) == ([1], None, "dp")
-    assert any("every slow link has rank 1" in e for e in v["evidence"])
-    assert any("RTT" in e and "send queue busy" in e for e in v["evidence"])
+    ev = facts(v["evidence"])
+    assert [e["data"] for e in ev["common_rank"]] == [{"rank": 1}]
+    assert ev["link_slow"]
     assert v["severity"] > 6
     assert len(summary["verdicts"]) == 1 and code == 0
     fault = summary["faults"][0]
@@ -104,8 +105,9 @@ def test_comm_hang_names_the_rank_whose_link_is_cut(tmp_path: Path) -> None:
     code, summary = netns_demo(tmp_path, 1, 1, 40, "comm-hang@2:step=4")
     v = only(summary, "hang", "communication")
     assert (v["ranks"], v["group"]["role"]) == ([2], "dp")
-    assert any("unacknowledged for" in e for e in v["evidence"])
-    assert any("summaries stopped arriving" in e for e in v["evidence"])
+    ev = facts(v["evidence"])
+    assert ev["link_stalled"]
+    assert [e["data"]["rank"] for e in ev["summaries_stopped"]] == [2]
     assert len(summary["verdicts"]) == 1 and code == 0
     assert summary["latency_s"][0]["latency_s"] <= 3 + 4
 
@@ -115,7 +117,7 @@ def test_compute_slow_and_comm_slow_on_different_ranks(tmp_path: Path) -> None:
         tmp_path,
         1,
         1,
-        20,
+        30,  # five windows: one noisy window must not cost the straggler its verdict
         "compute-slow@3:factor=5,step=3",
         "comm-slow@1:rate=100mbit,step=3",
         extra=NO_SHORT_HANGS,
@@ -132,7 +134,8 @@ def test_compute_hang_shows_healthy_links_to_the_hung_rank(tmp_path: Path) -> No
     assert v["ranks"] == [2]
     # gloo sends only once the receiver asks, so nothing queues toward a hung rank: its
     # links are idle and healthy, which rules the network out.
-    assert any("to rank 2" in e and "links are healthy" in e for e in v["evidence"]), v["evidence"]
+    healthy = facts(v["evidence"]).get("links_healthy", [])
+    assert [e["data"]["rank"] for e in healthy] == [2], v["evidence"]
     assert len(summary["verdicts"]) == 1 and code == 0
 
 

@@ -22,7 +22,7 @@ from job_runner import demo
 from ccld_plugin.config import DiagnoserConfig, load_config
 from ccld_plugin.diagnose import Diagnoser, JobView
 from ccld_plugin.diagnose.arrivals import Joined
-from ccld_plugin.diagnose.records import Cause, Kind, Verdict
+from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.errors import contained_errors
 from ccld_plugin.sinks import build_sinks
 from ccld_plugin.sinks.jsonl import read_verdicts
@@ -289,5 +289,14 @@ def _verdict() -> Verdict:
         step=9,
         detected_s=4.5,
         severity=3.1,
-        evidence=["dp[0, 1, 2, 3] moves 1.0 MB/s", "second line"],
+        evidence=[
+            Evidence.of(
+                "group_bandwidth",
+                "{role}{members} moves {mb_s:.1f} MB/s",
+                role="dp",
+                members=[0, 1, 2, 3],
+                mb_s=1.0,
+            ),
+            Evidence.of("note", "second line"),
+        ],
     )

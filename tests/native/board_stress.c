@@ -1,5 +1,7 @@
 /* Stress the board's seqlock: writer threads hammer the op ring while a reader copies it.
  * Every record carries fields derived from its seq, so a torn copy cannot pass the check.
+ * The records are P2P ones (a seq of their own, a peer in the world), as the tracer writes
+ * them, so that the Python reader's record checks accept them too.
  *   board_stress PATH THREADS OPS_PER_THREAD   -> prints "torn=N checked=M"
  *   board_stress PATH THREADS 0                -> write forever (for a reader in another
  *                                                 process, or to be killed mid-write)
@@ -19,7 +21,8 @@ static void* writer(void* arg) {
   uint64_t base = (uint64_t)(uintptr_t)arg * 1000000000ULL;
   for (long i = 1; ops_per_thread == 0 || i <= ops_per_thread; i++) {
     uint64_t seq = base + (uint64_t)i;
-    uint64_t idx = ccld_op_enter(board, 0, 1, 0, seq * 3 + 1, (int32_t)(seq % 1000), seq);
+    uint64_t idx =
+        ccld_op_enter(board, 0, 1, CCLD_FLAG_P2P, seq * 3 + 1, (int32_t)(seq % 1000), seq);
     ccld_op_exit(board, idx, 2);
   }
   return NULL;
@@ -35,7 +38,7 @@ int main(int argc, char** argv) {
   if (argc != 4) return 2;
   int threads = atoi(argv[2]);
   ops_per_thread = atol(argv[3]);
-  board = ccld_board_create(argv[1], 0, 1, "stress", "host", 16, 4, 0, 16);
+  board = ccld_board_create(argv[1], 0, 1000, "stress", "host", 16, 4, 0, 16);
   if (!board) return 3;
   int32_t ranks[1] = {0};
   ccld_group_register(board, 42, 0, ranks, 1, 0);

@@ -4,10 +4,10 @@ connections, and slow links over windows: on synthetic views."""
 from __future__ import annotations
 
 import pytest
-from builders import S, group, job_view, peer_channel, rank_summary
+from builders import S, facts, group, job_view, peer_channel, rank_summary
 
 from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkJudgement
-from ccld_plugin.diagnose.tcp_evidence import channel_evidence, cut_off_rank, toward_lines
+from ccld_plugin.diagnose.tcp_evidence import channel_evidence, cut_off_rank, toward_evidence
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.wire import peer_channels as codec
 from ccld_plugin.wire.codes import SOURCE_NCCL, SOURCE_TCP
@@ -175,17 +175,13 @@ def test_cut_link_names_the_silent_rank() -> None:
     )
     found = cut_off_rank(v, 2, v.summaries)
     assert found is not None
-    ranks, link, lines = found.ranks, found.link, found.lines
-    assert ranks == [2] and link is None
-    assert any(
-        "unacknowledged for 4.0 s" in ln and "3 retransmission timeouts" in ln for ln in lines
-    )
-    assert any("summaries stopped arriving 5.0 s ago" in ln for ln in lines)
+    assert (found.ranks, found.link) == ([2], None)
+    ev = facts(found.evidence)
+    assert any(e["data"]["stalled_s"] == 4.0 and e["data"]["rtos"] == 3 for e in ev["link_stalled"])
+    assert [e["data"] for e in ev["summaries_stopped"]] == [{"rank": 2, "silent_s": 5.0}]
     # The same stalls, seen from the hang's "nobody missing" path.
     found = channel_evidence(v, DP4[1], [0, 1, 2, 3])
-    assert found is not None
-    ranks, link = found.ranks, found.link
-    assert ranks == [2]
+    assert found is not None and found.ranks == [2]
     # A fresh rank is not cut off, whatever its peers' connections show.
     assert cut_off_rank(view({1: [entry(2, **CUT)], 2: []}), 2, [1]) is None
 
@@ -209,14 +205,15 @@ def test_wedged_process_is_not_cut_off() -> None:
     peer_wait = dict(wait="peer", queued=500_000, stalled_s=4.0, rwnd_share=1.0)
     v = view({1: [entry(2, **peer_wait)], 3: [entry(2, **peer_wait)], 2: []}, ages={2: 6.0})
     assert cut_off_rank(v, 2, v.summaries) is None
-    lines = toward_lines(v, 2, [1, 3])
-    assert "does not read" in lines[0] and "window closed 100%" in lines[0]
+    (ev,) = toward_evidence(v, 2, [1, 3])
+    assert ev.fact == "data_not_read" and ev.data["rank"] == 2 and ev.data["ranks"] == [1, 3]
+    assert ev.data["window_closed_share"] == 1.0
 
 
 def test_compute_hang_evidence_shows_healthy_idle_links() -> None:
     v = view({0: [entry(1, sent=0, received=10)], 1: [], 3: []})
-    lines = toward_lines(v, 1, [0, 3])
-    assert "nothing queued toward it" in lines[0] and "links are healthy" in lines[0]
+    (ev,) = toward_evidence(v, 1, [0, 3])
+    assert ev.fact == "links_healthy" and ev.data["rank"] == 1
 
 
 def test_no_stall_no_evidence() -> None:
@@ -266,8 +263,12 @@ def test_dp4_ring_slow_links_have_one_rank_in_common() -> None:
     assert found is not None
     assert (found.ranks, found.link, found.group.role) == ([1], None, "dp")  # type: ignore
     assert found.severity > 10
-    assert any("rank 1 -> 0: RTT 20.0 ms" in ln for ln in found.lines)
-    assert any("every slow link has rank 1" in ln for ln in found.lines)
+    ev = facts(found.evidence)
+    assert any(
+        (e["data"]["rank"], e["data"]["peer"], e["data"]["rtt_ms"]) == (1, 0, 20.0)
+        for e in ev["link_slow"]
+    )
+    assert [e["data"] for e in ev["common_rank"]] == [{"rank": 1}]
 
 
 def test_one_slow_link_is_named_as_a_link() -> None:

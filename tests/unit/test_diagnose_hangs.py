@@ -3,7 +3,7 @@ wait-for graph roots, cycles, mismatches, unresponsive ranks, and the summary en
 
 import dataclasses
 
-from builders import NOW, S, group, job_view, rank_summary
+from builders import NOW, S, facts, group, job_view, rank_summary
 
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose import Diagnoser
@@ -138,7 +138,8 @@ def test_mismatch_tie_in_a_pair_is_broken_by_the_sibling_groups():
     v = view([summary(r, {0: 5}, [(0, ops[r], 5, 1, 0, -1)]) for r in range(4)], tables)
     (m,) = find_mismatches(v)
     assert m.ranks == [2] and m.group["ranks"] == [0, 2]
-    assert any("sibling dp groups ran all_reduce" in e for e in m.evidence)
+    (ev,) = facts(m.evidence)["sibling_majority"]
+    assert ev["data"] == {"count": 1, "role": "dp", "op": "all_reduce", "seq": 5}
 
 
 def test_groups_stalled_behind_a_mismatch_are_not_separate_hangs():
@@ -157,7 +158,10 @@ def test_groups_stalled_behind_a_mismatch_are_not_separate_hangs():
     )
     verdicts = Diagnoser(DiagnoserConfig(hang_min_s=3), interval_s=0.5).round(v)
     assert [x.kind.value for x in verdicts] == ["mismatch"]
-    assert any("stalled behind it: all of tp[2, 3]" in e for e in verdicts[0].evidence)
+    (ev,) = facts(verdicts[0].evidence)["stalled_behind"]
+    item = ev["data"]["item"]
+    assert item["fact"] == "all_entered" and ev["text"] == "stalled behind it: " + item["text"]
+    assert (item["data"]["role"], item["data"]["members"]) == ("tp", [2, 3])
 
 
 def test_unresponsive_by_heartbeat_or_gone_process_but_not_after_a_clean_exit():
@@ -175,7 +179,8 @@ def test_unresponsive_by_heartbeat_or_gone_process_but_not_after_a_clean_exit():
     assert [u.ranks for u in find_unresponsive(v, 10.0)] == [[1]]
     v = view([summary(0, {0: 1}), summary(1, {0: 1}, hb_age_s=0.5)], tables, gone=[1])
     (u,) = find_unresponsive(v, 10.0)
-    assert u.ranks == [1] and "no longer exists" in u.evidence[0]
+    assert u.ranks == [1] and u.evidence[0].fact == "process_gone"
+    assert u.evidence[0].data == {"pid": 1001, "host": "h"}
 
 
 def test_summary_round_trip_and_size_budget():

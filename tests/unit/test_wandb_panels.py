@@ -18,7 +18,13 @@ from builders import MS, S, group, job_view, rank_summary
 from ccld_plugin.config import DiagnoserConfig, WandbConfig, load_config
 from ccld_plugin.diagnose import Diagnoser, JobView
 from ccld_plugin.diagnose.arrivals import Joined
-from ccld_plugin.diagnose.records import Cause, Kind, Verdict
+from ccld_plugin.diagnose.records import (
+    VERDICT_SCHEMA_VERSION,
+    Cause,
+    Evidence,
+    Kind,
+    Verdict,
+)
 from ccld_plugin.sinks import build_sinks
 from ccld_plugin.sinks.wandb.heatmap import encode_png, heatmap_rgb
 from ccld_plugin.sinks.wandb.panels import PanelMetrics, group_key, hang_watch, take_new_joined
@@ -258,7 +264,16 @@ def _verdict() -> Verdict:
         step=9,
         detected_s=4.5,
         severity=3.1,
-        evidence=["dp[0, 1, 2, 3] moves 1.0 MB/s", "second line"],
+        evidence=[
+            Evidence.of(
+                "group_bandwidth",
+                "{role}{members} moves {mb_s:.1f} MB/s",
+                role="dp",
+                members=[0, 1, 2, 3],
+                mb_s=1.0,
+            ),
+            Evidence.of("note", "second line"),
+        ],
     )
 
 
@@ -273,7 +288,7 @@ def test_verdict_row_has_every_field():
         "[0, 1, 2, 3]",
     )
     assert row["evidence"] == "dp[0, 1, 2, 3] moves 1.0 MB/s\nsecond line"
-    assert row["stack"] is None and row["schema"] == 1
+    assert row["stack"] is None and row["schema"] == VERDICT_SCHEMA_VERSION == 2
 
 
 def test_disabled_mode_and_no_sink_when_off(monkeypatch):

@@ -267,9 +267,9 @@ class PanelMetrics:
             self.hosts[rank] = s.host
             acc = self._acc_blocked[rank]
             for gp in s.groups:
-                g = view.group(rank, gp.slot)
-                if g is not None and gp.blocked_us:
-                    acc[g.role] += gp.blocked_us
+                info = view.group(rank, gp.slot)
+                if info is not None and gp.blocked_us:
+                    acc[info.role] += gp.blocked_us
             fresh = [
                 st for st in s.steps if st.step not in self.steps or rank not in self.steps[st.step]
             ]

@@ -22,10 +22,12 @@ VERDICT_COLUMNS: list[str] = [
 
 def verdict_row(v: dict) -> list:
     """A verdict record as a table row in :data:`VERDICT_COLUMNS` order: lists of numbers
-    as JSON, lines of text (evidence, stack) one per line, the group in three columns."""
+    as JSON, lines of text (each evidence item's text, the stack) one per line, the group
+    in three columns."""
     g = v.get("group") or {}
     cells = {
         **v,
+        "evidence": [e["text"] for e in v.get("evidence", [])],
         "group_role": g.get("role"),
         "group_ranks": g.get("ranks"),
         "group_id": g.get("group_id"),
@@ -50,7 +52,7 @@ def alert_message(v: dict) -> dict:
         + (f" at {v['op']}" if v.get("op") else "")
         + (f", {v['severity']}x" if v.get("severity") and v["kind"] == "slow" else "")
         + f" (step {v.get('step')}, detected {v.get('detected_s')} s)",
-        *[f"- {e}" for e in v.get("evidence", [])[:6]],
+        *[f"- {e['text']}" for e in v.get("evidence", [])[:6]],
     ]
     return {
         "op": "alert",

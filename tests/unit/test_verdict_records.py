@@ -1,0 +1,128 @@
+"""The verdict record: evidence rendered from its data, the JSON line a verdict becomes,
+and verdicts files of schema 1 (evidence as sentences) read in the current shape."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from builders import group
+
+from ccld_plugin.diagnose.records import VERDICT_SCHEMA_VERSION, Cause, Evidence, Kind, Verdict
+from ccld_plugin.sinks.console import render_verdict
+from ccld_plugin.sinks.jsonl import JsonlSink, read_verdicts
+from ccld_plugin.sinks.wandb.verdicts import alert_message
+
+TEMPLATE = (
+    "rank {rank} -> {peer}: {queued:bytes} queued for {stalled_s:.1f} s, window closed "
+    "{closed:.0%}, {ratio:.0f}x its siblings, on {roles:join(/)} links {link[0]}<->{link[1]}"
+)
+
+
+def test_evidence_text_is_rendered_from_its_data_as_plain_json() -> None:
+    e = Evidence.of(
+        "link_stalled",
+        TEMPLATE,
+        rank=np.int64(1),
+        peer=2,
+        queued=1_234_567,
+        stalled_s=np.float64(4.04999),
+        closed=0.456,
+        ratio=20.4,
+        roles=("dp", "tp"),
+        link=(1, 2),
+    )
+    assert e.text == (
+        "rank 1 -> 2: 1.2 MB queued for 4.0 s, window closed 46%, 20x its siblings, on dp/tp "
+        "links 1<->2"
+    )
+    # Floats at the precision the sentence shows (a whole number where it shows none),
+    # numpy scalars and tuples as JSON values.
+    assert e.data == {
+        "rank": 1,
+        "peer": 2,
+        "queued": 1_234_567,
+        "stalled_s": 4.0,
+        "closed": 0.46,
+        "ratio": 20,
+        "roles": ["dp", "tp"],
+        "link": [1, 2],
+    }
+    assert type(e.data["rank"]) is int and type(e.data["ratio"]) is int
+    # The data says what the sentence says: rendering it again gives the same sentence.
+    assert Evidence.of(e.fact, TEMPLATE, **e.data).text == e.text
+    assert json.loads(json.dumps(e.to_dict())) == {
+        "fact": "link_stalled",
+        "text": e.text,
+        "data": e.data,
+    }
+    assert [Evidence.of("b", "{n:bytes}", n=n).text for n in (12, 1000, 999_999, 10**6)] == [
+        "12 B",
+        "1.0 KB",
+        "1000.0 KB",
+        "1.0 MB",
+    ]
+    with pytest.raises(TypeError):
+        Evidence.of("bad", "{x}", x=object())
+
+
+def _verdict() -> Verdict:
+    return Verdict(
+        kind=Kind.HANG,
+        cause=Cause.COMPUTE,
+        ranks=[2],
+        group=group("tp", [2, 3]).to_dict(),
+        op="all_reduce",
+        step=5,
+        detected_s=14.0,
+        evidence=[
+            Evidence.of(
+                "in_no_collective",
+                "rank {rank} is in no collective; no progress for {idle_s:.1f} s (step {step})",
+                rank=2,
+                idle_s=5.24,
+                step=5,
+            )
+        ],
+    )
+
+
+def test_verdict_record_carries_each_item_as_fact_text_and_data() -> None:
+    d = _verdict().to_dict()
+    assert d["schema"] == VERDICT_SCHEMA_VERSION == 2
+    assert d["evidence"] == [
+        {
+            "fact": "in_no_collective",
+            "text": "rank 2 is in no collective; no progress for 5.2 s (step 5)",
+            "data": {"rank": 2, "idle_s": 5.2, "step": 5},
+        }
+    ]
+    assert list(d["evidence"][0]) == ["fact", "text", "data"]
+    assert json.loads(json.dumps(d)) == d
+
+
+def test_schema_1_evidence_is_read_as_notes_and_shown_as_before(tmp_path: Path) -> None:
+    path = tmp_path / "verdicts.jsonl"
+    old = {**_verdict().to_dict(), "schema": 1, "evidence": ["rank 2 is stuck", "second"]}
+    path.write_text(json.dumps(old) + "\n")
+    sink = JsonlSink(path)
+    sink.emit(_verdict())
+    sink.close()
+    with path.open("a") as fh:
+        fh.write('{"kind": "hang", "torn')  # the writer died mid-line
+    first, second = read_verdicts(path)
+    assert first == {
+        **old,
+        "evidence": [
+            {"fact": "note", "text": "rank 2 is stuck", "data": {}},
+            {"fact": "note", "text": "second", "data": {}},
+        ],
+    }
+    assert second == _verdict().to_dict()
+    # The sinks show the sentences, whichever schema the record was written in.
+    assert "\n    - rank 2 is stuck\n    - second" in render_verdict(first).plain
+    assert "- rank 2 is stuck\n- second" in alert_message(first)["text"]
+    shown = "- rank 2 is in no collective; no progress for 5.2 s (step 5)"
+    assert shown in render_verdict(second).plain and shown in alert_message(second)["text"]
