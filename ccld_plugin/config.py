@@ -9,11 +9,16 @@ allowed.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+import re
+import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -27,9 +32,15 @@ __all__ = [
     "SinksConfig",
     "TracerConfig",
     "WandbConfig",
+    "check_paths",
     "load_config",
+    "make_private_dirs",
     "to_yaml",
 ]
+
+DAY_S = 86400.0  # the upper bound of every duration: longer ones are typos
+JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", re.ASCII)
+JOB_NAME_RULE = "1-63 of A-Z a-z 0-9 . _ - (starting with a letter or digit, no '..')"
 
 
 class ConfigError(ValueError):
@@ -41,10 +52,28 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"ccld config: {key}={value!r} is not allowed; expected {allowed}")
 
 
+def _seconds(key: str, value: float, low: float, allowed: str, strict: bool = False) -> None:
+    """A duration: finite, at least (or, ``strict``, above) ``low``, at most a day."""
+    ok = math.isfinite(value) and (value > low if strict else value >= low) and value <= DAY_S
+    _check(ok, key, value, f"{allowed} (seconds, at most {DAY_S:g})")
+
+
+def _check_job_name(name: str) -> None:
+    """A job name is one folder of the board path and part of the store keys."""
+    _check(
+        name == "" or (JOB_NAME.fullmatch(name) is not None and ".." not in name),
+        "job",
+        name,
+        f"{JOB_NAME_RULE}, or '' for the launcher's run id",
+    )
+
+
 @dataclass(kw_only=True)
 class BoardConfig:
-    dir: str = "/dev/shm/ccld"
-    """Boards are written to ``<dir>/<job>/rank<r>.board``."""
+    dir: str = "/dev/shm/ccld-{uid}"
+    """Boards are written to ``<dir>/<job>/rank<r>.board`` (``{uid}``: the user's numeric
+    id, so that each user has a folder of their own); folders are created with mode 0700,
+    board files with mode 0600."""
     ring_size: int = 4096
     """Op records kept per rank (rounded up to a power of two)."""
     max_groups: int = 256
@@ -68,7 +97,7 @@ class TracerConfig:
 
     def __post_init__(self) -> None:
         _check(
-            0.1 <= self.poll_interval_ms <= 1000,
+            math.isfinite(self.poll_interval_ms) and 0.1 <= self.poll_interval_ms <= 1000,
             "tracer.poll_interval_ms",
             self.poll_interval_ms,
             "0.1..1000",
@@ -86,8 +115,14 @@ class AgentConfig:
     clocks of different hosts drift apart by up to ~10 ms an hour); 0: never."""
 
     def __post_init__(self) -> None:
-        _check(0.05 <= self.interval_s <= 60, "agent.interval_s", self.interval_s, "0.05..60")
-        _check(self.stack_after_s >= 0, "agent.stack_after_s", self.stack_after_s, ">= 0")
+        _check(
+            math.isfinite(self.interval_s) and 0.05 <= self.interval_s <= 60,
+            "agent.interval_s",
+            self.interval_s,
+            "0.05..60",
+        )
+        _seconds("agent.stack_after_s", self.stack_after_s, 0, ">= 0")
+        _seconds("agent.clock_resync_s", self.clock_resync_s, 0, ">= 0")
         _check(
             self.clock_resync_s == 0 or self.clock_resync_s >= 2 * self.interval_s,
             "agent.clock_resync_s",
@@ -118,9 +153,7 @@ class ControlConfig:
         )
         _check(0 <= self.port <= 65535, "control.port", self.port, "0..65535")
         _check(1 <= self.chunk_keys <= 16384, "control.chunk_keys", self.chunk_keys, "1..16384")
-        _check(
-            self.connect_timeout_s > 0, "control.connect_timeout_s", self.connect_timeout_s, "> 0"
-        )
+        _seconds("control.connect_timeout_s", self.connect_timeout_s, 0, "> 0", strict=True)
 
 
 @dataclass(kw_only=True)
@@ -144,13 +177,38 @@ class DiagnoserConfig:
 
     def __post_init__(self) -> None:
         _check(self.rank >= 0, "diagnoser.rank", self.rank, ">= 0")
-        _check(self.hang_min_s > 0, "diagnoser.hang_min_s", self.hang_min_s, "> 0")
-        _check(self.hang_k >= 1, "diagnoser.hang_k", self.hang_k, ">= 1")
-        _check(self.unresponsive_s > 0, "diagnoser.unresponsive_s", self.unresponsive_s, "> 0")
-        _check(self.window_steps >= 1, "diagnoser.window_steps", self.window_steps, ">= 1")
-        _check(self.confirm_windows >= 1, "diagnoser.confirm_windows", self.confirm_windows, ">= 1")
-        _check(self.slow_ratio > 1, "diagnoser.slow_ratio", self.slow_ratio, "> 1")
-        _check(self.mad_k > 0, "diagnoser.mad_k", self.mad_k, "> 0")
+        _seconds("diagnoser.hang_min_s", self.hang_min_s, 0, "> 0", strict=True)
+        _check(
+            math.isfinite(self.hang_k) and 1 <= self.hang_k <= 1000,
+            "diagnoser.hang_k",
+            self.hang_k,
+            "1..1000",
+        )
+        _seconds("diagnoser.unresponsive_s", self.unresponsive_s, 0, "> 0", strict=True)
+        _check(
+            1 <= self.window_steps <= 100_000,
+            "diagnoser.window_steps",
+            self.window_steps,
+            "1..100000",
+        )
+        _check(
+            1 <= self.confirm_windows <= 1000,
+            "diagnoser.confirm_windows",
+            self.confirm_windows,
+            "1..1000",
+        )
+        _check(
+            math.isfinite(self.slow_ratio) and 1 < self.slow_ratio <= 1000,
+            "diagnoser.slow_ratio",
+            self.slow_ratio,
+            "> 1 and <= 1000",
+        )
+        _check(
+            math.isfinite(self.mad_k) and 0 < self.mad_k <= 1000,
+            "diagnoser.mad_k",
+            self.mad_k,
+            "> 0 and <= 1000",
+        )
 
 
 @dataclass(kw_only=True)
@@ -193,12 +251,7 @@ class WandbConfig:
             self.log_interval_steps,
             ">= 1",
         )
-        _check(
-            self.finish_timeout_s >= 0,
-            "sinks.wandb.finish_timeout_s",
-            self.finish_timeout_s,
-            ">= 0",
-        )
+        _seconds("sinks.wandb.finish_timeout_s", self.finish_timeout_s, 0, ">= 0")
 
 
 @dataclass(kw_only=True)
@@ -206,8 +259,24 @@ class SinksConfig:
     console: bool = True
     """Print one line per verdict on the diagnoser rank."""
     jsonl: str | None = None
-    """Append verdicts to this file (a directory means <dir>/verdicts.jsonl)."""
+    """Append verdicts to this file (a directory, or a path without a suffix, means
+    <dir>/verdicts.jsonl); a new file gets mode 0600, missing folders 0700."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def __post_init__(self) -> None:
+        _check(
+            self.jsonl is None or bool(self.jsonl),
+            "sinks.jsonl",
+            self.jsonl,
+            "a file path or null",
+        )
+
+    def jsonl_file(self) -> Path | None:
+        """The file the JSONL sink appends to, or None when it is off."""
+        if not self.jsonl:
+            return None
+        path = Path(self.jsonl)
+        return path / "verdicts.jsonl" if path.is_dir() or not path.suffix else path
 
 
 @dataclass(kw_only=True)
@@ -224,18 +293,26 @@ class CcldConfig:
     nccl_profiler: bool = False
     """Load the NCCL profiler plugin for channel-level progress of GPU collectives."""
 
+    def __post_init__(self) -> None:
+        _check_job_name(self.job)
+
+    def board_root(self) -> Path:
+        """``board.dir`` with ``{uid}`` filled in: the folder of the job folders."""
+        return Path(self.board.dir.replace("{uid}", str(os.getuid())))
+
 
 ConfigSource = CcldConfig | Mapping[str, Any] | DictConfig | str | Path | None
 
 
 def _one_line(exc: OmegaConfBaseException) -> str:
-    key = getattr(exc, "full_key", None) or ""
-    msg = str(exc).splitlines()[0]
-    if "not in struct" in msg or "Key '" in msg and "not" in msg:
+    key = str(getattr(exc, "full_key", None) or "")
+    text = str(exc)
+    if "not in struct" in text or "Key '" in text and "not" in text:
         parent = key.rsplit(".", 1)[0] if "." in key else ""
         allowed = _allowed_keys(parent)
         return f"ccld config: unknown key {key!r}; allowed keys here: {', '.join(allowed)}"
-    return f"ccld config: {key or 'value'}: {msg}"
+    shown = key if key.isprintable() else repr(key)
+    return f"ccld config: {shown or 'value'}: {_first_line(exc)}"
 
 
 def _allowed_keys(dotted_parent: str) -> list[str]:
@@ -249,36 +326,158 @@ def _allowed_keys(dotted_parent: str) -> list[str]:
     return sorted(f.name for f in dataclasses.fields(node))
 
 
-def load_config(source: ConfigSource = None, overrides: Iterable[str] = ()) -> CcldConfig:
+def load_config(
+    source: ConfigSource = None, overrides: Iterable[str] = (), *, writing: bool = True
+) -> CcldConfig:
     """Build a validated config from defaults, a source and ``key=value`` overrides.
 
     ``source`` may be a :class:`CcldConfig`, a mapping (for example the ``"ccld"`` block of
-    a DeepSpeed config), an omegaconf node, or the path of a YAML file.
+    a DeepSpeed config), an omegaconf node, or the path of a YAML file. When ``writing``
+    (a job about to start), the paths the plugin will write are checked too
+    (:func:`check_paths`); a post-mortem reads a finished job's config for its thresholds
+    only, possibly on another machine where those paths do not exist.
     """
     schema = OmegaConf.structured(CcldConfig)
     try:
-        if isinstance(source, CcldConfig):
-            merged = OmegaConf.merge(schema, OmegaConf.structured(source))
-        elif isinstance(source, (str, Path)):
-            path = Path(source)
-            if not path.is_file():
-                raise ConfigError(f"ccld config: file {str(path)!r} does not exist")
-            merged = OmegaConf.merge(schema, OmegaConf.load(path))
-        elif source is None:
-            merged = schema
-        else:
-            merged = OmegaConf.merge(schema, OmegaConf.create(dict(source)))
-        items = list(overrides)
-        for item in items:
-            if "=" not in item:
-                raise ConfigError(f"ccld config: override {item!r} must look like KEY=VALUE")
-        if items:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(items))
+        merged = OmegaConf.merge(schema, _source_node(source))
+        for item in list(overrides):
+            merged = OmegaConf.merge(merged, _override(item))
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise ConfigError(_one_line(exc)) from None
     assert isinstance(cfg, CcldConfig)
+    if writing:
+        check_paths(cfg)
     return cfg
+
+
+def _source_node(source: ConfigSource) -> Any:
+    if isinstance(source, CcldConfig):
+        return OmegaConf.structured(source)
+    if isinstance(source, (str, Path)):
+        return _load_file(Path(source))
+    if source is None:
+        return {}
+    if isinstance(source, DictConfig):
+        return source
+    if isinstance(source, Mapping):
+        return OmegaConf.create(dict(source))
+    raise ConfigError(
+        f"ccld config: a config of type {type(source).__name__} is not allowed; expected a "
+        "CcldConfig, a mapping, an omegaconf DictConfig or the path of a YAML file"
+    )
+
+
+def _load_file(path: Path) -> DictConfig:
+    if not path.is_file():
+        raise ConfigError(f"ccld config: file {str(path)!r} does not exist")
+    try:
+        node = OmegaConf.load(path)
+    except yaml.YAMLError as exc:
+        raise _yaml_error(f"file {str(path)!r}", exc) from None
+    except (OSError, UnicodeDecodeError) as exc:  # unreadable, or YAML that is one scalar
+        raise ConfigError(
+            f"ccld config: file {str(path)!r} cannot be read as a config ({_first_line(exc)}); "
+            "expected YAML keys like configs/default.yaml"
+        ) from None
+    if not isinstance(node, DictConfig):
+        raise ConfigError(
+            f"ccld config: file {str(path)!r} holds a list; expected YAML keys like "
+            "configs/default.yaml"
+        )
+    return node
+
+
+def _override(item: Any) -> DictConfig:
+    """One ``KEY=VALUE`` override as a node (one at a time, so that an error names it)."""
+    if not isinstance(item, str) or "=" not in item:
+        raise ConfigError(f"ccld config: override {item!r} must look like KEY=VALUE")
+    try:
+        return OmegaConf.from_dotlist([item])
+    except yaml.YAMLError as exc:
+        raise ConfigError(
+            f"ccld config: override {item!r}: the value is not valid YAML ({_problem(exc)}); "
+            "quote it"
+        ) from None
+
+
+def _yaml_error(where: str, exc: yaml.YAMLError) -> ConfigError:
+    mark = getattr(exc, "problem_mark", None)
+    at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return ConfigError(f"ccld config: {where} is not valid YAML{at}: {_problem(exc)}")
+
+
+def _problem(exc: yaml.YAMLError) -> str:
+    """What the YAML parser found wrong, on one line."""
+    return " ".join(str(getattr(exc, "problem", None) or _first_line(exc)).split())
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+# ---------------------------------------------------------------- paths the plugin writes
+def check_paths(cfg: CcldConfig) -> None:
+    """Refuse, at start, a path the plugin would fail to write later: the board folder, the
+    JSONL file, the W&B folder. Nothing is created (a probe file has no name)."""
+    if not cfg.enabled:
+        return
+    _check_writable("board.dir", cfg.board.dir, cfg.board_root(), directory=True)
+    jsonl = cfg.sinks.jsonl_file()
+    if jsonl is not None:
+        _check_writable("sinks.jsonl", cfg.sinks.jsonl, jsonl, directory=False)
+    wandb = cfg.sinks.wandb
+    if wandb.enabled and wandb.dir:
+        _check_writable("sinks.wandb.dir", wandb.dir, Path(wandb.dir), directory=True)
+
+
+def _check_writable(key: str, value: Any, path: Path, directory: bool) -> None:
+    why = _unwritable(path, directory)
+    if why is not None:
+        raise ConfigError(
+            f"ccld config: {key}={value!r} cannot be written ({why}); expected a path in a "
+            "folder this user can write"
+        )
+
+
+def _unwritable(path: Path, directory: bool) -> str | None:
+    """Why nothing could be written at ``path`` (None: it can). The nearest existing
+    folder must take a new file: the one the plugin creates, or its missing folders."""
+    try:
+        existing = path
+        while not existing.exists():
+            existing = existing.parent
+        if existing == path and not directory:
+            if not path.is_file():
+                return f"{path} is not a regular file"
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC))
+            return None
+        if not existing.is_dir():
+            return f"{existing} is not a folder"
+    except OSError as exc:
+        return f"{exc.filename or path}: {exc.strerror or _first_line(exc)}"
+    except ValueError as exc:  # a NUL byte
+        return _first_line(exc)
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            return None
+    except OSError as exc:
+        return f"no file can be created in {existing}: {exc.strerror or _first_line(exc)}"
+
+
+def make_private_dirs(path: Path) -> None:
+    """Create ``path`` and its missing parents with mode 0700 (``Path.mkdir(parents=True)``
+    would give the parents the umask's mode). One that another process creates meanwhile
+    is taken as it is."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
 
 
 def to_yaml(cfg: CcldConfig) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import time
 from collections.abc import Iterable
 from datetime import timedelta
@@ -117,13 +118,16 @@ class ControlPlane:
 
     def _dedicated_store(self) -> Any:
         host, port = self._dedicated_address()
+        hosting = self.rank == self.diagnoser_rank
         return dist.TCPStore(
             host,
             port,
             self.world,
-            self.rank == self.diagnoser_rank,
+            hosting,
             timedelta(seconds=self.cfg.connect_timeout_s),
             wait_for_workers=False,
+            # TCPStore's own listener takes every interface; the ranks need MASTER_ADDR's.
+            master_listen_fd=_listen_on(host, port).detach() if hosting else None,
         )
 
     # ---------------------------------------------------------------- summaries
@@ -236,6 +240,26 @@ class ControlPlane:
         """Rank side: our clock minus the diagnoser's, from epoch ``epoch``'s timestamps.
         Raises when they do not come within ``timeout_s``."""
         return self._min_gap(f"clk/e{epoch}", timeout_s)
+
+
+def _listen_on(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host``'s address and ``port`` only, for the dedicated
+    store (which takes the descriptor over)."""
+    errors = []
+    for family, kind, proto, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(socket.SOMAXCONN)
+            return sock
+        except OSError as exc:
+            sock.close()
+            errors.append(f"{addr[0]}: {exc.strerror}")
+    raise OSError(
+        f"the dedicated store cannot listen on MASTER_ADDR {host}:{port} ({'; '.join(errors)}); "
+        "the diagnoser rank must run on that host (diagnoser.rank), or use control.store=auto"
+    )
 
 
 def _own_client(cfg: ControlConfig) -> Any | None:

@@ -7,19 +7,39 @@ the header and group table are read in place.
 
 Works on the board of a live rank, of a hung rank, and of a rank that was killed: the file
 stays in shared memory until it is removed.
+
+Nothing read is taken on trust: a header whose layout or values are impossible is refused
+(:class:`BoardError`), and records that fail their own checks (the seqlock, codes and
+ranges, agreement with the header and the group table) are left out and counted in
+``BoardReader.corrupt``, never returned as data.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 import ccld_plugin._native as _native
-from ccld_plugin.wire.topology import GroupInfo, role_name
+from ccld_plugin.wire.codes import (
+    DIRECTION_NAMES,
+    FLAG_ASYNC,
+    FLAG_CUDA,
+    FLAG_P2P,
+    FLAG_SEND,
+    OP_NAMES,
+    SOURCE_NCCL,
+    SOURCE_TCP,
+    STATE_ERROR,
+    STATE_IN_FLIGHT,
+    WAIT_NAMES,
+)
+from ccld_plugin.wire.topology import GROUP_ROLES, GroupInfo, role_name
 
 __all__ = [
     "BoardError",
@@ -52,6 +72,25 @@ HEADER_DTYPE = _dtype("header")
 GROUP_DTYPE = _dtype("group")
 OP_DTYPE = _dtype("op")
 CHANNEL_DTYPE = _dtype("channel")
+
+MAX_COUNT = 1 << 48  # bytes, steps, microseconds: a larger count is a corrupt record
+LATE_NS = 1_000_000_000  # a local board's times may pass the reader's clock by this much
+_OP_FLAGS = FLAG_ASYNC | FLAG_P2P | FLAG_SEND | FLAG_CUDA
+_NO_LIMIT = np.iinfo(np.int64).max
+_COUNTS = (
+    "steps_posted",
+    "steps_done",
+    "bytes_done",
+    "bytes_queued",
+    "rwnd_limited_us",
+    "sndbuf_limited_us",
+    "busy_us",
+    "delivery_rate",
+)  # the channel record's counters
+
+
+def _align64(v: int) -> int:
+    return (v + 63) & ~63
 
 
 class BoardError(ValueError):
@@ -111,6 +150,15 @@ class BoardReader:
             )
         self._hdr = self._buf[: HEADER_DTYPE.itemsize].view(HEADER_DTYPE)
         h = self._hdr[0]
+        problem = _header_problem(h, size)
+        if problem is not None:
+            raise BoardError(
+                f"{self.path}: corrupt header ({problem}); the board cannot be trusted, "
+                "read the other ranks' boards"
+            )
+        # records left out of the last read of each table, as failing their checks
+        self.corrupt: dict[str, int] = {"groups": 0, "ops": 0, "channels": 0}
+        self._local = bytes(h["host"]).split(b"\0")[0] == socket.gethostname().encode()
         self.ring_size = int(h["ring_size"])
         self.max_groups = int(h["max_groups"])
         self.max_channels = int(h["max_channels"])
@@ -132,8 +180,11 @@ class BoardReader:
         return self._buf[offset:end].view(dtype)
 
     def close(self) -> None:
-        self._hdr = self._groups = self._ring = self._channels = self._rank_pool = None
-        self._buf = None
+        # The views into the map go first (an mmap does not close while buffers into it are
+        # exported). Deleted rather than set to None, so that they stay typed as arrays: a
+        # closed reader has none, and using it raises AttributeError.
+        for view in ("_hdr", "_groups", "_ring", "_channels", "_rank_pool", "_buf"):
+            self.__dict__.pop(view, None)
         self._map.close()
 
     def __enter__(self) -> BoardReader:
@@ -162,9 +213,15 @@ class BoardReader:
         )
 
     def group_table(self) -> np.ndarray:
-        """A copy of the registered groups' records."""
+        """A copy of the registered groups' records, in slot order up to the first that
+        fails its checks (the table is append-only: the slots after a corrupt one are left
+        out with it, so that every row returned is at its slot)."""
         n = min(int(self._hdr[0]["num_groups"]), self.max_groups)
-        return self._groups[:n].copy()
+        table = self._groups[:n].copy()
+        bad = np.flatnonzero(~self._groups_ok(table))
+        keep = int(bad[0]) if len(bad) else n
+        self.corrupt["groups"] = n - keep
+        return table[:keep]
 
     def groups(self) -> list[GroupInfo]:
         out = []
@@ -175,11 +232,14 @@ class BoardReader:
         return out
 
     def ops(self) -> np.ndarray:
-        """Consistent op records, oldest first; torn or empty slots are dropped."""
+        """Consistent op records, oldest first; torn or empty slots are dropped, and those
+        that fail their checks are counted in ``corrupt["ops"]``."""
         copy = np.empty_like(self._ring)
         _native.copy_records(self._ring, copy, OP_DTYPE.itemsize)
         recs = copy.view(OP_DTYPE)
-        keep = ((recs["lock"] & 1) == 0) & (recs["state"] != 0)
+        used = ((recs["lock"] & 1) == 0) & (recs["state"] != 0)
+        keep = used & self._ops_ok(recs)  # the table after the copy: it covers the records
+        self.corrupt["ops"] = int((used & ~keep).sum())
         recs = recs[keep]
         # Ring order: the low 32 bits of the ring index, unwrapped against the newest.
         written = int(self._hdr[0]["ops_written"])
@@ -191,7 +251,109 @@ class BoardReader:
         copy = np.empty_like(self._channels)
         _native.copy_records(self._channels, copy, CHANNEL_DTYPE.itemsize)
         recs = copy.view(CHANNEL_DTYPE)
-        return recs[((recs["lock"] & 1) == 0) & (recs["source"] != 0)]
+        used = ((recs["lock"] & 1) == 0) & (recs["source"] != 0)
+        keep = used & self._channels_ok(recs)
+        self.corrupt["channels"] = int((used & ~keep).sum())
+        return recs[keep]
+
+    # ------------------------------------------------------------------ record checks
+    def _when_ok(self, t: np.ndarray, unset_ok: bool = False) -> np.ndarray:
+        """Times on this board's clock: after its start and, for a board of this host, not
+        after the reader's now (0 means unset where ``unset_ok``)."""
+        limit = time.monotonic_ns() + LATE_NS if self._local else _NO_LIMIT
+        ok = (t >= int(self._hdr[0]["start_mono_ns"])) & (t <= limit)
+        return ok | (t == 0) if unset_ok else ok
+
+    def _groups_ok(self, table: np.ndarray) -> np.ndarray:
+        h = self._hdr[0]
+        world, rank = int(h["world"]), int(h["rank"])
+        pool = self._rank_pool[: min(int(h["rank_pool_used"]), len(self._rank_pool))]
+        off, size = table["ranks_off"].astype(np.int64), table["size"].astype(np.int64)
+        me = table["my_index"].astype(np.int64)
+        fits = (size >= 1) & (size <= world) & (off + size <= len(pool)) & (me >= 0) & (me < size)
+        in_world = np.concatenate(([0], np.cumsum((pool >= 0) & (pool < world))))
+        start, end = np.where(fits, off, 0), np.where(fits, off + size, 0)
+        padded = np.append(pool, -1)  # at len(pool): a rank that is never this one
+        return (
+            fits
+            & (in_world[end] - in_world[start] == size)
+            & (padded[np.where(fits, off + me, len(pool))] == rank)
+            & (table["role"] >= 0)
+            & (table["role"] < len(GROUP_ROLES))
+            & self._when_ok(table["last_enter_ns"], unset_ok=True)
+            & self._when_ok(table["last_exit_ns"], unset_ok=True)
+        )
+
+    def _ops_ok(self, recs: np.ndarray) -> np.ndarray:
+        table = self.group_table()
+        n = len(table)
+        slot = np.minimum(recs["group_slot"].astype(np.int64), n)  # n: no such group
+        group_id = np.append(table["group_id"], 0)[slot]
+        entered = np.append(table["entered_seq"], 0)[slot]
+        p2p = (recs["flags"] & FLAG_P2P) != 0
+        peer, state = recs["peer"], recs["state"]
+        position = np.arange(len(recs), dtype=np.uint32)
+        return (
+            (slot < n)
+            & (group_id == recs["group_id"])
+            & (recs["op"] < len(OP_NAMES))
+            & (state <= STATE_ERROR)
+            & ((recs["flags"] & np.uint8(0xFF ^ _OP_FLAGS)) == 0)
+            & (p2p | ((recs["flags"] & FLAG_SEND) == 0))
+            & ((recs["index_lo"] & np.uint32(self.ring_size - 1)) == position)
+            & np.where(p2p, (peer >= -1) & (peer < int(self._hdr[0]["world"])), peer == -1)
+            & (recs["seq"] >= 1)
+            & (p2p | (recs["seq"] <= entered))  # a collective's seq was entered first
+            & (recs["step"] >= 0)
+            & (recs["bytes"] < MAX_COUNT)
+            & self._when_ok(recs["enter_ns"])
+            & np.where(
+                state == STATE_IN_FLIGHT,
+                recs["exit_ns"] == 0,
+                (recs["exit_ns"] >= recs["enter_ns"]) & self._when_ok(recs["exit_ns"]),
+            )
+        )
+
+    def _channels_ok(self, recs: np.ndarray) -> np.ndarray:
+        ok = (
+            ((recs["source"] == SOURCE_TCP) | (recs["source"] == SOURCE_NCCL))
+            & (recs["direction"] < len(DIRECTION_NAMES))
+            & (recs["wait"] < len(WAIT_NAMES))
+            & (recs["peer"] >= -1)
+            & (recs["peer"] < int(self._hdr[0]["world"]))
+            & self._when_ok(recs["first_ns"], unset_ok=True)
+            & self._when_ok(recs["last_progress_ns"], unset_ok=True)
+        )
+        for name in _COUNTS:
+            ok &= recs[name] < MAX_COUNT
+        return ok
+
+
+def _header_problem(h: np.void, size: int) -> str | None:
+    """What is impossible in a header whose magic, version and size are right (None:
+    nothing found): a layout other than the writer's, or values no writer gives."""
+    ring, groups = int(h["ring_size"]), int(h["max_groups"])
+    channels, pool = int(h["max_channels"]), int(h["rank_pool_size"])
+    if int(h["header_size"]) != HEADER_DTYPE.itemsize or ring < 1 or ring & (ring - 1):
+        return f"header size {int(h['header_size'])}, ring of {ring} records"
+    if not (1 <= groups <= 65535 and pool >= 1):
+        return f"{groups} groups, a rank pool of {pool}"
+    offsets = [_align64(HEADER_DTYPE.itemsize)]
+    for n, dtype in ((groups, GROUP_DTYPE), (ring, OP_DTYPE), (channels, CHANNEL_DTYPE)):
+        offsets.append(offsets[-1] + _align64(n * dtype.itemsize))
+    found = [int(h[k]) for k in ("groups_off", "ring_off", "channels_off", "rank_pool_off")]
+    if found != offsets or offsets[-1] + _align64(4 * pool) != size:
+        return f"table offsets {found}, expected {offsets}"
+    world, rank = int(h["world"]), int(h["rank"])
+    if not (world >= 1 and 0 <= rank < world and int(h["pid"]) > 0):
+        return f"rank {rank} of {world}, pid {int(h['pid'])}"
+    if int(h["num_groups"]) > groups or int(h["rank_pool_used"]) > pool:
+        return f"{int(h['num_groups'])} groups registered, {int(h['rank_pool_used'])} ranks"
+    start = int(h["start_mono_ns"])
+    times = (int(h["heartbeat_ns"]), int(h["step_start_ns"]) or start)
+    if start <= 0 or min(times) < start or int(h["step"]) < 0 or int(h["closed"]) > 1:
+        return f"step {int(h['step'])}, times before the board's start"
+    return None
 
 
 def board_files(path: str | os.PathLike[str]) -> list[Path]:

@@ -25,8 +25,10 @@ from ccld_plugin.wire.codes import (
 
 __all__ = [
     "GroupOps",
+    "Inspection",
     "RankStatus",
     "collective_table",
+    "inspect_all",
     "inspect_boards",
     "print_collectives",
     "print_status",
@@ -77,9 +79,20 @@ class RankStatus:
     groups: list[dict] = field(default_factory=list)
     in_flight: list[InFlight] = field(default_factory=list)
     waiting_channels: list[WaitingChannel] = field(default_factory=list)
+    # records left out per table (groups, ops, channels) as failing their checks
+    corrupt_records: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class Inspection:
+    """The boards at a path: the status of each that could be read, and why the others
+    could not."""
+
+    statuses: list[RankStatus]
+    unreadable: list[str]
 
 
 def _process_state(pid: int, host: str, closed: bool) -> str:
@@ -126,18 +139,19 @@ def rank_status(reader: BoardReader, now_ns: int | None = None) -> RankStatus:
         )
     ops = reader.ops()
     for r in ops[ops["state"] == STATE_IN_FLIGHT]:
-        g = by_id.get(int(r["group_id"]))
+        info = by_id.get(int(r["group_id"]))  # None for a group not registered (yet)
         status.in_flight.append(
             InFlight(
                 op=OP_NAMES.get(int(r["op"]), "unknown"),
-                group_role=g.role if g else "?",
-                group_ranks=list(g.ranks) if g else [],
+                group_role=info.role if info else "?",
+                group_ranks=list(info.ranks) if info else [],
                 seq=int(r["seq"]),
                 peer=int(r["peer"]) if int(r["flags"]) & FLAG_P2P else None,
                 age_s=max(0.0, (now - int(r["enter_ns"])) / 1e9),
             )
         )
     status.waiting_channels = _waiting_channels(reader.channels(), now)
+    status.corrupt_records = {table: n for table, n in reader.corrupt.items() if n}
     return status
 
 
@@ -169,16 +183,31 @@ def _waiting_channels(recs: np.ndarray, now: int) -> list[WaitingChannel]:
     return sorted(out, key=lambda c: -c.idle_s)
 
 
-def inspect_boards(path: str | os.PathLike[str]) -> list[RankStatus]:
-    """Status of every board at ``path`` (a file or a directory of them)."""
+def inspect_all(path: str | os.PathLike[str]) -> Inspection:
+    """Every board at ``path`` (a file or a directory of them). A file that is no
+    readable board raises BoardError; in a directory it is listed as unreadable and the
+    others are read."""
     files = board_files(path)
     if not files:
         raise BoardError(f"{path}: no board files (*.board) here")
-    out = []
+    statuses, unreadable = [], []
     for f in files:
-        with BoardReader(f) as reader:
-            out.append(rank_status(reader))
-    return sorted(out, key=lambda s: s.rank)
+        try:
+            with BoardReader(f) as reader:
+                statuses.append(rank_status(reader))
+        except BoardError as exc:
+            if len(files) == 1:
+                raise
+            unreadable.append(str(exc))
+    return Inspection(sorted(statuses, key=lambda s: s.rank), unreadable)
+
+
+def inspect_boards(path: str | os.PathLike[str]) -> list[RankStatus]:
+    """Status of every board at ``path``; BoardError when one of them cannot be read."""
+    found = inspect_all(path)
+    if found.unreadable:
+        raise BoardError(found.unreadable[0])
+    return found.statuses
 
 
 def print_status(statuses: Sequence[RankStatus], console: Console | None = None) -> None:
@@ -196,6 +225,9 @@ def print_status(statuses: Sequence[RankStatus], console: Console | None = None)
     show_channels = any(s.waiting_channels for s in statuses)
     if show_channels:
         columns.append("waiting channels")
+    show_corrupt = any(s.corrupt_records for s in statuses)
+    if show_corrupt:
+        columns.append("corrupt records (not shown)")
     for col in columns:
         table.add_column(col)
     for s in statuses:
@@ -233,6 +265,8 @@ def print_status(statuses: Sequence[RankStatus], console: Console | None = None)
                 + (f"; +{more} more" if more else "")
                 or "-"
             )
+        if show_corrupt:
+            row.append(", ".join(f"{n} {t}" for t, n in s.corrupt_records.items()) or "-")
         table.add_row(*row)
     console.print(table)
 

@@ -3,16 +3,29 @@ fault, print the verdicts as they come, end a hung job, and summarize.
 
 Writes ``DIR/verdicts.jsonl``, ``DIR/faults.jsonl`` (each injected fault with its onset)
 and ``DIR/summary.json`` (verdicts, faults, latency per verdict matched to its fault,
-steps completed, exit code of each rank).
+steps completed, exit code of each rank, and ``failure``: why the demo failed, or null),
+and ``DIR/trace.json``, the run's timeline.
+
+The exit code is 0 when the job ran and every fault was diagnosed (or, healthy, it trained
+every step without a verdict), 1 when not (one line on stderr says why: a rank that failed
+on its own, a job that stopped early or ran past the timeout, a fault not diagnosed), 2 for
+bad input, refused before anything is launched or written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import shutil
+import signal
+import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 
 from rich.console import Console
 
@@ -36,6 +49,11 @@ __all__ = [
 
 DEFAULT_FAULT = "compute-hang@2:step=5"
 GRACE_S = 3.0  # after a verdict that means the job will not recover, before ending it
+# after a rank failed on its own, before ending the job: time for the diagnoser (if it
+# survives) to say so, the "unresponsive" threshold and a round or two
+FAILED_GRACE_S = 15.0
+MARKER = ".ccld-demo"  # in DIR: a demo's output, which the next demo may replace
+OUTPUTS = ("boards", "logs", "verdicts.jsonl", "faults.jsonl", "summary.json", "trace.json")
 _EXPECTED = {
     "compute-hang": ("hang", "compute"),
     "compute-slow": ("slow", "compute"),
@@ -59,6 +77,30 @@ class DemoOptions:
     timeout_s: float = 300.0
     zero_stage: int = 2  # deepspeed only
     netns: bool = False  # ranks in a closed network; implied by a communication fault
+    force: bool = False  # write into ``out`` even when it holds files that are not a demo's
+
+
+@dataclass
+class Followed:
+    """How the job ended while the demo followed it: ``exited`` (every rank on its own),
+    ``verdict`` (ended a grace period after a verdict that means it will not recover),
+    ``failed`` (ended a grace period after a rank failed on its own) or ``timeout``."""
+
+    printed: list[dict]
+    ended: str
+
+
+@dataclass
+class Outcome:
+    """What a run left, to judge it by."""
+
+    faults: list[FaultSpec]
+    injected: list[dict]
+    latency: list[dict]  # match_faults(injected, verdicts)
+    verdicts: list[dict]
+    codes: list[int | None]
+    steps: int  # completed by every rank
+    ended: str  # Followed.ended
 
 
 def expected_verdict(fault: FaultSpec | dict) -> tuple[str, str]:
@@ -99,14 +141,7 @@ def match_faults(faults: list[dict], verdicts: list[dict]) -> list[dict]:
 def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
     console = console or Console(highlight=False)
     out = opts.out.resolve()
-    specs = opts.faults or [DEFAULT_FAULT]
-    faults = parse_faults(specs, opts.world)  # validate before launching anything
-    cfg = load_config(None, opts.overrides)
-    _framework_argv(opts)
-    for name in ("boards", "logs", "verdicts.jsonl", "faults.jsonl", "summary.json"):
-        path = out / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
+    faults = _checked_options(opts)  # bad input stops here: nothing launched or written
     overrides = [
         f"board.dir={out}",
         "job=boards",
@@ -116,7 +151,15 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
         *_wandb_overrides(out),
         *opts.overrides,
     ]
+    cfg = load_config(None, overrides)  # the ranks' config, every value checked
+    if cfg.diagnoser.rank >= opts.world:
+        raise DemoError(
+            f"ccld demo: diagnoser.rank={cfg.diagnoser.rank} is not a rank of the "
+            f"{opts.world}-rank job; choose one below {opts.world}"
+        )
+    cleanup = load_config(None, opts.overrides).board.cleanup
     argv = [*_framework_argv(opts), *sum((["--ccld-set", o] for o in overrides), [])]
+    _prepare_out(out, opts.force)
     env = {
         "CCLD_FAULTS": ";".join(str(f) for f in faults),
         "CCLD_FAULT_LOG": str(out / "faults.jsonl"),
@@ -124,13 +167,14 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
     }  # nothing here to compile; saves seconds per rank
     if not _has_cuda():
         env["DS_ACCELERATOR"] = "cpu"
-    job = LocalJob(world=opts.world, argv=argv, log_dir=out / "logs", env=env)
+    local = LocalJob(world=opts.world, argv=argv, log_dir=out / "logs", env=env)
+    job: LocalJob | NetJob = local
     if opts.netns or any(f.is_comm for f in faults):  # ranks in a closed network (netjob)
         ok, why = available()
         if not ok:
             console.print(f"[red]ccld demo: the closed network is not available: {why}[/]")
             return 2
-        job = NetJob(job, faults, out / "boards", out / "faults.jsonl", cfg.diagnoser.rank)
+        job = NetJob(local, faults, out / "boards", out / "faults.jsonl", cfg.diagnoser.rank)
     shown = ", ".join(map(str, faults)) or "none (healthy run)"
     console.print(
         f"[bold]ccld demo[/]: {opts.world} ranks, tp={opts.tp} pp={opts.pp} "
@@ -138,34 +182,187 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
         f"logs in {out / 'logs'}"
     )
     started = time.time()
-    try:  # the job (and its network, if any) ends however the demo ends
-        job.start()
-        printed = _follow(job, out / "verdicts.jsonl", opts.timeout_s, console)
-    finally:
-        codes = job.stop()
+    with _termination_as_exit():
+        try:  # the job (and its network, if any) ends however the demo ends
+            job.start()
+            followed = _follow(job, out / "verdicts.jsonl", opts.timeout_s, console)
+        finally:
+            codes = job.stop()
     verdicts = read_verdicts(out / "verdicts.jsonl")
-    for v in verdicts[len(printed) :]:  # written by the diagnoser's last round
+    for v in verdicts[len(followed.printed) :]:  # written by the diagnoser's last round
         console.print(render_verdict(v))
     injected = _read_jsonl(out / "faults.jsonl")
     latency = match_faults(injected, verdicts)
+    steps = _steps_completed(out / "boards", opts.steps)
+    outcome = Outcome(faults, injected, latency, verdicts, codes, steps, followed.ended)
+    failure = why_failed(outcome, opts, out / "logs")
     summary = {
         "verdicts": verdicts,
         "faults": injected,
         "latency_s": latency,
-        "steps_completed": _steps_completed(out / "boards", opts.steps),
+        "steps_completed": steps,
         "exit": codes,
+        "failure": failure,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    _write_trace(out, verdicts, console)
     _print_summary(console, summary, faults, out)
     _print_wandb(console, out, started)
-    if cfg.board.cleanup:
+    if cleanup:
         shutil.rmtree(out / "boards", ignore_errors=True)
-    launched = all(c is not None for c in codes)
-    if faults:
-        diagnosed = len(injected) >= len(faults) and all(m["verdict"] for m in latency)
-    else:
-        diagnosed = not verdicts
-    return 0 if launched and diagnosed else 1
+    if failure is not None:
+        print(f"ccld demo: failed: {failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _checked_options(opts: DemoOptions) -> list[FaultSpec]:
+    """The faults to inject; DemoError (or FaultSpecError) for options that cannot run."""
+    for flag, value in (
+        ("--world", opts.world),
+        ("--tp", opts.tp),
+        ("--pp", opts.pp),
+        ("--steps", opts.steps),
+    ):
+        if value < 1:
+            raise DemoError(f"ccld demo: {flag} {value} is not allowed; expected a number >= 1")
+    if opts.world % (opts.tp * opts.pp):
+        raise DemoError(
+            f"ccld demo: --world {opts.world} is not a multiple of --tp {opts.tp} x --pp "
+            f"{opts.pp}; choose sizes whose product divides the world"
+        )
+    if opts.zero_stage not in (1, 2, 3):
+        raise DemoError(f"ccld demo: --zero-stage {opts.zero_stage}; expected 1, 2 or 3")
+    if not (math.isfinite(opts.timeout_s) and opts.timeout_s > 0):
+        raise DemoError(f"ccld demo: timeout {opts.timeout_s} s; expected a number > 0")
+    specs = opts.faults or [DEFAULT_FAULT]
+    if any(not spec.strip() for spec in specs):
+        raise DemoError(
+            "ccld demo: --fault '' is empty; give a spec such as compute-hang@2:step=5, or none"
+        )
+    faults = parse_faults(specs, opts.world)
+    late = next((f for f in faults if f.step >= opts.steps), None)
+    if late is not None:
+        raise DemoError(
+            f"ccld demo: fault {late} starts at step {late.step}, after the last step "
+            f"({opts.steps - 1}) of --steps {opts.steps}; lower its step or raise --steps"
+        )
+    return faults
+
+
+def _prepare_out(out: Path, force: bool) -> None:
+    """Make ``out`` ready for this run: the outputs of a previous demo are replaced, a
+    folder that holds anything else is refused unless ``force`` (and even then only the
+    demo's own outputs are removed)."""
+    if out.exists() and not out.is_dir():
+        raise DemoError(f"ccld demo: --out {out} is a file; choose a folder")
+    ours = (out / MARKER).exists() or (out / "summary.json").is_file()
+    if out.is_dir() and not ours and not force and any(out.iterdir()):
+        raise DemoError(
+            f"ccld demo: --out {out} holds files that are not a demo's output; choose a new "
+            "or empty folder, or pass --force to write into it"
+        )
+    for name in OUTPUTS:
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("ccld demo output: the next demo here replaces its results\n")
+
+
+def why_failed(o: Outcome, opts: DemoOptions, logs: Path) -> str | None:
+    """Why a run is not what the demo was asked for (None: it is), in one line: the job's
+    failure (unless a fault that breaks the job was diagnosed: the ranks' ends are its),
+    then the diagnosis'."""
+    alive = [r for r, c in enumerate(o.codes) if c is None]
+    if alive:
+        return f"ranks {alive} did not end when killed"
+    on_purpose = any(
+        m["verdict"] and expected_verdict(f)[0] in _TERMINAL
+        for f, m in zip(o.injected, o.latency, strict=True)
+    )
+    job = None if on_purpose else _job_failure(o, opts, logs)
+    problems = [p for p in (job, _diagnosis_failure(o)) if p is not None]
+    return "; ".join(problems) or None
+
+
+def _diagnosis_failure(o: Outcome) -> str | None:
+    """A fault not injected or not diagnosed, or a verdict in a healthy run."""
+    injected = {f["fault"] for f in o.injected}
+    for spec in o.faults:
+        if str(spec) not in injected:
+            return f"fault {spec} was never injected (the ranks completed {o.steps} steps)"
+    for f, m in zip(o.injected, o.latency, strict=True):
+        if not m["verdict"]:
+            kind, cause = expected_verdict(f)
+            return (
+                f"fault {m['fault']} was not diagnosed: no {kind} verdict with cause {cause} "
+                f"naming rank {f['rank']} among {len(o.verdicts)} verdict(s)"
+            )
+    if not o.faults and o.verdicts:
+        kinds = ", ".join(sorted({v["kind"] for v in o.verdicts}))
+        return f"the healthy run got {len(o.verdicts)} verdict(s) ({kinds})"
+    return None
+
+
+def _job_failure(o: Outcome, opts: DemoOptions, logs: Path) -> str | None:
+    """Why the job itself failed (None: it trained every step and exited cleanly)."""
+    at = f"after {o.steps} of {opts.steps} steps"
+    if o.ended == "timeout":
+        return f"the job did not end within {opts.timeout_s:g} s ({at}); it was killed"
+    if o.ended == "verdict":
+        kinds = ", ".join(sorted({v["kind"] for v in o.verdicts if v["kind"] in _TERMINAL}))
+        return f"the job was ended {at}, after a {kinds} verdict that no injected fault explains"
+    bad = {r: c for r, c in enumerate(o.codes) if c != 0}
+    if bad:
+        by_reason: dict[str, list[int]] = {}
+        for r, c in bad.items():
+            by_reason.setdefault(_exit_reason(c, logs / f"rank{r}.log"), []).append(r)
+        told = "; ".join(f"{_who(ranks)} {reason}" for reason, ranks in list(by_reason.items())[:2])
+        return f"ranks {sorted(bad)} failed {at}: {told}"
+    if o.steps < opts.steps:
+        return f"the job ended {at}"
+    return None
+
+
+def _who(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
+def _exit_reason(code: int | None, log: Path) -> str:
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exited with code {code} ({_last_line(log)})"
+
+
+def _last_line(log: Path, limit: int = 200) -> str:
+    """The last line a rank wrote (a traceback's ends with the exception), shortened."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines()]
+    except OSError as exc:
+        return f"no log ({exc.strerror})"
+    last = next((ln for ln in reversed(lines) if ln), "its log is empty")
+    return last if len(last) <= limit else last[: limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def _termination_as_exit() -> Iterator[None]:
+    """SIGTERM and SIGHUP end the demo like Ctrl-C: through its ``finally`` (the job and
+    its network are stopped). Only the main thread can take signals; elsewhere, nothing
+    changes (the ranks still die with the launcher: harness.launch)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def leave(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, leave) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 EXAMPLE_SCRIPTS = {"megatron": "megatron/pretrain_gpt.py", "deepspeed": "deepspeed/train.py"}
@@ -263,6 +460,22 @@ def _print_wandb(console: Console, out: Path, started: float) -> None:
     )
 
 
+def _write_trace(out: Path, verdicts: list[dict], console: Console) -> None:
+    """The run's timeline beside its verdicts (what ``ccld trace`` writes), from its boards."""
+    from ccld_plugin.postmortem.boards import PostmortemError, load_boards
+    from ccld_plugin.postmortem.timeline import write_trace
+
+    try:
+        n = write_trace(load_boards(out / "boards"), verdicts, out / "trace.json")
+    except PostmortemError as exc:
+        console.print(f"[yellow]no timeline: {exc}[/]")
+        return
+    console.print(
+        f"timeline: {out / 'trace.json'} ({n} events; open it in ui.perfetto.dev or "
+        "chrome://tracing)"
+    )
+
+
 def _has_cuda() -> bool:
     import torch
 
@@ -273,23 +486,32 @@ class DemoError(ValueError):
     """A demo that cannot run as asked; the message is one line."""
 
 
-def _follow(job: LocalJob | NetJob, path: Path, timeout_s: float, console: Console) -> list[dict]:
-    """Print verdicts as they come; end the job a grace period after a verdict that
-    means it will not recover, or at the timeout."""
+def _follow(job: LocalJob | NetJob, path: Path, timeout_s: float, console: Console) -> Followed:
+    """Print verdicts as they come; end the job a grace period after a verdict that means
+    it will not recover or after a rank failed on its own, or at the timeout."""
     printed: list[dict] = []
     deadline = time.monotonic() + timeout_s
-    end_at = None
-    while job.running() and time.monotonic() < deadline:
+    end_at: tuple[float, str] | None = None
+    while True:
+        codes = job.poll()
+        if all(c is not None for c in codes):
+            return Followed(printed, "exited")
+        now = time.monotonic()
+        if now > deadline:
+            console.print(f"[red]ending the job: it ran past the timeout ({timeout_s:g} s)[/]")
+            return Followed(printed, "timeout")
         for v in read_verdicts(path)[len(printed) :]:
             printed.append(v)
             console.print(render_verdict(v))
             if v["kind"] in _TERMINAL and end_at is None:
-                end_at = time.monotonic() + GRACE_S
-        if end_at is not None and time.monotonic() > end_at:
+                end_at = (now + GRACE_S, "verdict")
+        if end_at is None and any(c not in (None, 0) for c in codes):
+            console.print("[red]a rank failed; ending the job shortly[/]")
+            end_at = (now + FAILED_GRACE_S, "failed")
+        if end_at is not None and now > end_at[0]:
             console.print("[dim]ending the job (it will not recover)[/]")
-            break
+            return Followed(printed, end_at[1])
         time.sleep(0.2)
-    return printed
 
 
 def _read_jsonl(path: Path) -> list[dict]:

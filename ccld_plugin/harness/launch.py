@@ -1,8 +1,14 @@
 """Launch a job on this machine: one process per rank, the usual env:// variables, one log
-file per rank, and an end that is always clean (a hung job is terminated, then killed)."""
+file per rank, and an end that is always clean (a hung job is terminated, then killed).
+
+The ranks end with the launcher however it ends: each asks the kernel, before it runs, for
+SIGKILL when the launcher goes (``PR_SET_PDEATHSIG``; a launcher killed with SIGKILL too),
+and a rank whose launcher is already gone by then leaves at once.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -15,6 +21,9 @@ from pathlib import Path
 
 __all__ = ["LocalJob", "free_port"]
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_libc = ctypes.CDLL(None, use_errno=True)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -22,9 +31,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _dies_with(launcher: int) -> Callable[[], None]:
+    """The rank's last step before its program runs (in the child, after fork): SIGKILL
+    when the launcher's thread that started it ends; if the launcher is gone already,
+    exit now (the request would come too late to fire)."""
+
+    def preexec() -> None:
+        _libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != launcher:
+            os._exit(1)
+
+    return preexec
+
+
 @dataclass
 class LocalJob:
-    """``world`` processes running ``python <argv>`` (a script or ``-m module``, and args)."""
+    """``world`` processes running ``python <argv>`` (a script or ``-m module``, and args).
+
+    Each rank is in a session of its own (``stop`` ends it with whatever it started) and
+    dies with the launcher: start the job from a thread that lives as long as the job
+    (the kernel's parent-death signal follows the thread that forked the rank)."""
 
     world: int
     argv: Sequence[str]
@@ -61,6 +87,7 @@ class LocalJob:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
+                    preexec_fn=_dies_with(os.getpid()),
                 )
             )
             log.close()

@@ -143,6 +143,12 @@ def _new_groups(layout: Layout, rank: int, timeout: timedelta) -> dict[str, Any]
     return mine
 
 
+def _grad(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s gradient, which the backward pass before every use has set."""
+    assert t.grad is not None
+    return t.grad
+
+
 def train(cfg: WorkloadConfig, injector: Any = None, timeout_s: float = 600.0) -> dict:
     """Run the training loop on an initialized process group; returns a small report."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -197,14 +203,14 @@ def train(cfg: WorkloadConfig, injector: Any = None, timeout_s: float = 600.0) -
                 dist.recv(g, next_rank, group=pp_group)
                 y.backward(g)
             if prev_rank is not None:
-                dist.send(x.grad, prev_rank, group=pp_group)
+                dist.send(_grad(x), prev_rank, group=pp_group)
         if groups.get("dp") is not None:
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            flat = torch.cat([_grad(p).reshape(-1) for p in params])
             dist.all_reduce(flat, group=groups["dp"])
             flat /= layout.dp
             offset = 0
             for p in params:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                _grad(p).copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
         optim.step()
         if next_rank is None:

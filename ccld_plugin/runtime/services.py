@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ccld_plugin.agent.agent import Agent, StepClock
-from ccld_plugin.config import CcldConfig
+from ccld_plugin.board.job_files import JOB_CONFIG
+from ccld_plugin.config import CcldConfig, to_yaml
 from ccld_plugin.control import ControlPlane, resync_epoch
 from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
 from ccld_plugin.diagnose.nccl_evidence import nccl_evidence
@@ -23,8 +24,9 @@ from ccld_plugin.diagnose.tcp_evidence import Located, channel_evidence
 from ccld_plugin.diagnose.view import topology_of
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.sinks import Sink, build_sinks
+from ccld_plugin.wire.peer_channels import channel_rows
 from ccld_plugin.wire.summary import RankSummary, decode_summary
-from ccld_plugin.wire.topology import GroupInfo, Topology
+from ccld_plugin.wire.topology import GroupInfo, Topology, role_index
 
 __all__ = ["DiagnoserService", "Services", "start"]
 
@@ -66,6 +68,7 @@ def start(
     diag = None
     if rank == cfg.diagnoser.rank:
         diag = DiagnoserService(cfg, control.connect(), world, started_ns, build_sinks(cfg.sinks))
+        diag.config_file = _write_job_config(cfg, board_path.parent)
         diag.start()
     agent = Agent(
         cfg.agent,
@@ -80,6 +83,18 @@ def start(
     )
     agent.start()
     return Services(agent, steps, diag)
+
+
+def _write_job_config(cfg: CcldConfig, board_dir: Path) -> Path | None:
+    """The job's configuration beside its boards: ``ccld diagnose`` reads its thresholds
+    from there, so a post-mortem judges the boards as the live diagnoser did."""
+    path = board_dir / JOB_CONFIG
+    try:
+        path.write_text(to_yaml(cfg))
+    except OSError as exc:
+        report_error("services.job_config", exc)
+        return None
+    return path
 
 
 @contextlib.contextmanager
@@ -122,7 +137,9 @@ class DiagnoserService:
             cfg.diagnoser, cfg.agent.interval_s, channel_evidence=located_by_channels
         )
         self.verdicts: list[Verdict] = []
+        self.config_file: Path | None = None  # removed at exit with the boards
         self._tables: dict[int, tuple[int, list[GroupInfo]]] = {}
+        self._last_good: dict[int, RankSummary] = {}  # of each rank, as decoded
         self._topology: Topology | None = None  # of the tables, until one of them changes
         self._topology_ranks = 0
         # the last clock re-sync epoch posted: the current one counts as done
@@ -146,6 +163,8 @@ class DiagnoserService:
                 sink.close()
             except Exception as exc:  # noqa: BLE001
                 report_error("diagnoser.sink", exc)
+        if self.config_file is not None and self.cfg.board.cleanup:
+            self.config_file.unlink(missing_ok=True)  # else the board directory stays
 
     def _run(self) -> None:
         try:
@@ -207,17 +226,15 @@ class DiagnoserService:
                         report_error(f"diagnoser.{type(sink).__name__}", exc)
 
     def _view(self) -> JobView:
-        raw = self.control.read_summaries(range(self.world))
-        summaries: dict[int, RankSummary] = {}
-        for rank, data in raw.items():
-            try:
-                summaries[rank] = decode_summary(data)
-            except ValueError as exc:
-                report_error("diagnoser.decode", exc)
-        for rank, s in summaries.items():
+        summaries = self._summaries(self.control.read_summaries(range(self.world)))
+        for rank, s in list(summaries.items()):
             known = self._tables.get(rank)
             if known is None or known[0] != s.groups_version:
-                self._tables[rank] = self.control.read_groups(rank)
+                table = self._read_table(rank)
+                if table is None:
+                    del summaries[rank]
+                    continue
+                self._tables[rank] = table
                 self._topology = None
         tables = {r: t for r, (_, t) in self._tables.items() if r in summaries}
         if self._topology is None or self._topology_ranks != len(tables):
@@ -236,6 +253,60 @@ class DiagnoserService:
             gone=gone,
             topology=self._topology,
         )
+
+    def _summaries(self, raw: dict[int, bytes]) -> dict[int, RankSummary]:
+        """The summaries that decode and fit this job. A corrupt one is counted (contained
+        error ``diagnoser.decode``) and the rank's last good summary stands in, so that a
+        rank whose reports stay unreadable ages into an unresponsive one; channel evidence
+        naming a rank outside the job is dropped the same way."""
+        fresh: dict[int, RankSummary] = {}
+        for rank, data in raw.items():
+            try:
+                s = decode_summary(data)
+                _fits_job(s, rank, self.world)
+            except ValueError as exc:
+                report_error("diagnoser.decode", exc)
+                continue
+            fresh[rank] = s
+        rows = channel_rows(fresh.values()).entries
+        for rank in set(rows["rank"][rows["peer"] >= self.world].tolist()):
+            fresh[rank].channels = b""
+            report_error(
+                "diagnoser.decode", ValueError(f"rank {rank}: a channel peer not in the job")
+            )
+        self._last_good.update(fresh)
+        return {r: self._last_good[r] for r in raw if r in self._last_good}
+
+    def _read_table(self, rank: int) -> tuple[int, list[GroupInfo]] | None:
+        """A rank's group table from the store, or None (counted) when it is corrupt."""
+        try:
+            version, groups = self.control.read_groups(rank)
+            for g in groups:
+                _fits_group(g, rank, self.world)
+        except (ValueError, KeyError, TypeError) as exc:
+            report_error("diagnoser.groups", ValueError(f"rank {rank}'s group table: {exc}"))
+            return None
+        return version, groups
+
+
+def _fits_job(s: RankSummary, rank: int, world: int) -> None:
+    """Raise ValueError when a decoded summary does not fit the job (its own checks passed
+    in decode_summary): another rank's key, a peer outside the job."""
+    if s.rank != rank:
+        raise ValueError(f"the summary under rank {rank}'s key is rank {s.rank}'s")
+    if any(op.peer >= world for op in s.in_flight):
+        raise ValueError(f"rank {rank}: an in-flight op with a peer outside the job")
+
+
+def _fits_group(g: GroupInfo, rank: int, world: int) -> None:
+    role_index(g.role)
+    ranks = set(g.ranks)
+    if (
+        not all(type(r) is int and 0 <= r < world for r in g.ranks)
+        or len(ranks) != len(g.ranks)
+        or rank not in ranks
+    ):
+        raise ValueError(f"group {g.group_id:016x} has ranks {list(g.ranks)[:8]}")
 
 
 def _alive(pid: int) -> bool:

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import atexit
 import functools
+import operator
 import os
+import re
 import socket
+import stat
 import sys
 import threading
 import time
@@ -24,7 +27,14 @@ import torch.distributed.distributed_c10d as c10d
 
 import ccld_plugin._native as _native
 from ccld_plugin import errors
-from ccld_plugin.config import CcldConfig, ConfigSource, load_config
+from ccld_plugin.config import (
+    CcldConfig,
+    ConfigError,
+    ConfigSource,
+    check_paths,
+    load_config,
+    make_private_dirs,
+)
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.runtime.tracer import Tracer
 
@@ -62,18 +72,28 @@ _lock = threading.RLock()
 _deferred: dict[str, Any] = {}
 
 
+MAX_STEP = 2**31 - 1  # a step is an int32 in op records and summaries
+
+
 def job_name(cfg: CcldConfig) -> str:
-    """The job's name: configured, else the launcher's run id, else its rendezvous port."""
+    """The job's name: configured (checked by the config), else the launcher's run id, else
+    its rendezvous port; a name from the environment is made safe for a folder name."""
     if cfg.job:
         return cfg.job
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id and run_id != "none":
-        return run_id
-    return f"job-{os.environ.get('MASTER_PORT', 'local')}"
+        return _safe_name(run_id)
+    return _safe_name(f"job-{os.environ.get('MASTER_PORT', 'local')}")
+
+
+def _safe_name(text: str) -> str:
+    """``text`` with what a job name may not hold replaced (config.JOB_NAME)."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", text, flags=re.ASCII).replace("..", "__")
+    return ("j" + name if not name[:1].isalnum() else name)[:63]
 
 
 def board_path(cfg: CcldConfig, rank: int) -> Path:
-    return Path(cfg.board.dir) / job_name(cfg) / f"rank{rank}.board"
+    return cfg.board_root() / job_name(cfg) / f"rank{rank}.board"
 
 
 def current() -> Session | None:
@@ -92,11 +112,11 @@ def enable(config: ConfigSource = None, overrides: Iterable[str] = ()) -> Sessio
     disables it or the process group is not initialized yet (setup then completes right
     after ``init_process_group``). Bad config raises :class:`ConfigError`; any other
     failure is contained and training runs untraced."""
-    cfg = (
-        config
-        if isinstance(config, CcldConfig) and not overrides
-        else load_config(config, overrides)
-    )
+    if isinstance(config, CcldConfig) and not overrides:
+        cfg = config
+        check_paths(cfg)
+    else:
+        cfg = load_config(config, overrides)
     if not cfg.enabled:
         return None
     if cfg.nccl_profiler:  # NCCL reads it once, at its first communicator: set it early
@@ -116,6 +136,8 @@ def enable(config: ConfigSource = None, overrides: Iterable[str] = ()) -> Sessio
             return None
         try:
             return _start(cfg)
+        except ConfigError:
+            raise
         except Exception as exc:  # noqa: BLE001
             report_error("session.enable", exc)
             return None
@@ -124,8 +146,14 @@ def enable(config: ConfigSource = None, overrides: Iterable[str] = ()) -> Sessio
 def _start(cfg: CcldConfig) -> Session:
     global _session
     rank, world = dist.get_rank(), dist.get_world_size()
+    if cfg.diagnoser.rank >= world:
+        raise ConfigError(
+            f"ccld config: diagnoser.rank={cfg.diagnoser.rank} is not allowed; expected a rank "
+            f"of this job (0..{world - 1})"
+        )
     path = board_path(cfg, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _private_board_dir(cfg, path.parent)
+    _private_file(path)
     board = _native.Board(
         str(path),
         rank,
@@ -155,6 +183,34 @@ def _start(cfg: CcldConfig) -> Session:
     )
     log.info("ccld: tracing rank %d of %d, board %s", rank, world, path)
     return _session
+
+
+def _private_board_dir(cfg: CcldConfig, job_dir: Path) -> None:
+    """The job's board folder (and the per-user one above it, when ``board.dir`` names
+    the user): created with mode 0700; an existing one must be a folder of this user, not
+    a link, and is made 0700."""
+    make_private_dirs(job_dir)
+    per_user = "{uid}" in cfg.board.dir
+    for folder in (job_dir.parent, job_dir) if per_user else (job_dir,):
+        st = os.lstat(folder)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            what = "not a folder" if not stat.S_ISDIR(st.st_mode) else f"owned by uid {st.st_uid}"
+            raise ConfigError(
+                f"ccld config: board.dir: {folder} is {what}; remove it, or set board.dir "
+                "or job to a folder of your own"
+            )
+        if st.st_mode & 0o077:
+            os.chmod(folder, 0o700)
+
+
+def _private_file(path: Path) -> None:
+    """Create the board file with mode 0600 before the native writer opens it (it keeps
+    the mode of the file it truncates); a board left by an earlier run is made 0600."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
 
 
 _abnormal_exit = False
@@ -189,6 +245,8 @@ def _defer_until_init(cfg: CcldConfig) -> None:
             if _session is None:
                 try:
                     _start(cfg)
+                except ConfigError:
+                    raise
                 except Exception as exc:  # noqa: BLE001
                     report_error("session.enable", exc)
         return result
@@ -222,17 +280,34 @@ def register_group(group: Any, role: str) -> None:
 
 
 def mark_step(step: int) -> None:
-    """Mark the start of training step ``step`` (an iteration, an optimizer step)."""
+    """Mark the start of training step ``step`` (an iteration, an optimizer step): an
+    integer in 0..2**31-1, else TypeError / ValueError, with the plugin on or off."""
+    step = _checked_step(step)
     s = _session
     if s is not None:
         try:
-            step = int(step)
             s.board.set_step(step)
             s.tracer.current_step = step
             if s.services is not None:
                 s.services.steps.mark(step)
         except Exception as exc:  # noqa: BLE001
             report_error("session.mark_step", exc)
+
+
+def _checked_step(step: Any) -> int:
+    """A step is the caller's value: a bad one is their bug, said at once (like a bad role)."""
+    try:
+        value = None if isinstance(step, bool) else operator.index(step)
+    except TypeError:
+        value = None
+    if value is None:
+        raise TypeError(
+            f"ccld_plugin.mark_step: step must be an integer, not {type(step).__name__} "
+            f"({step!r:.40})"
+        )
+    if not 0 <= value <= MAX_STEP:
+        raise ValueError(f"ccld_plugin.mark_step: step {value} is outside 0..{MAX_STEP}")
+    return value
 
 
 def disable(keep_board: bool = False) -> None:

@@ -306,7 +306,6 @@ class Tracer:
         group_at, async_at, tensor_at, tensor_name, is_list = _COLLECTIVES[name]
         local, board, entries = self._local, self.board, self._entries
         enter, exit_ = board.enter, board.exit
-        has_async = async_at is not None
 
         def traced(*args: Any, **kwargs: Any) -> Any:
             if local.busy:  # part of a traced op that is already on the board
@@ -322,7 +321,7 @@ class Tracer:
                 e = entries.get(group) or self.entry(group)
                 if e is None:
                     return orig(*args, **kwargs)
-                asked_async = has_async and bool(
+                asked_async = async_at is not None and bool(
                     args[async_at] if len(args) > async_at else kwargs.get("async_op", False)
                 )
                 cuda = e.cuda or (e.mixed and _first_is_cuda(args))
@@ -490,6 +489,7 @@ class Tracer:
                 local.busy, local.coalesced_index = False, -1
             if index < 0:
                 return
+            assert e is not None  # the op was entered (index >= 0) on e's slot
             works = getattr(cm, "works", None) or []
             if async_ops and works:
                 for w in works[:-1]:

@@ -5,7 +5,6 @@ others."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Protocol
 
 from ccld_plugin.config import SinksConfig
@@ -24,14 +23,17 @@ class Sink(Protocol):
 
 
 def build_sinks(cfg: SinksConfig) -> list[Sink]:
+    """The configured sinks; one that cannot be opened is left out (the config checked its
+    path at start, so this is a folder that went away since), the others run."""
     sinks: list[Sink] = []
     if cfg.console:
         sinks.append(ConsoleSink())
-    if cfg.jsonl:
-        path = Path(cfg.jsonl)
-        sinks.append(
-            JsonlSink(path / "verdicts.jsonl" if path.is_dir() or not path.suffix else path)
-        )
+    jsonl = cfg.jsonl_file()
+    if jsonl is not None:
+        try:
+            sinks.append(JsonlSink(jsonl))
+        except OSError as exc:
+            report_error("sinks.jsonl", exc)
     if cfg.wandb.enabled:
         try:
             # Imported here: the module never imports wandb itself, but the sink is

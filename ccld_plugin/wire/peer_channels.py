@@ -21,7 +21,9 @@ from ccld_plugin.wire.codes import (
     DIRECTION_NAMES,
     SOURCE_NAMES,
     SOURCE_NCCL,
+    SOURCE_TCP,
     WAIT_CODES,
+    WAIT_NAMES,
     wait_name,
 )
 from ccld_plugin.wire.summary import RankSummary
@@ -186,17 +188,30 @@ def _layout(data: bytes) -> tuple[int, int, float, int] | None:
     if len(data) < _HEAD.size or data[0] != CHANNELS_VERSION:
         return None
     _, n, k, interval_ms, conns = _HEAD.unpack_from(data)
-    if k > n or len(data) != _HEAD.size + n * _ENTRY.size + k * _NCCL_WAITS.size:
+    if k > n or n > MAX_ENTRIES or len(data) != _HEAD.size + n * _ENTRY.size + k * _NCCL_WAITS.size:
         return None
     return n, k, interval_ms / 1000, conns
 
 
+def _entries_ok(raw: np.ndarray) -> np.ndarray:
+    """Per entry (ENTRY_DTYPE): its codes are ones the encoder writes (a value with any
+    other is corrupt or foreign, and is left out whole)."""
+    return (
+        (raw["peer"] >= 0)
+        & (raw["wait"] < len(WAIT_NAMES))
+        & (raw["direction"] < len(DIRECTION_NAMES))
+        & ((raw["source"] == SOURCE_TCP) | (raw["source"] == SOURCE_NCCL))
+    )
+
+
 def decode_channels(rank: int, time_ns: int, data: bytes) -> ChannelReport | None:
-    """Inverse of :func:`encode_channels`; None for an empty or foreign value."""
+    """Inverse of :func:`encode_channels`; None for an empty, foreign or corrupt value."""
     layout = _layout(data)
     if layout is None:
         return None
     n, k, interval_s, conns = layout
+    if not _entries_ok(np.frombuffer(data, ENTRY_DTYPE, n, _HEAD.size)).all():
+        return None
     waits = list(_NCCL_WAITS.iter_unpack(data[_HEAD.size + n * _ENTRY.size :]))
     entries = []
     for (
@@ -225,7 +240,7 @@ def decode_channels(rank: int, time_ns: int, data: bytes) -> ChannelReport | Non
             PeerChannel(
                 peer=peer,
                 wait=wait_name(wait),
-                direction=DIRECTION_NAMES[direction & 1],
+                direction=DIRECTION_NAMES[direction],
                 conns=nconn,
                 rtos=rtos,
                 sent=sent,
@@ -277,8 +292,8 @@ _REPORT_DTYPE = np.dtype([("rank", "<i4"), ("mid_ns", "<i8"), ("interval_s", "<f
 
 
 def channel_rows(summaries: Iterable[RankSummary]) -> ChannelRows:
-    """The channel evidence of ``summaries`` as rows (values not well formed are left out,
-    as :func:`decode_channels` leaves them)."""
+    """The channel evidence of ``summaries`` as rows (values not well formed, or with an
+    entry that is not, are left out, as :func:`decode_channels` leaves them)."""
     reports, counts, nccl_counts, entry_parts, wait_parts = [], [], [], [], []
     for s in summaries:
         layout = _layout(s.channels) if s.channels else None
@@ -295,7 +310,8 @@ def channel_rows(summaries: Iterable[RankSummary]) -> ChannelRows:
     raw = np.frombuffer(b"".join(entry_parts), ENTRY_DTYPE)
     which = np.repeat(np.arange(len(reports)), counts)
     nccl = raw["source"] == SOURCE_NCCL
-    ok = np.bincount(which, weights=nccl, minlength=len(reports)) == nccl_counts
+    bad = np.bincount(which, weights=~_entries_ok(raw), minlength=len(reports))
+    ok = (np.bincount(which, weights=nccl, minlength=len(reports)) == nccl_counts) & (bad == 0)
     if not ok.all():  # a value whose head miscounts its NCCL entries is left out
         keep = ok[which]
         raw, which, nccl = raw[keep], which[keep], nccl[keep]
@@ -303,6 +319,8 @@ def channel_rows(summaries: Iterable[RankSummary]) -> ChannelRows:
         head = head[ok]
         which = np.cumsum(ok)[which] - 1  # renumbered among the reports kept
     rows = np.zeros(len(raw), ROW_DTYPE)
+    # Both are structured dtypes: their names are never None.
+    assert ENTRY_DTYPE.names is not None and _REPORT_DTYPE.names is not None
     for name in ENTRY_DTYPE.names:
         rows[name] = raw[name]
     for name in _REPORT_DTYPE.names:

@@ -10,11 +10,22 @@ the summaries of its ranks into one value without the diagnoser's analysis chang
 
 from __future__ import annotations
 
+import itertools
 import struct
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
+
+from ccld_plugin.wire.codes import (
+    FLAG_ASYNC,
+    FLAG_CUDA,
+    FLAG_P2P,
+    FLAG_SEND,
+    OP_NAMES,
+    STATE_ERROR,
+    STATE_IN_FLIGHT,
+)
 
 __all__ = [
     "SAMPLE_DTYPE",
@@ -23,6 +34,7 @@ __all__ = [
     "InFlightOp",
     "RankSummary",
     "StepStat",
+    "SummaryError",
     "arrival_samples",
     "decode_summary",
     "encode_summary",
@@ -32,6 +44,14 @@ __all__ = [
 SUMMARY_VERSION = 1
 FLAG_EXITED = 1  # the rank left through the plugin's exit path
 FLAG_ERRORED = 2  # ...after a collective raised
+MAX_HOST = 255  # bytes of the host name kept
+MAX_FRAMES, MAX_FRAME = 32, 400  # stack frames kept, bytes per frame
+_OP_FLAGS = FLAG_ASYNC | FLAG_P2P | FLAG_SEND | FLAG_CUDA
+LATE_NS = 10**9  # a time in a summary may pass its own time_ns by this much (a racing step)
+
+
+class SummaryError(ValueError):
+    """A value that is not a summary of this version, or one that fails its own checks."""
 
 
 class GroupProgress(NamedTuple):
@@ -109,6 +129,7 @@ _FLIGHT = struct.Struct("<HBBiQQqB")
 # summary under 1 KB.
 _STEP = struct.Struct("<iiII")
 _SAMPLE = struct.Struct("<HIiII")
+_FRAME_LEN = struct.Struct("<H")
 SAMPLE_DTYPE = np.dtype(
     [("slot", "<u2"), ("back", "<u4"), ("rel_us", "<i4"), ("dur_us", "<u4"), ("bytes", "<u4")]
 )  # _SAMPLE's rows, packed
@@ -123,9 +144,14 @@ def _rel_us(t_ns: int, base_ns: int) -> int:
     return max(-(2**31), min(2**31 - 1, (t_ns - base_ns) // 1000))
 
 
+def _utf8(text: str, limit: int) -> bytes:
+    """``text`` in UTF-8, cut to ``limit`` bytes at a character boundary."""
+    return text.encode()[:limit].decode(errors="ignore").encode()
+
+
 def encode_summary(s: RankSummary) -> bytes:
-    host = s.host.encode()[:255]
-    stack = [f.encode()[:400] for f in s.stack[:32]]
+    host = _utf8(s.host, MAX_HOST)
+    stack = [_utf8(f, MAX_FRAME) for f in s.stack[:MAX_FRAMES]]
     n_samples = len(s.samples) if s.samples else len(s.sample_rows) // _SAMPLE.size
     parts = [
         _HEAD.pack(
@@ -173,15 +199,28 @@ def encode_summary(s: RankSummary) -> bytes:
     ]
     parts.append(encoded_samples(s))
     for f in stack:
-        parts += [struct.pack("<H", len(f)), f]
+        parts += [_FRAME_LEN.pack(len(f)), f]
     parts.append(s.channels)
     return b"".join(parts)
 
 
 def decode_summary(data: bytes) -> RankSummary:
-    """Inverse of :func:`encode_summary`. Raises ValueError on a foreign or corrupt value."""
+    """Inverse of :func:`encode_summary`. Raises :class:`SummaryError` (a ValueError) on a
+    foreign or corrupt value: one that is not exactly what the encoder writes, or whose
+    fields fail their ranges (codes, flags, counts, times against the summary's own)."""
+    try:
+        s = _decode(bytes(data))
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise SummaryError(f"corrupt ccld summary ({exc})") from None
+    problem = _problem(s)
+    if problem is not None:
+        raise SummaryError(f"corrupt ccld summary of rank {s.rank}: {problem}")
+    return s
+
+
+def _decode(data: bytes) -> RankSummary:
     if len(data) < _HEAD.size or data[0] != SUMMARY_VERSION:
-        raise ValueError("not a ccld summary of this version")
+        raise SummaryError("not a ccld summary of this version")
     (
         _,
         flags,
@@ -201,32 +240,33 @@ def decode_summary(data: bytes) -> RankSummary:
         nhost,
         nchan,
     ) = _HEAD.unpack_from(data)
-    off = _HEAD.size
-    host = data[off : off + nhost].decode(errors="replace")
-    off += nhost
-
-    def table(st: struct.Struct, n: int) -> list[tuple]:
-        nonlocal off
-        rows = list(st.iter_unpack(data[off : off + st.size * n])) if n else []
-        off += st.size * n
-        return rows
-
-    groups = [GroupProgress(*r) for r in table(_GROUP, ng)]
-    flights = [InFlightOp(*r) for r in table(_FLIGHT, nf)]
+    if nhost > MAX_HOST or nstack > MAX_FRAMES:
+        raise SummaryError("corrupt ccld summary (host or stack longer than encoded)")
+    ends = list(
+        itertools.accumulate(
+            (nhost, _GROUP.size * ng, _FLIGHT.size * nf, _STEP.size * nst, _SAMPLE.size * nsa),
+            initial=_HEAD.size,
+        )
+    )
+    if ends[-1] + 2 * nstack + nchan > len(data):
+        raise SummaryError("corrupt ccld summary (shorter than its counts)")
+    host = data[ends[0] : ends[1]].decode()
+    groups = [GroupProgress(*r) for r in _GROUP.iter_unpack(data[ends[1] : ends[2]])]
+    flights = [InFlightOp(*r) for r in _FLIGHT.iter_unpack(data[ends[2] : ends[3]])]
     steps = [
-        StepStat(step, time_ns + rel * 1000, st_us, c_us)
-        for step, rel, st_us, c_us in table(_STEP, nst)
+        StepStat(step_, time_ns + rel * 1000, st_us, c_us)
+        for step_, rel, st_us, c_us in _STEP.iter_unpack(data[ends[3] : ends[4]])
     ]
-    sample_rows = bytes(data[off : off + _SAMPLE.size * nsa])
-    off += _SAMPLE.size * nsa
+    off = ends[5]
     stack = []
     for _ in range(nstack):
-        (n,) = struct.unpack_from("<H", data, off)
-        stack.append(data[off + 2 : off + 2 + n].decode(errors="replace"))
+        (n,) = _FRAME_LEN.unpack_from(data, off)
+        if n > MAX_FRAME:
+            raise SummaryError("corrupt ccld summary (a stack frame longer than encoded)")
+        stack.append(data[off + 2 : off + 2 + n].decode())
         off += 2 + n
-    channels = bytes(data[off : off + nchan])
     if off + nchan != len(data):
-        raise ValueError("corrupt ccld summary (length mismatch)")
+        raise SummaryError("corrupt ccld summary (length mismatch)")
     return RankSummary(
         rank=rank,
         pid=pid,
@@ -242,8 +282,39 @@ def decode_summary(data: bytes) -> RankSummary:
         in_flight=flights,
         steps=steps,
         stack=stack,
-        channels=channels,
-        sample_rows=sample_rows,
+        channels=data[off:],
+        sample_rows=data[ends[4] : ends[5]],
+    )
+
+
+def _problem(s: RankSummary) -> str | None:
+    """What is impossible in a decoded summary (None: nothing found)."""
+    late = s.time_ns + LATE_NS
+    if s.rank < 0 or s.pid <= 0:
+        return f"rank {s.rank}, pid {s.pid}"
+    if s.flags & ~(FLAG_EXITED | FLAG_ERRORED) or s.step < 0:
+        return f"flags {s.flags:#x}, step {s.step}"
+    if s.heartbeat_ns > late or s.last_progress_ns > late:
+        return "a time after the summary's own"
+    if len({g.slot for g in s.groups}) != len(s.groups):
+        return "a group reported twice"
+    if not all(_op_ok(o, late) for o in s.in_flight):
+        return "an in-flight op with impossible fields"
+    if not all(t.step >= 0 and t.compute_us <= t.step_us for t in s.steps):
+        return "a step with more compute than time"
+    return None
+
+
+def _op_ok(o: InFlightOp, late: int) -> bool:
+    p2p = bool(o.flags & FLAG_P2P)
+    return (
+        o.op in OP_NAMES
+        and o.flags & ~_OP_FLAGS == 0
+        and (p2p or not o.flags & FLAG_SEND)
+        and o.state in (STATE_IN_FLIGHT, STATE_ERROR)
+        and (o.peer >= -1 if p2p else o.peer == -1)  # a recv from any source has none
+        and o.seq >= 1
+        and o.enter_ns <= late
     )
 
 

@@ -27,7 +27,20 @@ ALLOWED: dict[str, set[str]] = {
     "sinks": {"config", "diagnose", "wire", "errors"},
     # the session starts the services: the only place that wires agent, control plane,
     # diagnoser and sinks together
-    "runtime": {"", "_native", "agent", "config", "control", "diagnose", "errors", "sinks", "wire"},
+    "runtime": {
+        "",
+        "_native",
+        "agent",
+        "board",
+        "config",
+        "control",
+        "diagnose",
+        "errors",
+        "sinks",
+        "wire",
+    },
+    # after the job: the agent's board summary and the diagnoser, over boards left behind
+    "postmortem": {"agent", "board", "config", "diagnose", "sinks", "wire"},
     "integrations": {"", "config", "errors", "runtime"},
     "megatron": {"integrations"},
     "deepspeed": {"integrations"},

@@ -28,7 +28,10 @@ FAULT_KINDS: dict[str, tuple[set[str], set[str]]] = {
     "comm-slow": ({"rate"}, {"step"}),
     "comm-hang": (set(), {"step"}),
 }
-_RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit)$")
+# ASCII digits only: str.isdigit and int() also take other scripts' digits (and "1_000")
+_INT = re.compile(r"[0-9]+")
+_NUMBER = re.compile(r"[0-9]+(\.[0-9]+)?")
+_RATE = re.compile(r"[0-9]+(\.[0-9]+)?(bit|kbit|mbit|gbit)")
 _FORM = "KIND@RANK[:key=value,...], e.g. compute-hang@2:step=5"
 
 
@@ -49,7 +52,10 @@ class FaultSpec:
         return self.kind.startswith("comm-")
 
     def __str__(self) -> str:
-        extra = {"compute-slow": f"factor={self.factor:g},", "comm-slow": f"rate={self.rate},"}
+        """The spec in its canonical form: it parses back to this fault."""
+        short = f"{self.factor:g}"
+        factor = short if float(short) == self.factor else repr(self.factor)
+        extra = {"compute-slow": f"factor={factor},", "comm-slow": f"rate={self.rate},"}
         return f"{self.kind}@{self.rank}:{extra.get(self.kind, '')}step={self.step}"
 
 
@@ -62,13 +68,15 @@ def parse_fault(text: str) -> FaultSpec:
             f"fault {spec!r}: unknown kind {kind!r}; known: "
             f"{', '.join(FAULT_KINDS)} (form: {_FORM})"
         )
-    if not at or not rank_s.isdigit():
+    if not at or not _INT.fullmatch(rank_s):
         raise FaultSpecError(f"fault {spec!r}: needs a rank after '@' (form: {_FORM})")
     values: dict[str, str] = {}
     for item in filter(None, params.split(",")):
         key, eq, value = item.partition("=")
         if not eq or not value:
             raise FaultSpecError(f"fault {spec!r}: {item!r} must be key=value (form: {_FORM})")
+        if key.strip() in values:
+            raise FaultSpecError(f"fault {spec!r}: {key.strip()!r} is given twice")
         values[key.strip()] = value.strip()
     required, optional = FAULT_KINDS[kind]
     unknown = set(values) - required - optional
@@ -80,19 +88,18 @@ def parse_fault(text: str) -> FaultSpec:
     missing = required - set(values)
     if missing:
         raise FaultSpecError(f"fault {spec!r}: {kind} needs {sorted(missing)[0]}=...")
-    try:
-        step = int(values.get("step", DEFAULT_STEP))
-        factor = float(values.get("factor", 1.0))
-    except ValueError:
-        raise FaultSpecError(
-            f"fault {spec!r}: step must be an integer and factor a number"
-        ) from None
-    if step < 0:
+    step_s, factor_s = values.get("step", str(DEFAULT_STEP)), values.get("factor", "1")
+    if step_s.startswith("-"):
         raise FaultSpecError(f"fault {spec!r}: step must be >= 0")
+    if not _INT.fullmatch(step_s) or not _NUMBER.fullmatch(factor_s):
+        raise FaultSpecError(
+            f"fault {spec!r}: step must be a whole number and factor a decimal number (2.5)"
+        )
+    step, factor = int(step_s), float(factor_s)
     if kind == "compute-slow" and not 1.0 < factor <= 100.0:
         raise FaultSpecError(f"fault {spec!r}: factor must be in (1, 100]")
     rate = values.get("rate", "")
-    if kind == "comm-slow" and not _RATE.match(rate):
+    if kind == "comm-slow" and not _RATE.fullmatch(rate):
         raise FaultSpecError(
             f"fault {spec!r}: rate {rate!r} must look like 20mbit (bit, kbit, mbit, gbit)"
         )

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 import subprocess
 import threading
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.sinks.wandb.worker import Applier, encode_message
@@ -57,15 +58,20 @@ class WriterProcess:
     def __init__(self, init_kwargs: dict, python: str) -> None:
         worker = Path(__file__).with_name("worker.py")
         # Its own session: the launcher's kill of the job's process group must not take
-        # it down before it has finished the run.
+        # it down before it has finished the run. It ends by itself once this process is
+        # gone (given its pid: worker.read_messages).
         self.proc = subprocess.Popen(
-            [python, str(worker)],
+            [python, str(worker), str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             start_new_session=True,
         )
+        # Both are pipes (PIPE above), so Popen has set them.
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self._stdin: IO[bytes] = self.proc.stdin
+        self._stdout: IO[bytes] = self.proc.stdout
         try:
-            fcntl.fcntl(self.proc.stdin.fileno(), 1031, PIPE_SIZE)  # F_SETPIPE_SZ
+            fcntl.fcntl(self._stdin.fileno(), 1031, PIPE_SIZE)  # F_SETPIPE_SZ
         except OSError:
             pass  # the default 64 KiB pipe works too, only with less slack
         self.failure: str | None = None
@@ -78,7 +84,7 @@ class WriterProcess:
         self.send([{"op": "init", "kwargs": init_kwargs}])
 
     def _read_status(self) -> None:
-        for line in self.proc.stdout:
+        for line in self._stdout:
             try:
                 st = json.loads(line)
             except ValueError:
@@ -100,8 +106,8 @@ class WriterProcess:
         if self.failure:
             raise WandbUnavailable(self.failure)
         try:
-            self.proc.stdin.write(b"".join(encode_message(m) for m in msgs))
-            self.proc.stdin.flush()
+            self._stdin.write(b"".join(encode_message(m) for m in msgs))
+            self._stdin.flush()
         except (BrokenPipeError, ValueError, OSError) as exc:
             self.failure = self.failure or f"the W&B writer is gone ({exc})"
             raise WandbUnavailable(self.failure) from None
@@ -109,7 +115,7 @@ class WriterProcess:
     def close(self, wait_s: float) -> None:
         try:
             self.send([{"op": "finish"}])
-            self.proc.stdin.close()
+            self._stdin.close()
         except (WandbUnavailable, OSError):
             pass
         try:

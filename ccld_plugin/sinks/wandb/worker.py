@@ -8,7 +8,10 @@ process writes length-prefixed JSON messages to its stdin and it answers status 
 stdout. wandb keeps the offline ``.wandb`` file in memory until the run finishes, so a
 run that lives in a training process is lost when the job is killed (how every hung job
 ends); this process sees end-of-file on stdin however the training process ends, and
-finishes the run properly.
+finishes the run properly. It also watches the training process (its pid is the first
+argument): a child the training process forked may hold the pipe open, and end-of-file
+would then never come; once the training process is gone and the pipe is quiet, the
+writer finishes the run all the same.
 
 Standard library and wandb only; wandb is imported when a run is opened, never at import.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import select
 import struct
 import sys
 import threading
@@ -29,6 +33,7 @@ __all__ = ["Applier", "encode_message", "main", "read_messages"]
 
 _LEN = struct.Struct("<I")
 FINISH_TIMEOUT_S = 120.0  # an online finish that cannot reach the server gives up here
+QUIET_S = 1.0  # how long the pipe is read before the training process is checked on
 
 
 def encode_message(msg: dict) -> bytes:
@@ -36,17 +41,38 @@ def encode_message(msg: dict) -> bytes:
     return _LEN.pack(len(data)) + data
 
 
-def read_messages(fh: IO[bytes]) -> Iterator[dict]:
-    """Messages until end-of-file (the training process closed the pipe or died)."""
+def read_messages(fh: IO[bytes], parent: int | None = None) -> Iterator[dict]:
+    """Messages until end-of-file (the training process closed the pipe or died) or, with
+    ``parent``, until that process is no longer this one's parent and the pipe is quiet."""
     while True:
-        head = fh.read(_LEN.size)
+        head = _read(fh, _LEN.size, parent)
         if len(head) < _LEN.size:
             return
         (n,) = _LEN.unpack(head)
-        data = fh.read(n)
+        data = _read(fh, n, parent)
         if len(data) < n:
             return  # torn by the writer's death: nothing after it can be trusted
         yield json.loads(data)
+
+
+def _read(fh: IO[bytes], n: int, parent: int | None) -> bytes:
+    """Up to ``n`` bytes: fewer at end-of-file, or once ``parent`` is gone and nothing
+    came for QUIET_S (read unbuffered, so that what select sees is all there is)."""
+    if parent is None:
+        return fh.read(n)
+    fd, parts, got = fh.fileno(), [], 0
+    while got < n:
+        ready, _, _ = select.select([fd], [], [], QUIET_S)
+        if not ready:
+            if os.getppid() != parent:
+                break
+            continue
+        chunk = os.read(fd, n - got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
 
 
 class Applier:
@@ -146,7 +172,7 @@ def main() -> int:
     except OSError:
         pass
     inp, out = sys.stdin.buffer, sys.stdout.buffer
-    messages = read_messages(inp)
+    messages = read_messages(inp, parent=int(sys.argv[1]) if len(sys.argv) > 1 else None)
     first = next(messages, None)
     if first is None or first.get("op") != "init":
         return 2
