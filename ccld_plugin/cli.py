@@ -8,8 +8,12 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
+
+if TYPE_CHECKING:
+    from ccld_plugin.board.report import Inspection
 
 __all__ = ["main"]
 
@@ -52,6 +56,11 @@ def _parser() -> argparse.ArgumentParser:
         "iproute2; implied by a comm-slow or comm-hang fault)",
     )
     demo.add_argument("--out", type=Path, default=Path("demo-out"))
+    demo.add_argument(
+        "--force",
+        action="store_true",
+        help="write into --out even when it holds files that are not a demo's",
+    )
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
 
     wbs = sub.add_parser(
@@ -73,6 +82,36 @@ def _parser() -> argparse.ArgumentParser:
     )
     wbs.add_argument("--json", action="store_true", help="machine-readable output")
 
+    dia = sub.add_parser(
+        "diagnose", help="diagnose a job from the boards it left (hung, crashed or killed)"
+    )
+    dia.add_argument("path", type=Path, help="the job's board directory (or one board file)")
+    dia.add_argument("--jsonl", type=Path, help="also write the verdict records to this file")
+    dia.add_argument("--config", type=Path, help="a YAML config (default: the job's own)")
+    dia.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
+
+    tr = sub.add_parser(
+        "trace", help="write a job's timeline from its boards (Perfetto, chrome://tracing)"
+    )
+    tr.add_argument("path", type=Path, help="the job's board directory (live or dead)")
+    tr.add_argument("-o", "--output", type=Path, default=Path("trace.json"))
+    tr.add_argument(
+        "--verdicts",
+        type=Path,
+        help="mark the verdicts of this verdicts.jsonl (default: a post-mortem diagnosis)",
+    )
+    tr.add_argument("--config", type=Path, help="a YAML config (default: the job's own)")
+    tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
+
+    run = sub.add_parser(
+        "run",
+        help="run a launcher command with the plugin on in every rank of an unchanged script",
+        usage="ccld run [--config PATH] [--set KEY=VALUE]... -- COMMAND...",
+    )
+    run.add_argument("--config", type=Path, help="a YAML config file")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
+    run.add_argument("launch", nargs=argparse.REMAINDER, help="e.g. -- torchrun ... train.py")
+
     cfg = sub.add_parser("config", help="print the resolved configuration")
     cfg.add_argument("--config", type=Path, help="a YAML config file")
     cfg.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
@@ -84,19 +123,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console()
     from ccld_plugin.board.reader import BoardError
     from ccld_plugin.config import ConfigError
+    from ccld_plugin.harness.demo import DemoError
     from ccld_plugin.harness.faults.spec import FaultSpecError
+    from ccld_plugin.postmortem.boards import PostmortemError
     from ccld_plugin.sinks.wandb.run_file import RunFileError
 
     try:
         if args.command == "inspect":
-            from ccld_plugin.board.report import inspect_boards, print_status
+            from ccld_plugin.board.report import inspect_all, print_status
 
-            statuses = inspect_boards(args.path)
+            found = inspect_all(args.path)
             if args.json:
-                print(json.dumps([asdict(s) for s in statuses], indent=2))
+                print(json.dumps([asdict(s) for s in found.statuses], indent=2))
             else:
-                print_status(statuses, console)
-            return 0
+                print_status(found.statuses, console)
+            return _inspect_verdict(found)
         if args.command == "demo":
             from ccld_plugin.harness.demo import DemoOptions, run_demo
 
@@ -112,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     overrides=args.overrides,
                     netns=args.netns,
                     zero_stage=args.zero_stage,
+                    force=args.force,
                 ),
                 console,
             )
@@ -130,15 +172,78 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 print_summary(contents, console, args.prefix)
             return 0
+        if args.command == "diagnose":
+            from ccld_plugin.postmortem.commands import diagnose
+
+            return diagnose(args.path, args.config, args.overrides, args.jsonl, console)
+        if args.command == "trace":
+            from ccld_plugin.postmortem.commands import trace
+
+            return trace(
+                args.path, args.output, args.verdicts, args.config, args.overrides, console
+            )
+        if args.command == "run":
+            return _run(args.config, args.overrides, args.launch)
         if args.command == "config":
             from ccld_plugin.config import load_config, to_yaml
 
             print(to_yaml(load_config(args.config, args.overrides)), end="")
             return 0
-    except (ConfigError, FaultSpecError, BoardError, RunFileError) as exc:
+    except (
+        ConfigError,
+        DemoError,
+        FaultSpecError,
+        BoardError,
+        RunFileError,
+        PostmortemError,
+    ) as exc:
         print(f"ccld: error: {exc}", file=sys.stderr)
         return 2
     return 1
+
+
+def _inspect_verdict(found: Inspection) -> int:
+    """Say on stderr which boards could not be read and which had corrupt records (left
+    out of the output); 0 when none, 1 when some, 2 when no board could be read."""
+    for why in found.unreadable:
+        print(f"ccld: error: {why}", file=sys.stderr)
+    damaged = [s for s in found.statuses if s.corrupt_records]
+    for s in damaged:
+        counts = ", ".join(f"{n} {table}" for table, n in s.corrupt_records.items())
+        print(
+            f"ccld: warning: {s.path}: corrupt records left out ({counts}); the board is "
+            "damaged, what is shown passed its checks",
+            file=sys.stderr,
+        )
+    if not found.statuses:
+        return 2
+    return 1 if found.unreadable or damaged else 0
+
+
+def _run(config: Path | None, overrides: list[str], launch: list[str]) -> int:
+    """Validate the config, then become the launcher (its signals and exit code are the
+    job's), with the plugin on when the config enables it and the environment as it is
+    when it does not."""
+    import os
+    import shutil
+
+    from ccld_plugin.config import load_config
+    from ccld_plugin.integrations.autostart import run_env
+
+    cmd = launch[1:] if launch[:1] == ["--"] else launch
+    if not cmd:
+        print(
+            "ccld: error: ccld run needs a command after --, e.g. ccld run -- torchrun "
+            "--nproc-per-node 4 train.py",
+            file=sys.stderr,
+        )
+        return 2
+    cfg = load_config(config, overrides)
+    if shutil.which(cmd[0]) is None:
+        print(f"ccld: error: command not found: {cmd[0]}", file=sys.stderr)
+        return 2
+    env = run_env(cfg, os.environ) if cfg.enabled else dict(os.environ)
+    os.execvpe(cmd[0], cmd, env)
 
 
 if __name__ == "__main__":

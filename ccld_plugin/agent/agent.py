@@ -18,28 +18,20 @@ from typing import Any
 
 import numpy as np
 
+from ccld_plugin.agent.board_summary import BoardSnapshot, stuck_s, summarize_board
 from ccld_plugin.agent.nccl_channels import NcclChannels
 from ccld_plugin.agent.tcp_channels import ChannelSampler
+from ccld_plugin.board.job_files import remove_stack, write_stack
 from ccld_plugin.board.reader import BoardReader
 from ccld_plugin.config import AgentConfig
 from ccld_plugin.control import ClockSync, ControlPlane, resync_epoch
 from ccld_plugin.errors import log, report_error
-from ccld_plugin.wire.codes import FLAG_ASYNC, FLAG_P2P, STATE_DONE, STATE_ERROR, STATE_IN_FLIGHT
+from ccld_plugin.wire.codes import FLAG_ASYNC, FLAG_P2P, STATE_DONE
 from ccld_plugin.wire.peer_channels import MAX_ENTRIES, encode_channels, entry_order
-from ccld_plugin.wire.summary import (
-    FLAG_ERRORED,
-    FLAG_EXITED,
-    ArrivalSample,
-    GroupProgress,
-    InFlightOp,
-    RankSummary,
-    StepStat,
-    encode_summary,
-)
+from ccld_plugin.wire.summary import ArrivalSample, RankSummary, StepStat, encode_summary
 
 __all__ = ["Agent", "StepClock"]
 
-MAX_IN_FLIGHT = 8
 MAX_STEPS = 32
 SAMPLES_PER_GROUP = 8
 STACK_FRAMES = 16
@@ -90,6 +82,7 @@ class Agent:
         self._published_step = -1
         self._groups_version = 0
         self._published_groups: tuple = ()
+        self._stack_written: tuple[str, ...] = ()  # the stack in the sidecar file, if any
         self._main_ident = threading.main_thread().ident
         # Per-peer TCP progress of this rank (None where the probe cannot run), and the
         # NCCL plugin's channel records on the board (none unless NCCL loaded it).
@@ -182,68 +175,38 @@ class Agent:
     def summarize(self, final: bool = False) -> RankSummary:
         now = time.monotonic_ns()
         clock = self.clock or ClockSync(0, 0)
-        diag = clock.to_diag
-        header = self._reader.header()
-        ops = self._reader.ops()
-        table = self._reader.group_table()  # after the ops: its completed seqs cover them
+        snap = BoardSnapshot.read(self._reader)
         since = self._last_tick_ns
         self._last_tick_ns = now
-        done = ops[(ops["state"] == STATE_DONE) & (ops["exit_ns"] > since)]
-        sync = (done["flags"] & FLAG_ASYNC) == 0
-        dur_ns = done["exit_ns"] - done["enter_ns"]
-        progress = []
-        for slot, rec in enumerate(table):
-            mine = done["group_slot"] == slot
-            progress.append(
-                GroupProgress(
-                    slot=slot,
-                    entered_seq=int(rec["entered_seq"]),
-                    completed_seq=int(rec["completed_seq"]),
-                    ops=int(mine.sum()),
-                    blocked_us=int(dur_ns[mine & sync].sum() // 1000),
-                    bytes=int(done["bytes"][mine].sum()),
-                    max_dur_us=int(dur_ns[mine].max() // 1000) if mine.any() else 0,
-                )
-            )
-        flights = ops[ops["state"] == STATE_IN_FLIGHT][:MAX_IN_FLIGHT]
-        errors = ops[ops["state"] == STATE_ERROR][-2:]
-        in_flight = [
-            InFlightOp(
-                int(r["group_slot"]),
-                int(r["op"]),
-                int(r["flags"]),
-                int(r["peer"]),
-                int(r["seq"]),
-                int(r["bytes"]),
-                diag(int(r["enter_ns"])),
-                int(r["state"]),
-            )
-            for r in (*flights, *errors)
-        ]
-        last_step = self.steps.starts[-1][1] if self.steps.starts else header.start_mono_ns
-        last_exit = int(ops["exit_ns"].max()) if len(ops) else 0
-        last_progress = max(last_step, last_exit)
-        oldest = int(flights["enter_ns"].min()) if len(flights) else now
-        stuck_for = max(now - oldest, now - last_progress) / 1e9
-        flags = (FLAG_EXITED if final else 0) | (FLAG_ERRORED if len(errors) else 0)
-        return RankSummary(
-            rank=self.rank,
-            pid=self.pid,
-            host=self.host,
-            time_ns=diag(now),
-            heartbeat_ns=diag(now),
-            step=header.step,
-            last_progress_ns=diag(last_progress),
-            groups_version=self._groups_version,
-            flags=flags,
-            errors=header.errors,
-            groups=progress,
-            in_flight=in_flight,
-            steps=self._step_stats(ops, diag),
-            samples=self._samples(done, diag),
-            channels=self._channel_evidence(now),
-            stack=self._main_stack() if stuck_for >= self.cfg.stack_after_s else [],
+        summary = summarize_board(
+            snap, now, since, clock.offset_ns, self._groups_version, exited=final
         )
+        # The board keeps 63 bytes of the host name; the diagnoser matches the full one.
+        summary.host = self.host
+        ops = snap.ops
+        done = ops[(ops["state"] == STATE_DONE) & (ops["exit_ns"] > since)]
+        summary.steps = self._step_stats(ops, clock.to_diag)
+        summary.samples = self._samples(done, clock.to_diag)
+        summary.channels = self._channel_evidence(now)
+        summary.stack = self._stack(stuck_s(summary))
+        return summary
+
+    def _stack(self, stuck_for_s: float) -> list[str]:
+        """The main thread's stack once the rank is stuck long enough, also written beside
+        the board for the post-mortem; the sidecar goes when the rank moves again."""
+        if stuck_for_s < self.cfg.stack_after_s:
+            if self._stack_written:
+                remove_stack(self._reader.path)
+                self._stack_written = ()
+            return []
+        stack = self._main_stack()
+        if tuple(stack) != self._stack_written:
+            try:
+                write_stack(self._reader.path, stack)
+                self._stack_written = tuple(stack)
+            except OSError as exc:
+                report_error("agent.stack_file", exc)
+        return stack
 
     def _channel_evidence(self, now_ns: int) -> bytes:
         """The summary's per-peer channel entries: NCCL channels and TCP connections."""
@@ -306,7 +269,8 @@ class Agent:
         return out
 
     def _main_stack(self) -> list[str]:
-        frame = sys._current_frames().get(self._main_ident)
+        ident = self._main_ident  # None only for a main thread not started (never, here)
+        frame = sys._current_frames().get(ident) if ident is not None else None
         if frame is None:
             return []
         return [

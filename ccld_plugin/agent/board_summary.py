@@ -1,0 +1,116 @@
+"""A board's state as a :class:`RankSummary`: the part of the agent's tick that needs
+nothing but the board, shared by the live agent and the post-mortem (``ccld diagnose``),
+so both hand the diagnoser the same record for the same board.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ccld_plugin.board.reader import BoardHeader, BoardReader
+from ccld_plugin.wire.codes import FLAG_ASYNC, STATE_DONE, STATE_ERROR, STATE_IN_FLIGHT
+from ccld_plugin.wire.summary import (
+    FLAG_ERRORED,
+    FLAG_EXITED,
+    GroupProgress,
+    InFlightOp,
+    RankSummary,
+)
+
+__all__ = [
+    "BoardSnapshot",
+    "stuck_s",
+    "summarize_board",
+]
+
+MAX_IN_FLIGHT = 8
+
+
+@dataclass(frozen=True)
+class BoardSnapshot:
+    """One read of a board: its header, op records (oldest first) and group table."""
+
+    header: BoardHeader
+    ops: np.ndarray
+    table: np.ndarray
+
+    @classmethod
+    def read(cls, reader: BoardReader) -> BoardSnapshot:
+        header = reader.header()
+        ops = reader.ops()
+        table = reader.group_table()  # after the ops: its completed seqs cover them
+        return cls(header, ops, table)
+
+
+def summarize_board(
+    snap: BoardSnapshot,
+    now_ns: int,
+    since_ns: int,
+    offset_ns: int,
+    groups_version: int,
+    exited: bool = False,
+) -> RankSummary:
+    """The summary of ``snap`` at ``now_ns`` (this rank's monotonic clock), counting the
+    ops completed after ``since_ns``; times in it are on the diagnoser's clock (this rank's
+    minus ``offset_ns``). Steps, arrival samples, channels and the stack are the caller's
+    to add: they need the live process or a history the board does not keep."""
+    h, ops = snap.header, snap.ops
+    done = ops[(ops["state"] == STATE_DONE) & (ops["exit_ns"] > since_ns)]
+    sync = (done["flags"] & FLAG_ASYNC) == 0
+    dur_ns = done["exit_ns"] - done["enter_ns"]
+    progress = []
+    for slot, rec in enumerate(snap.table):
+        mine = done["group_slot"] == slot
+        progress.append(
+            GroupProgress(
+                slot=slot,
+                entered_seq=int(rec["entered_seq"]),
+                completed_seq=int(rec["completed_seq"]),
+                ops=int(mine.sum()),
+                blocked_us=int(dur_ns[mine & sync].sum() // 1000),
+                bytes=int(done["bytes"][mine].sum()),
+                max_dur_us=int(dur_ns[mine].max() // 1000) if mine.any() else 0,
+            )
+        )
+    flights = ops[ops["state"] == STATE_IN_FLIGHT][:MAX_IN_FLIGHT]
+    errors = ops[ops["state"] == STATE_ERROR][-2:]
+    in_flight = [
+        InFlightOp(
+            int(r["group_slot"]),
+            int(r["op"]),
+            int(r["flags"]),
+            int(r["peer"]),
+            int(r["seq"]),
+            int(r["bytes"]),
+            int(r["enter_ns"]) - offset_ns,
+            int(r["state"]),
+        )
+        for r in (*flights, *errors)
+    ]
+    last_exit = int(ops["exit_ns"].max()) if len(ops) else 0
+    last_progress = max(h.start_mono_ns, h.step_start_ns, last_exit)
+    flags = (FLAG_EXITED if exited else 0) | (FLAG_ERRORED if len(errors) else 0)
+    return RankSummary(
+        rank=h.rank,
+        pid=h.pid,
+        host=h.host,
+        time_ns=now_ns - offset_ns,
+        heartbeat_ns=now_ns - offset_ns,
+        step=h.step,
+        last_progress_ns=last_progress - offset_ns,
+        groups_version=groups_version,
+        flags=flags,
+        errors=h.errors,
+        groups=progress,
+        in_flight=in_flight,
+    )
+
+
+def stuck_s(s: RankSummary) -> float:
+    """How long the rank has been in its oldest op, or without progress, at ``s.time_ns``."""
+    since = min(
+        [op.enter_ns for op in s.in_flight if op.state == STATE_IN_FLIGHT] + [s.last_progress_ns]
+    )
+    return max(0.0, (s.time_ns - since) / 1e9)

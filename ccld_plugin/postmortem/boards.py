@@ -1,0 +1,149 @@
+"""The boards of one job, read for a post-mortem: every rank's board at a path, checked to
+belong to one run of one job, on one timebase (the diagnoser's clock, through each
+board's clock offset)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ccld_plugin.agent.board_summary import BoardSnapshot
+from ccld_plugin.board.job_files import read_stack
+from ccld_plugin.board.reader import BoardError, BoardReader, board_files
+from ccld_plugin.wire.codes import STATE_ERROR
+from ccld_plugin.wire.topology import GroupInfo
+
+__all__ = ["JobBoards", "PostmortemError", "RankBoard", "load_boards", "process_alive"]
+
+# Ranks of one run create their boards right after the rendezvous; a board that started
+# this much earlier than the job's others is left over from an earlier run of a job of the
+# same name.
+STALE_START_S = 120.0
+HOST_BYTES = 63  # of the host name that a board keeps
+
+
+class PostmortemError(ValueError):
+    """Boards that cannot be diagnosed together; the message is one line with the fix."""
+
+
+@dataclass
+class RankBoard:
+    path: Path
+    snap: BoardSnapshot
+    groups: list[GroupInfo]
+    channels: np.ndarray
+    stack: list[str]  # the main-thread stack the rank wrote while stuck, if any
+
+    @property
+    def offset_ns(self) -> int:
+        return self.snap.header.clock_offset_ns
+
+    def diag(self, mono_ns: int) -> int:
+        """A time of this rank's clock on the diagnoser's."""
+        return mono_ns - self.offset_ns
+
+    def last_seen_ns(self) -> int:
+        """The last moment the rank is known to have run (its clock): its agent's heartbeat,
+        or a later op or step of its main thread."""
+        h, ops = self.snap.header, self.snap.ops
+        last_op = int(max(ops["enter_ns"].max(), ops["exit_ns"].max())) if len(ops) else 0
+        return max(h.heartbeat_ns, h.step_start_ns, h.start_mono_ns, last_op)
+
+    def failed_ns(self) -> int | None:
+        """When the rank's last collective raised (its clock), if one did."""
+        ops = self.snap.ops
+        failed = ops[ops["state"] == STATE_ERROR]
+        return int(failed["exit_ns"].max()) if len(failed) else None
+
+
+@dataclass
+class JobBoards:
+    job: str
+    world: int
+    ranks: dict[int, RankBoard]
+    notes: list[str] = field(default_factory=list)  # one line each: what is missing or skipped
+
+    @property
+    def missing(self) -> list[int]:
+        return sorted(set(range(self.world)) - set(self.ranks))
+
+
+def load_boards(path: Path) -> JobBoards:
+    """Read every board at ``path`` (a board file or a directory of them)."""
+    if not path.exists():
+        raise PostmortemError(f"{path} does not exist; pass a job's board directory")
+    read: list[RankBoard] = []
+    notes = []
+    for f in board_files(path):
+        try:
+            read.append(_read(f))
+        except BoardError as exc:
+            notes.append(f"skipped: {exc}")
+    if not read:
+        raise PostmortemError(
+            f"no readable board (*.board) at {path}; boards are in <board.dir>/<job>/ "
+            "(default /dev/shm/ccld-<uid>/<job>/)"
+        )
+    jobs: dict[tuple[str, int], list[RankBoard]] = {}
+    for b in read:
+        jobs.setdefault((b.snap.header.job, b.snap.header.world), []).append(b)
+    if len(jobs) > 1:
+        listed = ", ".join(
+            f"{job!r} of world {world} ({len(bs)} boards)" for (job, world), bs in jobs.items()
+        )
+        raise PostmortemError(
+            f"boards of {len(jobs)} different jobs at {path}: {listed}; "
+            "pass the directory of one job"
+        )
+    ((job, world),) = jobs
+    ranks = _one_run(read, notes)
+    boards = JobBoards(job, world, ranks, notes)
+    if boards.missing:
+        notes.append(
+            f"no board for rank(s) {boards.missing} of {world}: they are left out of the "
+            "analysis (never started, or their boards were removed)"
+        )
+    return boards
+
+
+def _read(path: Path) -> RankBoard:
+    with BoardReader(path) as r:
+        snap = BoardSnapshot.read(r)
+        return RankBoard(path, snap, r.groups(), r.channels(), read_stack(path))
+
+
+def _one_run(boards: list[RankBoard], notes: list[str]) -> dict[int, RankBoard]:
+    """One board per rank, all of the newest run of the job."""
+    newest = max(b.snap.header.start_wall_ns for b in boards)
+    ranks: dict[int, RankBoard] = {}
+    for b in sorted(boards, key=lambda b: b.snap.header.start_wall_ns, reverse=True):
+        h = b.snap.header
+        early_s = (newest - h.start_wall_ns) / 1e9
+        if early_s > STALE_START_S:
+            notes.append(
+                f"skipped {b.path}: rank {h.rank}'s board started {early_s:.0f} s before "
+                "the job's newest, so it is from an earlier run of the same job name"
+            )
+        elif h.rank in ranks:
+            raise PostmortemError(
+                f"rank {h.rank} has two boards ({ranks[h.rank].path}, {b.path}) of the same "
+                "run; pass the directory of one job"
+            )
+        else:
+            ranks[h.rank] = b
+    return ranks
+
+
+def process_alive(pid: int, host: str) -> bool | None:
+    """Whether the rank's process still runs; None when it ran on another host."""
+    if host and host != os.uname().nodename[:HOST_BYTES]:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except (OSError, IndexError):
+        return False

@@ -1,0 +1,106 @@
+"""``ccld diagnose DIR``: the live diagnoser's analysis over the boards of a job that is gone.
+
+Each board becomes the summary its agent would have published at the rank's last sign of
+life (``agent.board_summary``, the function the agent uses), all on the diagnoser's clock;
+the job's "now" is the latest of them, so who stopped or died first is judged from the
+boards relative to each other, not relative to the moment of the post-mortem. One round of
+the same :class:`Diagnoser` gives the same verdict records.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ccld_plugin.agent.board_summary import summarize_board
+from ccld_plugin.agent.nccl_channels import NcclChannels
+from ccld_plugin.board.job_files import JOB_CONFIG
+from ccld_plugin.config import CcldConfig, load_config
+from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
+from ccld_plugin.diagnose.nccl_evidence import nccl_evidence
+from ccld_plugin.diagnose.tcp_evidence import Located, channel_evidence
+from ccld_plugin.postmortem.boards import JobBoards, RankBoard, process_alive
+from ccld_plugin.wire.peer_channels import MAX_ENTRIES, encode_channels, entry_order
+from ccld_plugin.wire.summary import RankSummary
+from ccld_plugin.wire.topology import GroupInfo
+
+__all__ = ["diagnose_boards", "job_config", "job_view"]
+
+# A rank whose last sign of life is this many agent ticks before the job's last is the one
+# that died (or froze) first: ranks that ran until the job was killed stop within a tick of
+# each other.
+STALE_TICKS = 2
+
+
+def job_config(path: Path, config: Path | None, overrides: list[str]) -> CcldConfig:
+    """The configuration the job ran with (written beside its boards by the diagnoser
+    rank), else ``config`` or the defaults; ``overrides`` on top."""
+    if config is None:
+        saved = (path if path.is_dir() else path.parent) / JOB_CONFIG
+        config = saved if saved.is_file() else None
+    return load_config(config, overrides, writing=False)
+
+
+def _summary(b: RankBoard, interval_s: float) -> RankSummary:
+    h = b.snap.header
+    seen = b.last_seen_ns()
+    # since 0: every op the ring still holds counts, so the adaptive hang threshold sees
+    # the group's op durations as the live rounds did.
+    s = summarize_board(b.snap, seen, 0, b.offset_ns, groups_version=1, exited=h.closed)
+    s.stack = b.stack
+    entries = NcclChannels().sample(b.channels, seen)
+    if entries:
+        entries.sort(key=entry_order)
+        s.channels = encode_channels(
+            entries[:MAX_ENTRIES], interval_s, sum(e.conns for e in entries)
+        )
+    return s
+
+
+def job_view(boards: JobBoards, cfg: CcldConfig) -> JobView:
+    interval_s = cfg.agent.interval_s
+    summaries = {r: _summary(b, interval_s) for r, b in boards.ranks.items()}
+    now = max(s.heartbeat_ns for s in summaries.values())
+    failures = {r: b.diag(t) for r, b in boards.ranks.items() if (t := b.failed_ns()) is not None}
+    return JobView(
+        summaries=summaries,
+        tables={r: b.groups for r, b in boards.ranks.items()},
+        now_ns=now,
+        job_start_ns=min(b.diag(b.snap.header.start_mono_ns) for b in boards.ranks.values()),
+        world=boards.world,
+        gone={
+            r
+            for r, s in summaries.items()
+            if _died_first(
+                s,
+                boards.ranks[r],
+                now,
+                max((t for q, t in failures.items() if q != r), default=None),
+                interval_s,
+            )
+        },
+    )
+
+
+def _died_first(
+    s: RankSummary, b: RankBoard, now_ns: int, failed_ns: int | None, interval_s: float
+) -> bool:
+    """A rank whose process ended without our exit path before the job did: its last sign
+    of life is ticks before the others' (they ran on, then waited for it), or before
+    ``failed_ns``, when a collective of another rank raised (gloo raises when a peer's
+    connection closes)."""
+    if s.exited or process_alive(s.pid, b.snap.header.host) is True:
+        return False
+    stale = now_ns - s.heartbeat_ns > STALE_TICKS * interval_s * 1e9
+    return stale or (failed_ns is not None and failed_ns > s.heartbeat_ns)
+
+
+def _located(view: JobView, group: GroupInfo, members: list[int]) -> Located | None:
+    """As the live diagnoser locates a hang (``runtime.services.located_by_channels``):
+    NCCL wait states first, then TCP connections."""
+    return nccl_evidence(view, group, members) or channel_evidence(view, group, members)
+
+
+def diagnose_boards(boards: JobBoards, cfg: CcldConfig) -> list[Verdict]:
+    """The verdicts one diagnoser round gives on the boards."""
+    diagnoser = Diagnoser(cfg.diagnoser, cfg.agent.interval_s, channel_evidence=_located)
+    return diagnoser.round(job_view(boards, cfg))

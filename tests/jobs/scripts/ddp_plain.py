@@ -1,0 +1,49 @@
+"""A plain DDP training script that knows nothing of ccld (``ccld run`` turns it on).
+
+FAULT in the environment breaks one rank: ``hang@R:S`` (rank R blocks at step S),
+``slow@R:X`` (rank R's compute takes X seconds more every step)."""
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+STEPS = int(os.environ.get("STEPS", "40"))
+
+
+def fault(rank: int, step: int) -> None:
+    kind, _, where = os.environ.get("FAULT", "").partition("@")
+    if not kind:
+        return
+    who, arg = where.split(":")
+    if int(who) != rank:
+        return
+    if kind == "hang" and step == int(arg):
+        time.sleep(3600)
+    if kind == "slow":
+        time.sleep(float(arg))
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(64, 256), torch.randn(64, 1)
+    for step in range(STEPS):
+        fault(rank, step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        print(f"step {step} loss {loss.item():.4f}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

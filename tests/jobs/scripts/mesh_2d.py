@@ -1,0 +1,52 @@
+"""A 2-D DeviceMesh (dp x tp, named dimensions) training step that knows nothing of ccld:
+a tensor-parallel all-reduce of activations, a data-parallel all-reduce of gradients.
+
+FAULT as in ddp_plain.py: ``hang@R:S`` or ``slow@R:X``."""
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+STEPS = int(os.environ.get("STEPS", "40"))
+
+
+def fault(rank: int, step: int) -> None:
+    kind, _, where = os.environ.get("FAULT", "").partition("@")
+    if not kind:
+        return
+    who, arg = where.split(":")
+    if int(who) != rank:
+        return
+    if kind == "hang" and step == int(arg):
+        time.sleep(3600)
+    if kind == "slow":
+        time.sleep(float(arg))
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
+    tp, dp = mesh["tp"].get_group(), mesh["dp"].get_group()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(256, 256) / 16)
+    opt = torch.optim.SGD([w], lr=0.01)
+    x = torch.randn(64, 256)
+    for step in range(STEPS):
+        fault(rank, step)
+        h = x @ w
+        dist.all_reduce(h, group=tp)  # the partial sums of a row-parallel layer
+        loss = h.square().mean()
+        opt.zero_grad()
+        loss.backward()
+        dist.all_reduce(w.grad, group=dp)
+        opt.step()
+        print(f"step {step} loss {loss.item():.4f}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""``ccld diagnose`` on the boards of real jobs that are gone: killed while hung, with a
+mismatch, with a rank killed by SIGKILL. The post-mortem names what the live diagnoser
+named, from the boards alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from job_runner import FAST_UNRESPONSIVE, demo, only
+from trace_rules import check_trace
+
+from ccld_plugin.cli import main
+from ccld_plugin.harness.launch import LocalJob
+from ccld_plugin.sinks.jsonl import read_verdicts
+
+KEEP = (*FAST_UNRESPONSIVE, "board.cleanup=false")
+TORCH = dict(framework="torch", overrides=KEEP, timeout_s=240, world=4, tp=1, pp=1, steps=40)
+SAME = ("kind", "cause", "ranks", "group", "op", "trace_id", "step")
+
+
+def _postmortem(boards: Path, out: Path) -> list[dict]:
+    """``ccld diagnose`` as a user runs it, with nothing from the job but its boards."""
+    assert main(["diagnose", str(boards), "--jsonl", str(out)]) == 0
+    return read_verdicts(out)
+
+
+def test_compute_hang_killed_while_hung(tmp_path):
+    code, summary = demo(tmp_path / "out", "compute-hang@2:step=4", **TORCH)
+    live = only(summary, "hang")
+    assert code == 0 and summary["exit"] == [-15] * 4  # the demo ended the hung job
+    (pm,) = _postmortem(tmp_path / "out" / "boards", tmp_path / "pm.jsonl")
+    assert {k: pm[k] for k in SAME} == {k: live[k] for k in SAME}
+    assert abs(pm["onset_s"] - live["onset_s"]) < 0.1  # one timebase: the diagnoser's clock
+    assert pm["detected_s"] >= live["detected_s"]  # the boards' last word: the kill
+    assert pm["stack"] and any("inject.py" in f for f in pm["stack"])
+    # the demo's timeline, with the live verdict; and ``ccld trace`` over the dead boards
+    by_ph = check_trace(json.loads((tmp_path / "out" / "trace.json").read_text()))
+    assert [(e["pid"], e["name"]) for e in by_ph["i"]] == [(2, "hang (compute)")]
+    assert main(["trace", str(tmp_path / "out" / "boards"), "-o", str(tmp_path / "t.json")]) == 0
+    by_ph = check_trace(json.loads((tmp_path / "t.json").read_text()))
+    (v,) = by_ph["i"]
+    assert v["pid"] == 2 and v["args"]["trace_id"] == live["trace_id"]
+    hung = [e for e in by_ph["X"] if e["args"].get("trace_id") == live["trace_id"]]
+    assert sorted(e["pid"] for e in hung) == [0, 1, 3]  # rank 2 never entered it
+    assert {e["pid"] for e in by_ph["s"] + by_ph["f"]} == {0, 1, 2, 3}
+
+
+def test_mismatch(tmp_path):
+    code, summary = demo(tmp_path / "out", "mismatch@3:step=4", **TORCH)
+    live = only(summary, "mismatch")
+    verdicts = _postmortem(tmp_path / "out" / "boards", tmp_path / "pm.jsonl")
+    (pm,) = [v for v in verdicts if v["kind"] == "mismatch"]
+    assert {k: pm[k] for k in SAME} == {k: live[k] for k in SAME}
+    assert not [v for v in verdicts if v["kind"] == "hang"]
+
+
+def test_rank_killed_first(tmp_path):
+    out = tmp_path / "out"
+    sets = [*KEEP, f"board.dir={out}", "job=b"]
+    argv = ["-m", "ccld_plugin.harness.workload", "--steps", "400"]
+    job = LocalJob(4, [*argv, *sum((["--ccld-set", s] for s in sets), [])], out / "logs")
+    job.start()
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and "step" not in _log(out, 0):
+            time.sleep(0.5)
+        time.sleep(3)
+        os.kill(job.procs[2].pid, signal.SIGKILL)
+        job.wait(30)
+    finally:
+        job.stop()
+    verdicts = _postmortem(out / "b", tmp_path / "pm.jsonl")
+    (v,) = verdicts
+    assert (v["kind"], v["ranks"]) == ("unresponsive", [2])
+    assert v["evidence"][0]["fact"] == "process_gone"
+
+
+def _log(out: Path, rank: int) -> str:
+    path = out / "logs" / f"rank{rank}.log"
+    return path.read_text(errors="replace") if path.exists() else ""

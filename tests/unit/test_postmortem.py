@@ -1,0 +1,174 @@
+"""Post-mortem diagnosis over boards (``ccld diagnose``): the summary a board gives, who
+died first judged from the boards against each other, clock offsets, and the checks that a
+directory holds the boards of one job."""
+
+from __future__ import annotations
+
+import pytest
+from builders import MS, NOW, S, facts, group, rank_board
+
+from ccld_plugin import _native
+from ccld_plugin.agent.board_summary import summarize_board
+from ccld_plugin.board.job_files import JOB_CONFIG, write_stack
+from ccld_plugin.cli import main
+from ccld_plugin.config import load_config
+from ccld_plugin.postmortem.boards import JobBoards, PostmortemError, load_boards
+from ccld_plugin.postmortem.diagnose_boards import diagnose_boards, job_config, job_view
+from ccld_plugin.wire.codes import STATE_ERROR
+from ccld_plugin.wire.summary import FLAG_ERRORED
+
+CFG = load_config(None, ["diagnoser.hang_min_s=3", "agent.interval_s=0.5"])
+DP = group("dp", range(4))
+
+
+def _op(seq: int, enter_s: float, exit_s: float | None = None, **kw: object) -> dict:
+    return dict(
+        seq=seq,
+        enter_ns=int(enter_s * S),
+        exit_ns=None if exit_s is None else int(exit_s * S),
+        **kw,
+    )
+
+
+def _history(last_seq: int, end_s: float) -> list[dict]:
+    """Completed all-reduces, one per second, 10 ms each, up to ``end_s``."""
+    return [
+        _op(q, end_s - (last_seq - q) - 0.01, end_s - (last_seq - q))
+        for q in range(1, last_seq + 1)
+    ]
+
+
+def _shift(ops: list[dict], by_ns: int) -> list[dict]:
+    """The ops as a clock ``by_ns`` ahead reads them."""
+    return [
+        {**o, "enter_ns": o["enter_ns"] + by_ns, "exit_ns": o["exit_ns"] and o["exit_ns"] + by_ns}
+        for o in ops
+    ]
+
+
+def _job(*boards: object, world: int = 4) -> JobBoards:
+    return JobBoards("j", world, {b.snap.header.rank: b for b in boards})  # type: ignore[attr-defined]
+
+
+def test_summary_of_a_board_is_on_the_diagnosers_clock():
+    ahead = 7 * S  # this rank's clock runs 7 s ahead of the diagnoser's
+    ops = [_op(1, 91, 91.5), _op(2, 95, 96, state=STATE_ERROR), _op(3, 97)]
+    b = rank_board(1, 4, [DP], _shift(ops, ahead), offset_ns=ahead)
+    s = summarize_board(b.snap, NOW + ahead, 0, ahead, groups_version=1, exited=True)
+    assert s.time_ns == NOW and s.exited and s.flags & FLAG_ERRORED
+    flight, error = s.in_flight
+    assert (flight.seq, flight.enter_ns, flight.state) == (3, 97 * S, 1)
+    assert (error.seq, error.state) == (2, STATE_ERROR)
+    assert s.last_progress_ns == 96 * S  # the last op that ended
+    (gp,) = s.groups
+    assert (gp.entered_seq, gp.completed_seq, gp.ops, gp.max_dur_us) == (3, 2, 1, 500_000)
+
+
+def test_hang_root_among_ranks_killed_together_with_skewed_clocks():
+    # Killed while hung: every heartbeat stops within a tick; rank 2 never entered seq 6.
+    # Rank 3's clock is 1000 s ahead: only its offset puts it with the others.
+    far = 1000 * S
+    waiting = [*_history(5, 80), _op(6, 80.1)]
+    boards = [rank_board(r, 4, [DP], waiting, heartbeat_ns=NOW - r * 100 * MS) for r in (0, 1)]
+    root = rank_board(2, 4, [DP], _history(5, 80), heartbeat_ns=NOW - 200 * MS)
+    root.stack = ["train.py:10 in main", "train.py:3 in stuck"]
+    boards.append(
+        rank_board(3, 4, [DP], _shift(waiting, far), heartbeat_ns=NOW + far, offset_ns=far)
+    )
+    verdicts = diagnose_boards(_job(*boards, root), CFG)
+    (v,) = [x.to_dict() for x in verdicts]
+    assert (v["kind"], v["cause"], v["ranks"], v["group"]["role"]) == ("hang", "compute", [2], "dp")
+    assert v["op"] == "all_reduce" and v["trace_id"].endswith(":6")
+    assert v["stack"] == root.stack
+    # seconds since the job's start (0 s on every clock): the last heartbeat, the last op
+    assert (v["detected_s"], v["onset_s"]) == (100.0, 80.0)
+
+
+def test_rank_that_died_first_is_named_not_the_ranks_left_waiting_for_it():
+    # Rank 1 was killed at ~80 s; the others waited in seq 6 for it until the job was
+    # killed at 100 s. On another host, its process cannot be checked: the stale heartbeat
+    # alone says it stopped first.
+    waiting = [*_history(5, 79), _op(6, 79.5)]
+    boards = [rank_board(r, 4, [DP], waiting) for r in (0, 2, 3)]
+    dead = rank_board(1, 4, [DP], _history(5, 79), heartbeat_ns=80 * S, host="elsewhere")
+    view = job_view(_job(*boards, dead), CFG)
+    assert view.gone == {1} and view.now_ns == NOW
+    (v,) = [x.to_dict() for x in diagnose_boards(_job(*boards, dead), CFG)]
+    assert (v["kind"], v["ranks"], v["onset_s"]) == ("unresponsive", [1], 80.0)
+    assert "process_gone" in facts(v["evidence"])
+
+
+def test_ranks_that_exited_cleanly_give_no_verdict():
+    boards = [rank_board(r, 4, [DP], _history(5, 90), closed=True) for r in range(4)]
+    assert diagnose_boards(_job(*boards), CFG) == []
+
+
+def _board(path, rank, world=4, job="j"):
+    b = _native.Board(str(path / f"rank{rank}.board"), rank, world, job, "h", 16, 4, 4, 16)
+    b.register_group(DP.group_id, 3, list(DP.ranks), rank)
+    return b
+
+
+def test_boards_of_different_jobs_are_refused_in_one_line(tmp_path, capsys):
+    boards = [_board(tmp_path, 0, job="a"), _board(tmp_path, 1, job="b")]
+    with pytest.raises(PostmortemError, match="2 different jobs.*'a' of world 4.*'b' of world 4"):
+        load_boards(tmp_path)
+    assert main(["diagnose", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ccld: error: boards of 2 different jobs") and "\n" not in err
+    for b in boards:
+        b.close()
+
+
+def test_missing_boards_are_said_and_the_rest_diagnosed(tmp_path, capsys):
+    boards = [_board(tmp_path, r) for r in (0, 2)]
+    write_stack(tmp_path / "rank2.board", ["a.py:1 in f"])
+    (tmp_path / "rank3.board").write_bytes(b"not a board")
+    job = load_boards(tmp_path)
+    assert sorted(job.ranks) == [0, 2] and job.missing == [1, 3]
+    assert job.ranks[2].stack == ["a.py:1 in f"]
+    assert any("rank3.board" in n and "skipped" in n for n in job.notes)
+    assert any("no board for rank(s) [1, 3] of 4" in n for n in job.notes)
+    assert main(["diagnose", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 of 4 boards" in out and "no board for rank(s) [1, 3]" in out
+    for b in boards:
+        b.close()
+
+
+def test_no_boards_is_one_line(tmp_path, capsys):
+    assert main(["diagnose", str(tmp_path)]) == 2
+    assert "no readable board (*.board)" in capsys.readouterr().err
+
+
+def test_the_jobs_own_thresholds_are_used_then_overrides(tmp_path):
+    (tmp_path / JOB_CONFIG).write_text("diagnoser:\n  hang_min_s: 4.5\n")
+    assert job_config(tmp_path, None, []).diagnoser.hang_min_s == 4.5
+    cfg = job_config(tmp_path, None, ["diagnoser.hang_min_s=2"])
+    assert cfg.diagnoser.hang_min_s == 2
+
+
+def test_a_saved_config_loads_where_the_jobs_output_paths_do_not_exist(tmp_path):
+    # Boards copied off a dead node: the job's sinks lived on that node, and the
+    # post-mortem writes none of them, so their paths are not checked here.
+    gone = tmp_path / "node7-local"  # a file here: nothing can be written under it
+    gone.write_text("")
+    (tmp_path / JOB_CONFIG).write_text(
+        f"board:\n  dir: {gone}/boards\nsinks:\n  jsonl: {gone}/v.jsonl\n"
+    )
+    assert job_config(tmp_path, None, []).sinks.jsonl == f"{gone}/v.jsonl"
+
+
+def test_rank_whose_peers_failed_after_it_went_silent_died_first():
+    # Rank 1 was killed; gloo raised in its peers' next all-reduce a moment later (well
+    # within a tick), and they left through the exit path.
+    raised = [*_history(5, 99), _op(6, 99.6, 99.7, state=STATE_ERROR)]
+    boards = [
+        rank_board(r, 4, [DP], raised, heartbeat_ns=int(99.7 * S), closed=True) for r in (0, 2, 3)
+    ]
+    dead = rank_board(1, 4, [DP], _history(5, 99), heartbeat_ns=int(99.5 * S))
+    (v,) = [x.to_dict() for x in diagnose_boards(_job(*boards, dead), CFG)]
+    assert (v["kind"], v["ranks"]) == ("unresponsive", [1])
+    # The same boards without the failed collectives: nobody is known to have died first.
+    calm = [rank_board(r, 4, [DP], _history(5, 99), heartbeat_ns=int(99.7 * S)) for r in (0, 2, 3)]
+    assert job_view(_job(*calm, dead), CFG).gone == set()
