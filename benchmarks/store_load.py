@@ -50,6 +50,7 @@ BYTES_PER_RANK = 900  # a rank's share of a packed node summary
 READ_CHUNK = 512  # keys per multi_get
 FD_MARGIN = 256  # descriptors a process needs besides its connections
 HOLD_SHARE = 0.95  # achieved / wanted writes for the store to have held
+BUSY_STORE_CPU = 50.0  # % of a core: below it, a shortfall is more likely the machine's
 START_LEAD_S = 1.0  # between sending the start time and the start
 JOIN_S = 5.0  # grace for a child to exit before it is terminated
 ADVICE = (
@@ -109,6 +110,7 @@ class Row:
     read_p99_ms: float = float("nan")
     store_cpu: float = float("nan")
     gen_cpu: float = float("nan")
+    load: float = float("nan")
     failure: str = ""
 
 
@@ -287,7 +289,7 @@ def receive(conn: Connection, deadline: float, what: str) -> object:
 # ------------------------------------------------------------------ one job size
 def measure(ranks: int, connections: int, capped: bool, args: argparse.Namespace) -> Row:
     """Run one job size; a failure is reported in the row, never raised."""
-    row = Row(ranks, connections, capped)
+    row = Row(ranks, connections, capped, wanted_per_s=connections / args.interval_s)
     try:
         with Fleet() as fleet:
             run_load(fleet, row, args)
@@ -327,6 +329,7 @@ def run_load(fleet: Fleet, row: Row, args: argparse.Namespace) -> None:
     reads = read_rounds(reader, spec, start, end)
     row.store_cpu = (cpu_of(host_pid) - cpu_host0) / args.seconds * 100
     gen_cpu = cpu_self() - cpu_gen0
+    row.load = os.getloadavg()[0]
     done_by = time.monotonic() + (end - time.time()) + args.timeout_s + JOIN_S
     writes = [receive(w, done_by, "writer's results")[1] for w in writers]
     fill_row(row, spec, args.seconds, writes, reads)
@@ -338,7 +341,6 @@ def fill_row(row: Row, spec: Spec, seconds: float, writes: list[Writes], reads: 
     lat = sorted(x for w in writes for x in w.latencies)
     row.set_p50_ms, row.set_p99_ms = pct_ms(lat, 0.50), pct_ms(lat, 0.99)
     row.sets_per_s = len(lat) / seconds
-    row.wanted_per_s = spec.connections / spec.interval_s
     rounds = sorted(reads.latencies)
     row.read_p50_ms, row.read_p99_ms = pct_ms(rounds, 0.50), pct_ms(rounds, 0.99)
     errors = [(w.errors, w.first_error) for w in writes] + [(reads.errors, reads.first_error)]
@@ -418,7 +420,7 @@ def one_line(exc: BaseException) -> str:
 HEADER = (
     f"{'ranks':>6} {'conns':>6} {'setup s':>7} {'set p50':>8} {'set p99':>8} "
     f"{'sets/s got/want':>16} {'read p50':>9} {'read p99':>9} {'store CPU':>9} "
-    f"{'gen CPU':>8}  held"
+    f"{'gen CPU':>8} {'load':>5}  held"
 )
 
 
@@ -431,7 +433,7 @@ def format_row(row: Row, interval_s: float) -> str:
     return (
         f"{row.ranks:>6} {conns:>6} {row.setup_s:>7.1f} {row.set_p50_ms:>8.2f} "
         f"{row.set_p99_ms:>8.2f} {rate:>16} {row.read_p50_ms:>9.1f} {row.read_p99_ms:>9.1f} "
-        f"{row.store_cpu:>8.0f}% {row.gen_cpu:>7.0f}%  {held}"
+        f"{row.store_cpu:>8.0f}% {row.gen_cpu:>7.0f}% {row.load:>5.1f}  {held}"
     )
 
 
@@ -458,11 +460,12 @@ def quiet_clients() -> None:
 def main() -> None:
     args = parse_args()
     quiet_clients()
-    fd_limit = raise_fd_limit()
-    cap = min(fd_limit, ephemeral_ports()) - FD_MARGIN
+    fd_limit, ports = raise_fd_limit(), ephemeral_ports()
+    cap = min(fd_limit, ports) - FD_MARGIN
+    limit = f"open-file limit {fd_limit}" if fd_limit <= ports else f"{ports} ephemeral ports"
     print(
         f"machine: {os.cpu_count()} CPUs (store, writers and reader share them); "
-        f"open-file limit {fd_limit}, ephemeral ports {ephemeral_ports()}; "
+        f"open-file limit {fd_limit}, ephemeral ports {ports}; "
         f"{args.workers} writer processes, interval {args.interval_s:g} s, "
         f"{args.seconds:g} s per size, value {args.ranks_per_node * BYTES_PER_RANK} B"
     )
@@ -470,17 +473,28 @@ def main() -> None:
     for ranks in args.ranks:
         wanted = ranks // args.ranks_per_node
         if wanted > cap:
-            print(
-                f"{ranks} ranks: {wanted} connections exceed this machine's limit; capped at {cap}"
-            )
+            print(f"{ranks} ranks: {wanted} connections exceed the {limit}; capped at {cap}")
         rows.append(measure(ranks, min(wanted, cap), wanted > cap, args))
+    print_table(rows, args.interval_s)
+
+
+def print_table(rows: list[Row], interval_s: float) -> None:
+    """The table, then the sizes at which the store did not hold and what to do about it."""
     print(HEADER)
     for row in rows:
-        print(format_row(row, args.interval_s))
-    print("(* capped; latencies in ms; CPU in % of one core over the measured window)")
-    failed = [r for r in rows if verdict(r, args.interval_s)]
-    for row in failed:
-        print(f"TCPStore did not hold at {row.ranks} ranks ({row.connections} connections).")
+        print(format_row(row, interval_s))
+    print(
+        "(* capped; latencies in ms; CPU in % of one core over the measured window; "
+        "load: the machine's 1-minute load average at its end)"
+    )
+    failed = [(row, why) for row in rows if (why := verdict(row, interval_s))]
+    for row, why in failed:
+        print(f"TCPStore did not hold at {row.ranks} ranks ({row.connections} connections): {why}")
+        if row.store_cpu < BUSY_STORE_CPU:
+            print(
+                f"  note: its process used {row.store_cpu:.0f}% of one core, with load average "
+                f"{row.load:.1f} on {os.cpu_count()} CPUs: the shortfall may be this machine's"
+            )
     if failed:
         print(ADVICE)
 
