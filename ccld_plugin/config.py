@@ -160,6 +160,11 @@ class ControlConfig:
 class DiagnoserConfig:
     rank: int = 0
     """Global rank that runs the diagnoser thread."""
+    standby: bool = True
+    """Run a standby diagnoser that takes diagnosis over when the diagnoser rank dies."""
+    standby_rank: int = -1
+    """Global rank of the standby; -1: the same local rank on the next node
+    (LOCAL_WORLD_SIZE ranks per node), or the next rank in a one-node job."""
     hang_min_s: float = 10.0
     """Floor of the hang threshold."""
     hang_k: float = 5.0
@@ -177,6 +182,7 @@ class DiagnoserConfig:
 
     def __post_init__(self) -> None:
         _check(self.rank >= 0, "diagnoser.rank", self.rank, ">= 0")
+        _check(self.standby_rank >= -1, "diagnoser.standby_rank", self.standby_rank, ">= -1")
         _seconds("diagnoser.hang_min_s", self.hang_min_s, 0, "> 0", strict=True)
         _check(
             math.isfinite(self.hang_k) and 1 <= self.hang_k <= 1000,

@@ -14,6 +14,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ from ccld_plugin.errors import log, report_error
 from ccld_plugin.wire.codes import FLAG_ASYNC, FLAG_P2P, STATE_DONE
 from ccld_plugin.wire.peer_channels import MAX_ENTRIES, encode_channels, entry_order
 from ccld_plugin.wire.summary import ArrivalSample, RankSummary, StepStat, encode_summary
+from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["Agent", "StepClock"]
 
@@ -49,6 +51,16 @@ class StepClock:
     def mark(self, step: int) -> None:
         self.current = step
         self.starts.append((step, time.monotonic_ns()))
+
+
+@dataclass(frozen=True)
+class LocalReport:
+    """What the agent last published (or tried to): a diagnoser in the same process reads
+    its own rank from here, so that it sees itself even when the store does not answer."""
+
+    summary: bytes
+    groups_version: int
+    groups: list[GroupInfo]
 
 
 class Agent:
@@ -82,6 +94,13 @@ class Agent:
         self._published_step = -1
         self._groups_version = 0
         self._published_groups: tuple = ()
+        self.latest: LocalReport | None = None
+        self.latest_groups: tuple = ()  # the group signature ``latest`` carries
+        # Why the store last failed us (None: it answers); when sending is tried again.
+        self.store_lost: str | None = None
+        self._retry_at = 0.0
+        self._backoff = cfg.interval_s
+        self._request_timeout_s = min(clock_timeout_s, max(2.0, 4 * cfg.interval_s))
         self._stack_written: tuple[str, ...] = ()  # the stack in the sidecar file, if any
         self._main_ident = threading.main_thread().ident
         # Per-peer TCP progress of this rank (None where the probe cannot run), and the
@@ -112,16 +131,19 @@ class Agent:
             self.clock = ClockSync(0, self._reader.header().start_mono_ns)
         self._board.set_clock_offset(self.clock.offset_ns)
         self._epoch = resync_epoch(self.clock.to_diag(time.monotonic_ns()), self.cfg.clock_resync_s)
-        backoff = self.cfg.interval_s
+        try:  # start-up waited for the store; from now on a request that waits longer
+            # than a few intervals waits for a store that is down or cut off
+            self.control.set_timeout(self._request_timeout_s)
+        except Exception as exc:  # noqa: BLE001
+            report_error("agent.store", exc)
         while not self._stop.is_set():
             try:
                 self._publish()
-                backoff = self.cfg.interval_s
             except Exception as exc:  # noqa: BLE001
                 report_error("agent.tick", exc)
-                backoff = min(backoff * 2, MAX_BACKOFF_S)
-            self._resync_clock()
-            self._stop.wait(self._until_next_tick(backoff))
+            if self.store_lost is None:
+                self._resync_clock()
+            self._stop.wait(self._until_next_tick(self.cfg.interval_s))
 
     # ------------------------------------------------------------------ clock
     def _resync_clock(self) -> None:
@@ -161,15 +183,43 @@ class Agent:
         return (period - now % period) / 1e9
 
     def _publish(self, final: bool = False) -> None:
+        """Summarize the board, and send the summary unless the store is down and the
+        next try is not due. Summaries go on every tick either way: the board and
+        ``latest`` (a diagnoser in this process) keep them."""
         self._board.heartbeat()
         groups = self.tracer.groups()
         signature = tuple((g.group_id, g.role) for g in groups)  # a role can be refined
-        if signature != self._published_groups:
+        if signature != self._published_groups and self.latest_groups != signature:
             self._groups_version += 1
-            self.control.publish_groups(self.rank, groups, self._groups_version)
-            self._published_groups = signature
-        summary = self.summarize(final)
-        self.control.publish(self.rank, encode_summary(summary))
+            self.latest_groups = signature
+        data = encode_summary(self.summarize(final))
+        self.latest = LocalReport(data, self._groups_version, groups)
+        now = time.monotonic()
+        if now < self._retry_at:
+            return
+        try:
+            if signature != self._published_groups:
+                self.control.publish_groups(self.rank, groups, self._groups_version)
+                self._published_groups = signature
+            self.control.publish(self.rank, data)
+        except Exception as exc:  # noqa: BLE001
+            if self.store_lost is None:
+                log.warning(
+                    "ccld rank %d: the store does not answer (%s); training goes on, the "
+                    "board keeps this rank's record (read it with: ccld diagnose <board "
+                    "dir>), and sending is retried with backoff",
+                    self.rank,
+                    (str(exc).splitlines() or [type(exc).__name__])[0][:160],
+                )
+                self._backoff = self.cfg.interval_s
+            self.store_lost = f"{type(exc).__name__}"
+            self._retry_at = now + self._backoff
+            self._backoff = min(2 * self._backoff, MAX_BACKOFF_S)
+            report_error("agent.publish", exc)
+            return
+        if self.store_lost is not None:
+            log.warning("ccld rank %d: the store answers again", self.rank)
+        self.store_lost = None
 
     # ------------------------------------------------------------------ summary
     def summarize(self, final: bool = False) -> RankSummary:

@@ -9,6 +9,7 @@ so the hang is not reported on its own.
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -19,6 +20,7 @@ from ccld_plugin.diagnose.hang import (
     find_mismatches,
     find_unresponsive,
 )
+from ccld_plugin.diagnose.isolation import isolation_hang, observer_isolated
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.slow import SlowDetector
 from ccld_plugin.diagnose.view import JobView
@@ -64,6 +66,13 @@ class Diagnoser:
                 g = view.group(s.rank, gp.slot)
                 if g is not None and gp.ops:
                     self._durations[g.group_id].append(gp.max_dur_us)
+        self.slow.ingest(view, fresh)
+        isolated = observer_isolated(view)
+        if isolated is not None:
+            # Every silent peer is an effect of the observer's own isolation: the peers'
+            # stale summaries would name each of them, so only the observer is judged.
+            v = isolation_hang(view, isolated, self.threshold_s)
+            return self._new([v] if v is not None else [])
         unresponsive = find_unresponsive(view, self.cfg.unresponsive_s)
         mismatches = find_mismatches(view)
         explained = {r for v in unresponsive for r in v.ranks}
@@ -79,10 +88,13 @@ class Diagnoser:
         ]
         if mismatches or self.reported(Kind.MISMATCH):
             hangs = self._fold_into_mismatch(hangs, mismatches)
-        self.slow.ingest(view, fresh)
         slow = self.slow.evaluate(view) if not hangs else []
+        return self._new([*unresponsive, *mismatches, *hangs, *slow])
+
+    def _new(self, verdicts: list[Verdict]) -> list[Verdict]:
+        """The verdicts not reported before (each is reported once)."""
         new = []
-        for v in [*unresponsive, *mismatches, *hangs, *slow]:
+        for v in verdicts:
             if v.key() not in self._reported:
                 self._reported.add(v.key())
                 new.append(v)
@@ -122,6 +134,10 @@ class Diagnoser:
                     )
                 )
         return [v for v in hangs if v not in effects]
+
+    def mark_reported(self, keys: Iterable[tuple]) -> None:
+        """Findings reported already (by the diagnoser this one takes over from)."""
+        self._reported.update(keys)
 
     def reported(self, kind: Kind) -> bool:
         return any(k[0] == kind for k in self._reported)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 
 from ccld_plugin.diagnose import tcp_evidence as chan
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
@@ -39,8 +40,11 @@ _SIZE_MAY_DIFFER = {
 ChannelEvidence = Callable[[JobView, GroupInfo, list[int]], chan.Located | None]
 
 
-def waits_for(view: JobView, b: Blocked, blocked: dict[int, Blocked]) -> list[int]:
-    """The ranks that ``b`` waits for: members that have not arrived at its op."""
+def waits_for(
+    view: JobView, b: Blocked, blocked: dict[int, Blocked], unknown: AbstractSet[int] = frozenset()
+) -> list[int]:
+    """The ranks that ``b`` waits for: members that have not arrived at its op, or whose
+    arrival is ``unknown`` (their last summary is too old to tell)."""
     if b.p2p:
         peer = b.op.peer
         other = blocked.get(peer)
@@ -59,13 +63,15 @@ def waits_for(view: JobView, b: Blocked, blocked: dict[int, Blocked]) -> list[in
         if m == b.rank:
             continue
         seq = view.entered_seq(m, b.group.group_id)
-        if seq is None or seq < b.op.seq:
+        if seq is None or seq < b.op.seq or m in unknown:
             missing.append(m)
     return missing
 
 
-def wait_for_graph(view: JobView, blocked: dict[int, Blocked]) -> dict[int, list[int]]:
-    return {r: waits_for(view, b, blocked) for r, b in blocked.items()}
+def wait_for_graph(
+    view: JobView, blocked: dict[int, Blocked], unknown: AbstractSet[int] = frozenset()
+) -> dict[int, list[int]]:
+    return {r: waits_for(view, b, blocked, unknown) for r, b in blocked.items()}
 
 
 def _walk(graph: dict[int, list[int]], start: int) -> tuple[set[int], list[int] | None]:
@@ -111,7 +117,13 @@ def find_hangs(
     # A rank cut off from the network: its last summary predates the cut and says nothing
     # about what it does now (a stale "waits in recv" would make a false cycle). Left out
     # of the graph, it is a root, reported as a communication hang by _root_hang.
-    for r in chan.cut_off_ranks(view):
+    cut_off = chan.cut_off_ranks(view)
+    # A rank whose summaries stopped otherwise (frozen, wedged, or late): its last summary
+    # may show it in an op it has long left, or outside one it is in. It is a root of
+    # unknown state, which find_unresponsive names once its heartbeat is old enough.
+    interval = chan.interval_s(view)
+    unknown = {r for r in view.summaries if r not in cut_off and chan.is_silent(view, r, interval)}
+    for r in (*cut_off, *unknown):
         blocked.pop(r, None)
     stuck = [
         b
@@ -120,7 +132,7 @@ def find_hangs(
     ]
     if not stuck:
         return []
-    graph = wait_for_graph(view, blocked)
+    graph = wait_for_graph(view, blocked, unknown)
     roots: set[int] = set()
     cycles: list[list[int]] = []
     for b in stuck:
@@ -130,12 +142,15 @@ def find_hangs(
             cycles.append(cycle)
     # A root must itself have stopped making progress; one that is merely slow to arrive
     # but still progressing is a straggler, not a hang.
+    frozen = roots & unknown
     roots = {
         r
-        for r in roots
+        for r in roots - frozen
         if r in view.summaries and r not in view.gone and view.idle_s(r) >= min_wait_s
     }
     verdicts = [_root_hang(view, r, blocked, graph) for r in sorted(roots)]
+    if frozen and not verdicts:
+        return []  # the waits end at a rank of unknown state: named unresponsive later
     if not verdicts:
         verdicts += [_deadlock(view, c, blocked) for c in cycles]
     if not verdicts:

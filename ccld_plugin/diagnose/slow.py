@@ -362,6 +362,22 @@ class SlowDetector:
         # where no sibling group exists to compare bandwidth with (one DP group).
         judged = self.channels.slow_links(view, t0, t1)
         found = judged.found
+        if found is None and judged.fresh:
+            # A group whose own connections were measured and found healthy did not move
+            # slowly on the network: its members were slow to run (a busy host, a
+            # straggler's TP peer), and that is no communication verdict.
+            cleared = [x for x in slow if _links_measured(x[0], judged.measured)]
+            for g, b, ref in cleared:
+                log.debug(
+                    "ccld window %d-%d: %s%s moves %.1f MB/s vs %.1f, but its links are healthy",
+                    lo,
+                    hi - 1,
+                    g.role,
+                    list(g.ranks),
+                    b / 1e6,
+                    ref / 1e6,
+                )
+            slow = [x for x in slow if x not in cleared]
         if not slow:
             if found is None:
                 for key in [k for k in self.streak if k[:2] == (Kind.SLOW, Cause.COMMUNICATION)]:
@@ -494,6 +510,12 @@ def _wait_balance(r: int, mine: list[Joined]) -> _WaitBalance:
         else:
             by_r += float(waits[at][0])
     return _WaitBalance(for_r, by_r, last_n)
+
+
+def _links_measured(g: GroupInfo, measured: frozenset[tuple[int, int]]) -> bool:
+    """Whether a connection between two members of ``g`` was measured."""
+    members = set(g.ranks)
+    return any(a in members and b in members for a, b in measured)
 
 
 def _by_member(joined: list[Joined]) -> dict[int, list[Joined]]:

@@ -88,6 +88,9 @@ class LinkJudgement:
     # False: the reports since the last judgement are too few to judge on; ``found`` is the
     # last judgement's, and the window neither confirms nor clears it.
     fresh: bool
+    # The directed links (rank, peer) that moved enough data to be judged: where ``found``
+    # is None they were judged healthy.
+    measured: frozenset[tuple[int, int]] = frozenset()
 
 
 class LinkStats(NamedTuple):
@@ -214,11 +217,12 @@ class ChannelHistory:
             self.span_start = start
             return LinkJudgement(self.last.found, False)
         self.span_start = None
-        found = _locate(view, tcp_links(rows), self.history, _TCP, self.roles)
+        tcp, nccl = tcp_links(rows), nccl_links(rows)
+        found = _locate(view, tcp, self.history, _TCP, self.roles)
         if found is None:
-            found = _locate(view, nccl_links(rows), self.nccl_history, _NCCL, self.roles)
+            found = _locate(view, nccl, self.nccl_history, _NCCL, self.roles)
         self.forget_before(start - int(FORGET_S * 1e9))
-        self.last = LinkJudgement(found, True)
+        self.last = LinkJudgement(found, True, frozenset(tcp) | frozenset(nccl))
         return self.last
 
 

@@ -33,8 +33,11 @@ __all__ = [
     "common_culprit",
     "cut_off_rank",
     "cut_off_ranks",
+    "interval_s",
     "is_silent",
     "report_of",
+    "stall_evidence",
+    "stalled_links",
     "toward_evidence",
 ]
 
@@ -83,7 +86,7 @@ def is_silent(view: JobView, rank: int, interval_s: float) -> bool:
     return rank not in view.gone and _silent_s(view, rank) >= SILENT_INTERVALS * interval_s
 
 
-def _interval_s(view: JobView) -> float:
+def interval_s(view: JobView) -> float:
     for rank in view.summaries:
         r = report_of(view, rank)
         if r is not None and r.interval_s > 0:
@@ -100,7 +103,7 @@ def _stalled(e: PeerChannel) -> str | None:
     return None
 
 
-def _stall(rank: int, e: PeerChannel, why: str) -> Evidence:
+def stall_evidence(rank: int, e: PeerChannel, why: str) -> Evidence:
     if why == "peer":
         return Evidence.of(
             "peer_not_reading",
@@ -129,7 +132,11 @@ def _stall(rank: int, e: PeerChannel, why: str) -> Evidence:
     )
 
 
-def _stalled_links(view: JobView, members: Iterable[int]) -> list[tuple[int, PeerChannel, str]]:
+def stalled_links(
+    view: JobView, members: Iterable[int], to_anyone: bool = False
+) -> list[tuple[int, PeerChannel, str]]:
+    """The stalled connections of ``members`` (as (rank, entry, why)): those toward other
+    members, or toward any peer with ``to_anyone``."""
     ms = set(members)
     out = []
     for rank in sorted(ms):
@@ -138,7 +145,7 @@ def _stalled_links(view: JobView, members: Iterable[int]) -> list[tuple[int, Pee
             continue  # a silent rank's last report predates the stall
         for e in rep.entries:
             why = _stalled(e)
-            if why is not None and e.peer in ms:
+            if why is not None and (to_anyone or e.peer in ms):
                 out.append((rank, e, why))
     return out
 
@@ -168,14 +175,14 @@ def common_culprit(
 def channel_evidence(view: JobView, group: GroupInfo, members: list[int]) -> Located | None:
     """For a hang in ``group`` where nobody is missing: the rank (or link) common to the
     stalled connections among ``members``, and the evidence; None without stalls."""
-    stalls = _stalled_links(view, members)
+    stalls = stalled_links(view, members)
     if not stalls:
         return None
-    interval = _interval_s(view)
+    interval = interval_s(view)
     silent = {r for r in members if is_silent(view, r, interval)}
     ranks, link = common_culprit([(r, e.peer) for r, e, _ in stalls], silent)
     evidence = [
-        _stall(r, e, why) for r, e, why in sorted(stalls, key=lambda x: -x[1].stalled_s)[:4]
+        stall_evidence(r, e, why) for r, e, why in sorted(stalls, key=lambda x: -x[1].stalled_s)[:4]
     ]
     evidence += _silent(view, sorted(silent & set(ranks)))
     kinds = {why for _, _, why in stalls}
@@ -207,18 +214,20 @@ def cut_off_rank(view: JobView, rank: int, peers: Iterable[int]) -> Located | No
     """Whether ``rank``, silent and seemingly absent from a stuck op, is cut off: its
     summaries stopped while its peers' connections to it stall unacknowledged. Then its
     stale summary says nothing about what it does, and the hang is on its link."""
-    interval = _interval_s(view)
+    interval = interval_s(view)
     if not is_silent(view, rank, interval):
         return None
     ps = [p for p in peers if p != rank]
     to_it = [
         (r, e, why)
-        for r, e, why in _stalled_links(view, [rank, *ps])
+        for r, e, why in stalled_links(view, [rank, *ps])
         if e.peer == rank and why == "network"
     ]
     if not to_it:
         return None
-    evidence = [_stall(r, e, why) for r, e, why in sorted(to_it, key=lambda x: -x[1].stalled_s)[:4]]
+    evidence = [
+        stall_evidence(r, e, why) for r, e, why in sorted(to_it, key=lambda x: -x[1].stalled_s)[:4]
+    ]
     evidence += _silent(view, [rank])
     evidence.append(
         Evidence.of(
@@ -236,7 +245,7 @@ def cut_off_rank(view: JobView, rank: int, peers: Iterable[int]) -> Located | No
 
 def cut_off_ranks(view: JobView) -> list[int]:
     """Every rank of the view that :func:`cut_off_rank` finds cut off."""
-    interval = _interval_s(view)
+    interval = interval_s(view)
     return [
         r
         for r in sorted(view.summaries)
@@ -278,7 +287,7 @@ def toward_evidence(view: JobView, root: int, waiters: Iterable[int]) -> list[Ev
         if e.peer == root and _stalled(e) == "network"
     ]
     if net:
-        return [_stall(r, e, "network") for r, e in net[:2]]
+        return [stall_evidence(r, e, "network") for r, e in net[:2]]
     entries = [e for rep in reports.values() for e in rep.entries if e.peer == root]
     # One fact either way; retransmits and max_rtt_ms are None when the connections are
     # idle (idle connections are left out of the summaries).

@@ -54,6 +54,12 @@ class JobView:
     job_start_ns: int
     world: int
     gone: set[int] = field(default_factory=set)  # ranks whose process no longer exists
+    # Where the view is taken from: the rank whose diagnoser reads it (None for a
+    # post-mortem), whether the store lives on its host, and why the store did not answer
+    # this round (None: it did). A fault of the observer's own link shows only in these.
+    observer: int | None = None
+    store_local: bool = False
+    store_failed: str | None = None
     # Built from the tables when not given; a caller whose tables did not change since the
     # last round passes the last one (at 16 k ranks it takes ~0.1 s to build).
     topology: Topology = None  # type: ignore[assignment]

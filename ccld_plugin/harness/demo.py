@@ -60,6 +60,8 @@ _EXPECTED = {
     "mismatch": ("mismatch", "software"),
     "comm-slow": ("slow", "communication"),
     "comm-hang": ("hang", "communication"),
+    "kill": ("unresponsive", "unknown"),
+    "freeze": ("unresponsive", "unknown"),
 }
 _TERMINAL = {"hang", "deadlock", "mismatch", "unresponsive"}
 
@@ -167,9 +169,14 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
     }  # nothing here to compile; saves seconds per rank
     if not _has_cuda():
         env["DS_ACCELERATOR"] = "cpu"
-    local = LocalJob(world=opts.world, argv=argv, log_dir=out / "logs", env=env)
+    closed_network = opts.netns or any(f.is_comm for f in faults)
+    # On one host the launcher hosts the store, as torchrun does; in the closed network
+    # the launcher cannot be reached, and rank 0 hosts it.
+    local = LocalJob(
+        world=opts.world, argv=argv, log_dir=out / "logs", env=env, agent_store=not closed_network
+    )
     job: LocalJob | NetJob = local
-    if opts.netns or any(f.is_comm for f in faults):  # ranks in a closed network (netjob)
+    if closed_network:  # ranks in a closed network (netjob)
         ok, why = available()
         if not ok:
             console.print(f"[red]ccld demo: the closed network is not available: {why}[/]")

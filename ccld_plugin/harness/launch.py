@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = ["LocalJob", "free_port"]
 
@@ -60,15 +61,28 @@ class LocalJob:
     master_port: int = 0
     # Prepended to a rank's command (e.g. ``ip netns exec ...``) and its own address.
     rank_prefix: Callable[[int], list[str]] | None = None
+    # Host the job's store here, as torchrun's agent does, instead of in rank 0: the store
+    # then outlives any rank (a rank that crashes or is killed takes nothing else with it).
+    agent_store: bool = False
     procs: list[subprocess.Popen] = field(default_factory=list)
+    _store: Any = field(default=None, repr=False)
 
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         port = self.master_port or free_port()
+        extra: dict[str, str] = {}
+        if self.agent_store:
+            import torch.distributed as dist
+
+            self._store = dist.TCPStore(
+                self.master_addr, port, self.world, True, wait_for_workers=False
+            )
+            extra["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # env:// then joins it
         for rank in range(self.world):
             env = {
                 **os.environ,
                 **self.env,
+                **extra,
                 "RANK": str(rank),
                 "WORLD_SIZE": str(self.world),
                 "LOCAL_RANK": str(rank),
@@ -121,4 +135,5 @@ class LocalJob:
             deadline = time.monotonic() + grace_s
             while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
                 time.sleep(0.05)
+        self._store = None  # the job is over: its store closes
         return self.poll()

@@ -313,7 +313,8 @@ def _checked_step(step: Any) -> int:
 def disable(keep_board: bool = False) -> None:
     """Stop the services, restore every wrapped function and close the board. The board is
     removed unless ``board.cleanup`` is off or ``keep_board`` is set (the exit path of a
-    crashed rank keeps it for the post-mortem). Safe to call more than once."""
+    crashed rank keeps it for the post-mortem), or the store stopped answering this rank
+    (the board is then the only record). Safe to call more than once."""
     global _session
     with _lock:
         _restore_init()
@@ -322,6 +323,7 @@ def disable(keep_board: bool = False) -> None:
             return
         if s.services is not None:
             s.services.stop()
+            keep_board = keep_board or s.services.store_lost
         try:
             s.tracer.uninstall()
         finally:

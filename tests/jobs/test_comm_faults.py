@@ -14,6 +14,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
 from job_runner import FAST_UNRESPONSIVE, demo, facts, only
 
 from ccld_plugin.board.reader import BoardReader, board_files
@@ -110,6 +111,44 @@ def test_comm_hang_names_the_rank_whose_link_is_cut(tmp_path: Path) -> None:
     assert [e["data"]["rank"] for e in ev["summaries_stopped"]] == [2]
     assert len(summary["verdicts"]) == 1 and code == 0
     assert summary["latency_s"][0]["latency_s"] <= 3 + 4
+
+
+@pytest.mark.parametrize(
+    ("diagnoser", "standby"),
+    [(0, True), (2, True), (2, False)],
+    ids=["diagnoser-0-hosts-the-store", "diagnoser-2-standby-takes-over", "diagnoser-2-alone"],
+)
+def test_cut_link_of_the_diagnoser_rank_names_it(
+    tmp_path: Path, diagnoser: int, standby: bool
+) -> None:
+    # Seen from the diagnoser, every peer falls silent at once. At rank 0 it hosts the
+    # store, which the peers (and the standby) cannot reach: it names itself. At rank 2
+    # the store at rank 0 stops answering it: its lease lapses and the standby (rank 3)
+    # names it from outside; without a standby, it names itself.
+    code, summary = netns_demo(
+        tmp_path,
+        1,
+        1,
+        40,
+        f"comm-hang@{diagnoser}:step=4",
+        extra=(f"diagnoser.rank={diagnoser}", f"diagnoser.standby={str(standby).lower()}"),
+    )
+    v = only(summary, "hang", "communication")
+    assert (v["ranks"], v["group"]["role"]) == ([diagnoser], "dp")
+    ev = facts(v["evidence"])
+    took_over = (
+        "rank 3 takes diagnosis over from rank 2"
+        in (tmp_path / "out" / "logs" / "rank3.log").read_text()
+    )
+    if diagnoser == 2 and standby:
+        assert took_over
+        assert [e["data"]["rank"] for e in ev["summaries_stopped"]] == [2]
+    else:
+        assert not took_over
+        silent = ev["peers_silent_at_once"][0]["data"]["ranks"]
+        assert silent == sorted({0, 1, 2, 3} - {diagnoser})
+        assert ("store_unreachable" in ev) == (diagnoser != 0)
+    assert len(summary["verdicts"]) == 1 and code == 0
 
 
 def test_compute_slow_and_comm_slow_on_different_ranks(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 
 def test_a_late_resync_keeps_the_earlier_estimate_aged_by_the_drift() -> None:
-    from ccld_plugin.control import MAX_DRIFT_PPM, ClockSync
+    from ccld_plugin.control.clock import MAX_DRIFT_PPM, ClockSync
 
     s = 1_000_000_000
     clock = ClockSync(2_000_000, 0)  # 2 ms: the truth plus the best delivery delay

@@ -66,6 +66,32 @@ def test_hang_root_is_the_rank_in_no_collective_tp2_pp2():
     assert h.onset_s == 87.5 and h.detected_s == 100.0
 
 
+def test_a_frozen_root_is_unresponsive_not_a_compute_hang():
+    # Rank 1's process froze (SIGSTOP) outside any op: its agent froze too, so its last
+    # summary is 12 s old and says nothing of what it does. No compute hang is named on
+    # that stale word; once its heartbeat is old enough it is unresponsive, and the
+    # peers' wait is explained by it.
+    dp = group("dp", [0, 1])
+    tables = {0: [dp], 1: [dp]}
+    frozen = summary(1, {0: 8}, idle_s=12, hb_age_s=12)
+    frozen.time_ns = frozen.heartbeat_ns
+    v = view([summary(0, {0: 9}, [(0, "all_reduce", 9, 12, 0, -1)], idle_s=12), frozen], tables)
+    assert find_hangs(v, lambda gid: 10.0, 1.0) == []
+    (u,) = Diagnoser(DiagnoserConfig(unresponsive_s=10), interval_s=0.5).round(v)
+    assert (u.kind.value, u.ranks) == ("unresponsive", [1])
+    # Its stale summary may show it inside the op (it froze just after): still no
+    # "everyone entered" communication hang on that stale word.
+    inside = summary(1, {0: 9}, [(0, "all_reduce", 9, 12, 0, -1)], idle_s=12, hb_age_s=12)
+    inside.time_ns = inside.heartbeat_ns
+    v = view([summary(0, {0: 9}, [(0, "all_reduce", 9, 12, 0, -1)], idle_s=12), inside], tables)
+    assert find_hangs(v, lambda gid: 10.0, 1.0) == []
+    # The same rank with its agent alive (a compute hang in host code) is a hang.
+    alive = summary(1, {0: 8}, idle_s=12)
+    v = view([summary(0, {0: 9}, [(0, "all_reduce", 9, 12, 0, -1)], idle_s=12), alive], tables)
+    (h,) = find_hangs(v, lambda gid: 10.0, 1.0)
+    assert (h.cause.value, h.ranks) == ("compute", [1])
+
+
 def test_no_hang_below_the_threshold_and_adaptive_threshold():
     dp = group("dp", [0, 1])
     tables = {0: [dp], 1: [dp]}

@@ -169,6 +169,9 @@ def test_a_new_verdicts_file_is_private(tmp_path):
 
 
 class _Store:
+    rank = 0
+    store_local = True
+
     def __init__(self, groups: dict[int, object]) -> None:
         self.groups = groups
 

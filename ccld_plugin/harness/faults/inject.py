@@ -1,4 +1,5 @@
-"""Compute faults inside a rank: slow compute, a compute hang, a mismatched collective.
+"""Faults inside a rank: slow compute, a compute hang, a mismatched collective, a kill, a
+freeze.
 
 A training loop calls ``before_step`` at each step start and ``bind_groups`` once its
 groups exist. A compute-slow fault then hooks into the tracer, which calls ``stretch()``
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,6 +56,12 @@ class Injector:
                 self._hook_into_tracer()
             elif f.kind == "mismatch":
                 self._issue_mismatched_collective()
+            elif f.kind == "kill":
+                # A crash that runs no handler: no exit path, no board cleanup, no last
+                # summary. The fault log line above is flushed and closed already.
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif f.kind == "freeze":
+                os.kill(os.getpid(), signal.SIGSTOP)  # until the launcher ends it
             elif f.kind == "compute-hang":
                 while True:  # stuck in host code: the peers block in their next collective
                     time.sleep(3600)

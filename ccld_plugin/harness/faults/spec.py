@@ -6,7 +6,10 @@ Kinds and their parameters:
 - ``compute-hang@R[:step=S]``: rank R blocks in compute before its next collective;
 - ``mismatch@R[:step=S]``: rank R issues a different collective than its peers;
 - ``comm-slow@R:rate=RATE[,step=S]``: rank R's link is shaped to RATE (e.g. ``20mbit``);
-- ``comm-hang@R[:step=S]``: rank R's link is cut.
+- ``comm-hang@R[:step=S]``: rank R's link is cut;
+- ``kill@R[:step=S]``: rank R's process ends itself with SIGKILL (no exit path runs);
+- ``freeze@R[:step=S]``: rank R's process stops itself (SIGSTOP): alive, its connections
+  open, every thread of it frozen.
 
 ``step`` is when the fault starts (default 3, after warm-up).
 """
@@ -27,6 +30,8 @@ FAULT_KINDS: dict[str, tuple[set[str], set[str]]] = {
     "mismatch": (set(), {"step"}),
     "comm-slow": ({"rate"}, {"step"}),
     "comm-hang": (set(), {"step"}),
+    "kill": (set(), {"step"}),
+    "freeze": (set(), {"step"}),
 }
 # ASCII digits only: str.isdigit and int() also take other scripts' digits (and "1_000")
 _INT = re.compile(r"[0-9]+")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch.distributed.distributed_c10d as c10d
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "megatron" / "pretrain_gpt.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "megatron" / "pretrain_gpt.py"
 
 
 def _load_example():

@@ -7,7 +7,10 @@ worker), else a dedicated TCPStore hosted by the diagnoser rank. Keys:
 - ``g/<rank>``: the rank's group table, rewritten when it changes;
 - ``clk/...``: the clock handshake; ``job_start``: the diagnoser's start time;
 - ``ep/<rank>``: the (ip, port) local ends of the rank's TCP connections, which peers join
-  with their remote ends to map connections to ranks (rewritten when they change).
+  with their remote ends to map connections to ranks (rewritten when they change);
+- ``diag/owner``, ``diag/beat``, ``diag/reported``: the diagnosis lease (which rank's
+  diagnoser is in charge, its renewal counter) and the keys of the verdicts reported so
+  far, which a standby that takes over does not report again.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -25,57 +28,11 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from ccld_plugin.config import ControlConfig
+from ccld_plugin.control.clock import CLOCK_ROUNDS, CLOCK_SPACING_S, ClockSync
+from ccld_plugin.control.deadline import DeadlineStore
 from ccld_plugin.wire.topology import GroupInfo
 
-__all__ = ["ClockSync", "ControlPlane", "resync_epoch"]
-
-# A handshake's timestamps: each rank's offset is the smallest gap it sees between a post
-# and its read, so a rank that is not running when one comes (descheduled, or its agent
-# waiting for the GIL) reads it late. Five posts 10 ms apart all came late to some ranks
-# of a loaded host: offsets of 5-16 ms on one host (true offset 0), more than the arrival
-# skew of a TP collective. Spread over half a second, one post is likely caught at once.
-CLOCK_ROUNDS = 10
-CLOCK_SPACING_S = 0.05
-# Quartz oscillators are specified to +-20..100 ppm; NTP-disciplined hosts stay within a few.
-MAX_DRIFT_PPM = 100
-
-
-def resync_epoch(diag_ns: int, period_s: float) -> int:
-    """Clock re-sync periods passed at ``diag_ns`` on the diagnoser's clock (0 when off):
-    epoch n's timestamps are posted once its clock passes n x period."""
-    return int(diag_ns // int(period_s * 1e9)) if period_s else 0
-
-
-class ClockSync:
-    """This rank's monotonic clock against the diagnoser's: ``offset_ns`` is ours minus
-    theirs; ``job_start_ns`` is the diagnoser's start, on its clock."""
-
-    def __init__(self, offset_ns: int, job_start_ns: int) -> None:
-        self.offset_ns = offset_ns
-        self.job_start_ns = job_start_ns
-        # The best handshake so far and when it was taken (our clock): a measured offset
-        # is the truth plus a delivery delay, so lower is better, up to the clocks' drift.
-        self._best = (offset_ns, time.monotonic_ns())
-
-    def take(self, measured_ns: int, now_ns: int) -> bool:
-        """A re-sync's measured offset. It replaces the best one unless that one, aged by
-        the most the clocks can have drifted since (MAX_DRIFT_PPM), is still lower: then
-        this handshake's posts reached us late and the aged estimate stands. True when
-        the measurement was taken."""
-        best, at = self._best
-        aged = best + (now_ns - at) * MAX_DRIFT_PPM // 1_000_000
-        if measured_ns <= aged:
-            self._best = (measured_ns, now_ns)
-            self.offset_ns = measured_ns
-            return True
-        self.offset_ns = aged
-        return False
-
-    def to_diag(self, mono_ns: int) -> int:
-        return mono_ns - self.offset_ns
-
-    def job_seconds(self, mono_ns: int) -> float:
-        return (mono_ns - self.offset_ns - self.job_start_ns) / 1e9
+__all__ = ["ControlPlane", "owner_record"]
 
 
 class ControlPlane:
@@ -92,25 +49,32 @@ class ControlPlane:
         base = _own_client(cfg) if cfg.store == "auto" else None
         if base is None:
             base = self._dedicated_store()
-        self.store = dist.PrefixStore(self.store_prefix, base)
+        self.store = DeadlineStore(dist.PrefixStore(self.store_prefix, base))
+        # A store on this host answers this rank even when its link is down: a diagnoser
+        # here then hears nothing from anyone, the sign of its own isolation.
+        self.store_local = _is_local_address(base.host)
 
-    def connect(self) -> ControlPlane:
-        """Another control plane over a new connection (one per thread that blocks)."""
+    def connect(self, timeout_s: float | None = None) -> ControlPlane:
+        """Another control plane over a new connection (one per thread that blocks),
+        whose connecting and requests give up after ``timeout_s`` (default: connecting
+        after ``control.connect_timeout_s``, requests as set by :meth:`set_timeout`)."""
+        timeout = timedelta(seconds=self.cfg.connect_timeout_s if timeout_s is None else timeout_s)
         other = object.__new__(ControlPlane)
         other.__dict__.update(self.__dict__)
-        base = _own_client(self.cfg) if self.cfg.store == "auto" else None
+        base = _own_client(self.cfg, timeout) if self.cfg.store == "auto" else None
         if base is None:
             host, port = self._dedicated_address()
-            base = dist.TCPStore(
-                host,
-                port,
-                self.world,
-                False,
-                timedelta(seconds=self.cfg.connect_timeout_s),
-                wait_for_workers=False,
-            )
-        other.store = dist.PrefixStore(self.store_prefix, base)
+            base = dist.TCPStore(host, port, self.world, False, timeout, wait_for_workers=False)
+        other.store = DeadlineStore(dist.PrefixStore(self.store_prefix, base))
+        if timeout_s is not None:
+            other.set_timeout(timeout_s)
         return other
+
+    def set_timeout(self, timeout_s: float) -> None:
+        """From now on a request waits at most ``timeout_s`` for the store, then fails
+        (``StoreTimeout``): start-up waits for the other ranks on purpose; after it, a
+        longer wait is for a store whose host or link is down."""
+        self.store.set_deadline(timeout_s)
 
     def _dedicated_address(self) -> tuple[str, int]:
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -132,7 +96,7 @@ class ControlPlane:
 
     # ---------------------------------------------------------------- summaries
     def publish(self, rank: int, summary: bytes) -> None:
-        self.store.set(f"s/{rank}", summary)  # type: ignore[arg-type]  # bytes are stored as is
+        self.store.set(f"s/{rank}", summary)  # bytes are stored as is
 
     def read_summaries(self, ranks: Iterable[int]) -> dict[int, bytes]:
         """Latest summaries of ``ranks``; ranks that never published are left out."""
@@ -209,10 +173,10 @@ class ControlPlane:
         job_start = int(bytes(self.store.get("job_start")))
         return ClockSync(offset, job_start)
 
-    def _post_timestamps(self, prefix: str) -> None:
+    def _post_timestamps(self, prefix: str, now_ns: Callable[[], int] = time.monotonic_ns) -> None:
         """Diagnoser side of a handshake: CLOCK_ROUNDS timestamps of its clock, spaced."""
         for k in range(CLOCK_ROUNDS):
-            self.store.set(f"{prefix}/{k}", str(time.monotonic_ns()))
+            self.store.set(f"{prefix}/{k}", str(now_ns()))
             time.sleep(CLOCK_SPACING_S)
 
     def _min_gap(self, prefix: str, timeout_s: float) -> int:
@@ -229,9 +193,11 @@ class ControlPlane:
     # ---------------------------------------------------------------- re-sync
     # Later handshakes need no barrier: the diagnoser posts epoch n's timestamps once its
     # clock passes n x period, and each agent waits for them from its tick before then.
-    def post_clock_epoch(self, epoch: int) -> None:
-        """Diagnoser side: post epoch ``epoch``'s timestamps; drop those of two back."""
-        self._post_timestamps(f"clk/e{epoch}")
+    def post_clock_epoch(self, epoch: int, now_ns: Callable[[], int] = time.monotonic_ns) -> None:
+        """Diagnoser side: post epoch ``epoch``'s timestamps, read from ``now_ns`` (a
+        standby in charge posts the first diagnoser's clock, on which every rank's times
+        are); drop those of two back."""
+        self._post_timestamps(f"clk/e{epoch}", now_ns)
         for k in range(CLOCK_ROUNDS):
             with contextlib.suppress(Exception):  # gone already, or never posted
                 self.store.delete_key(f"clk/e{epoch - 2}/{k}")
@@ -240,6 +206,43 @@ class ControlPlane:
         """Rank side: our clock minus the diagnoser's, from epoch ``epoch``'s timestamps.
         Raises when they do not come within ``timeout_s``."""
         return self._min_gap(f"clk/e{epoch}", timeout_s)
+
+    # ---------------------------------------------------------------- diagnosis lease
+    # One diagnoser emits verdicts at a time: the one diag/owner names. It adds to
+    # diag/beat every agent interval (a counter: no two hosts' clocks are compared); a
+    # standby that sees the counter stand still takes diag/owner over with compare_set,
+    # so that of two claimants one wins.
+    def diagnosis_owner(self) -> bytes | None:
+        """The owner record of the diagnoser in charge (None before one started)."""
+        if not self.store.check(["diag/owner"]):
+            return None
+        return bytes(self.store.get("diag/owner"))
+
+    def take_diagnosis(self, expected: bytes | None, rank: int, host: str, pid: int) -> bool:
+        """Become the diagnoser in charge if the owner record is still ``expected``."""
+        mine = owner_record(rank, host, pid)
+        old = b"" if expected is None else expected
+        return bytes(self.store.compare_set("diag/owner", old, mine)) == mine
+
+    def renew_lease(self) -> int:
+        return int(self.store.add("diag/beat", 1))
+
+    def lease_beat(self) -> int:
+        return int(self.store.add("diag/beat", 0))
+
+    def record_reported(self, key: tuple) -> None:
+        self.store.append("diag/reported", json.dumps(list(key)) + "\n")
+
+    def reported_keys(self) -> list[tuple]:
+        """The keys of the verdicts reported so far (``Verdict.key()``, as tuples)."""
+        if not self.store.check(["diag/reported"]):
+            return []
+        lines = bytes(self.store.get("diag/reported")).decode().splitlines()
+        return [(k, c, tuple(r), g) for k, c, r, g in map(json.loads, filter(None, lines))]
+
+
+def owner_record(rank: int, host: str, pid: int) -> bytes:
+    return json.dumps({"rank": rank, "host": host, "pid": pid}).encode()
 
 
 def _listen_on(host: str, port: int) -> socket.socket:
@@ -262,7 +265,23 @@ def _listen_on(host: str, port: int) -> socket.socket:
     )
 
 
-def _own_client(cfg: ControlConfig) -> Any | None:
+def _is_local_address(host: str) -> bool:
+    """Whether ``host`` is an address of this host (of this network namespace): only a
+    local address can be bound."""
+    try:
+        for family, kind, proto, _, addr in socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM):
+            with socket.socket(family, kind, proto) as sock:
+                try:
+                    sock.bind(addr)
+                    return True
+                except OSError:
+                    continue
+    except OSError:
+        pass
+    return False
+
+
+def _own_client(cfg: ControlConfig, timeout: timedelta | None = None) -> Any | None:
     """A new client of the job's own TCPStore, or None when the job has none."""
     try:
         store = c10d._get_default_store()
@@ -276,6 +295,6 @@ def _own_client(cfg: ControlConfig) -> Any | None:
         store.host,
         store.port,
         is_master=False,
-        timeout=timedelta(seconds=cfg.connect_timeout_s),
+        timeout=timeout or timedelta(seconds=cfg.connect_timeout_s),
         wait_for_workers=False,
     )

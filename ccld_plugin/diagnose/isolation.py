@@ -1,0 +1,143 @@
+"""The diagnoser's own rank, cut off: seen from where the diagnoser sits, a fault of its own
+link looks like every other rank failing at once.
+
+When the link of the rank that hosts the diagnoser goes down, the peers' summaries stop
+arriving all together (the control plane crosses that link too, or the store it reaches
+is gone), while the diagnoser's own summary, taken in this process, stays fresh. Judged
+rank by rank, every peer then looks silent, cut off or unresponsive, and the one rank
+that is healthy-looking is the culprit. The element all the silent ranks have in common
+is the observer: :func:`observer_isolated` recognizes the pattern, and
+:func:`isolation_hang` turns it into a communication hang on the observer once its own
+op has waited past the hang threshold.
+
+The pattern needs evidence that the observer's own contact is what failed, not the
+peers': the store lives on the observer's host (the peers cannot reach that host), or a
+remote store does not answer the observer while its own connections stall (a remote store
+that still answers would have heard from peers that were alive and connected; one whose
+host died silences everyone without stalling the observer's links).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ccld_plugin.diagnose import tcp_evidence as chan
+from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
+from ccld_plugin.diagnose.view import JobView
+
+__all__ = ["Isolation", "isolation_hang", "observer_isolated"]
+
+# "At once": the peers' last summaries lie within this many agent intervals of each other
+# (a link cut between two ticks stops every peer within one interval; load adds a little).
+AT_ONCE_INTERVALS = 3.0
+MIN_PEERS = 2  # with one peer, either end of the pair may be the one cut off
+
+
+@dataclass
+class Isolation:
+    """Every peer of ``observer`` silent at once: ``lost_ns`` is the newest of their last
+    summaries (contact ended after it), ``spread_s`` how far apart they stopped."""
+
+    observer: int
+    peers: list[int]
+    lost_ns: int
+    spread_s: float
+
+
+def observer_isolated(view: JobView) -> Isolation | None:
+    """The pattern of the observer's own isolation in this view, or None."""
+    obs = view.observer
+    if obs is None or obs not in view.summaries:
+        return None
+    interval = chan.interval_s(view)
+    if chan.is_silent(view, obs, interval):
+        return None
+    peers = sorted(r for r, s in view.summaries.items() if r != obs and not s.exited)
+    if len(peers) < MIN_PEERS:
+        return None
+    # A process known gone is its own explanation; one still speaking breaks the pattern.
+    if any(r in view.gone or not chan.is_silent(view, r, interval) for r in peers):
+        return None
+    last = [view.summaries[r].time_ns for r in peers]
+    spread_s = (max(last) - min(last)) / 1e9
+    if spread_s > AT_ONCE_INTERVALS * interval:
+        return None
+    if not view.store_local:
+        if view.store_failed is None:
+            return None
+        # A remote store that went down (its host died) silences everyone too; only the
+        # observer's own stalled connections put the fault on its side.
+        if not chan.stalled_links(view, [obs], to_anyone=True):
+            return None
+    return Isolation(obs, peers, max(last), spread_s)
+
+
+def isolation_hang(
+    view: JobView, iso: Isolation, threshold_s: Callable[[int], float]
+) -> Verdict | None:
+    """A communication hang on the isolated observer, once its own oldest op has waited
+    past its group's threshold (None before: its training may still be between ops)."""
+    b = view.blocked().get(iso.observer)
+    if b is None or b.age_s < threshold_s(b.group.group_id):
+        return None
+    silent_s = (view.now_ns - iso.lost_ns) / 1e9
+    evidence = [
+        Evidence.of(
+            "peers_silent_at_once",
+            "the summaries of all {count} other ranks stopped within {spread_s:.1f} s of "
+            "each other ({silent_s:.1f} s ago) while rank {rank}'s own go on: the element "
+            "they have in common is rank {rank}, the diagnoser's",
+            count=len(iso.peers),
+            ranks=iso.peers,
+            spread_s=iso.spread_s,
+            silent_s=silent_s,
+            rank=iso.observer,
+        ),
+        Evidence.of(
+            "waits_in",
+            "rank {rank} waits in {op} seq {seq} on {role}{members} ({wait_s:.1f} s)",
+            rank=iso.observer,
+            op=b.op_name,
+            seq=b.op.seq,
+            role=b.group.role,
+            members=list(b.group.ranks),
+            wait_s=b.age_s,
+        ),
+    ]
+    if view.store_failed is not None:
+        evidence.append(
+            Evidence.of(
+                "store_unreachable",
+                "the control-plane store does not answer rank {rank}: {error}",
+                rank=iso.observer,
+                error=view.store_failed,
+            )
+        )
+    stalls = chan.stalled_links(view, [iso.observer], to_anyone=True)
+    evidence += [
+        chan.stall_evidence(r, e, why)
+        for r, e, why in sorted(stalls, key=lambda x: -x[1].stalled_s)[:4]
+    ]
+    if stalls and {why for _, _, why in stalls} == {"network"}:
+        evidence.append(
+            Evidence.of(
+                "link_down",
+                "the peers' kernels acknowledge nothing rank {rank} sends: a live kernel "
+                "acknowledges even when its process stalls, so rank {rank}'s link is down",
+                rank=iso.observer,
+            )
+        )
+    return Verdict(
+        kind=Kind.HANG,
+        cause=Cause.COMMUNICATION,
+        ranks=[iso.observer],
+        group=b.group.to_dict(),
+        op=b.op_name,
+        trace_id=b.trace_id,
+        step=view.summaries[iso.observer].step,
+        onset_s=view.seconds(min(b.op.enter_ns, iso.lost_ns)),
+        detected_s=view.seconds(view.now_ns),
+        severity=round(b.age_s, 1),
+        evidence=evidence,
+    )

@@ -1,0 +1,364 @@
+"""The live diagnoser: a thread on the diagnoser rank (or, once it took over, the standby
+rank) that reads every summary each round, runs the diagnoser and feeds the sinks. It holds
+the diagnosis lease while it runs and emits verdicts only while it is the one in charge."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from ccld_plugin.agent.agent import LocalReport
+from ccld_plugin.config import CcldConfig
+from ccld_plugin.control import ControlPlane, owner_record, resync_epoch
+from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
+from ccld_plugin.diagnose.nccl_evidence import nccl_evidence
+from ccld_plugin.diagnose.tcp_evidence import Located, channel_evidence
+from ccld_plugin.diagnose.view import topology_of
+from ccld_plugin.errors import log, report_error
+from ccld_plugin.sinks import Sink
+from ccld_plugin.wire.peer_channels import channel_rows
+from ccld_plugin.wire.summary import RankSummary, decode_summary
+from ccld_plugin.wire.topology import GroupInfo, Topology, role_index
+
+__all__ = ["DiagnoserService", "alive"]
+
+MAX_ROUND_SHARE = 0.2  # of the diagnoser rank's time spent in diagnoser rounds
+STORE_READ_MIN_S = 2.0
+# Renewals a standby waits for before it takes the lease over (a loaded host can delay one
+# or two); the diagnoser in charge counts its lease lost one interval earlier.
+LEASE_INTERVALS = 4
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection during a diagnoser round. A round builds tens of
+    objects per rank; at thousands of ranks the collections they trigger (each a pass over
+    the detector's long-lived state) cost more than the round itself (3-4x at 2,048 ranks).
+    Collection only waits until the round ends, and the collector stays off if it was off
+    (frameworks that collect by hand, such as Megatron's --manual-gc)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def located_by_channels(view: JobView, group: GroupInfo, members: list[int]) -> Located | None:
+    """Where a hang's channels put it: NCCL wait states first (they say exactly what each
+    step waits for), then the TCP connections."""
+    return nccl_evidence(view, group, members) or channel_evidence(view, group, members)
+
+
+class DiagnoserService:
+    def __init__(
+        self,
+        cfg: CcldConfig,
+        control: ControlPlane,
+        world: int,
+        job_start_ns: int,
+        sinks: list[Sink],
+        own_report: Callable[[], LocalReport | None] = lambda: None,
+        clock_ns: Callable[[], int] = time.monotonic_ns,
+        serves_clock: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        self.control = control
+        self.rank = control.rank
+        # Now on the job's clock: the first diagnoser's monotonic clock, which every rank's
+        # times are converted to. A standby in charge reads it through its own offset, and
+        # does not serve the start-up handshake (the first diagnoser did).
+        self.clock_ns = clock_ns
+        self.serves_clock = serves_clock
+        self.in_charge = True  # until another diagnoser holds the lease
+        self._renewed_ns = time.monotonic_ns()  # the lease's last renewal
+        self._lease_s = (LEASE_INTERVALS - 1) * cfg.agent.interval_s  # under the standby's wait
+        # This rank's own summary, straight from its agent: the diagnoser sees itself
+        # even when the store does not answer it.
+        self.own_report = own_report
+        self._store_failed: str | None = None  # why the store last failed, until it answers
+        # A read of a few hundred keys takes milliseconds; one that waits longer than a few
+        # agent intervals waits for a store that is down or cut off.
+        self._read_timeout_s = min(
+            cfg.control.connect_timeout_s, max(STORE_READ_MIN_S, 4 * cfg.agent.interval_s)
+        )
+        self.world = world
+        self.job_start_ns = job_start_ns
+        self.sinks = sinks
+        self.diagnoser = Diagnoser(
+            cfg.diagnoser, cfg.agent.interval_s, channel_evidence=located_by_channels
+        )
+        self.verdicts: list[Verdict] = []
+        self.config_file: Path | None = None  # removed at exit with the boards
+        self._tables: dict[int, tuple[int, list[GroupInfo]]] = {}
+        self._last_good: dict[int, RankSummary] = {}  # of each rank, as decoded
+        self._topology: Topology | None = None  # of the tables, until one of them changes
+        self._topology_ranks = 0
+        # the last clock re-sync epoch posted: the current one counts as done
+        self._clock_epoch = resync_epoch(clock_ns(), cfg.agent.clock_resync_s)
+        self._host = socket.gethostname()
+        self._owner = owner_record(self.rank, self._host, os.getpid())
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ccld-diagnoser", daemon=True)
+        self._lease = threading.Thread(target=self._hold_lease, name="ccld-lease", daemon=True)
+
+    def start(self) -> None:
+        self._lease.start()
+        self._thread.start()
+
+    def stop(self) -> None:
+        """One last round (the exit and exception paths), so the verdict that explains a
+        failing job is written before this process ends."""
+        self._stop.set()
+        for thread in (self._thread, self._lease):
+            if thread.ident is not None:  # a standby taking over at exit started neither
+                thread.join(timeout=self.cfg.agent.interval_s + 5)
+        self._round()
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as exc:  # noqa: BLE001
+                report_error("diagnoser.sink", exc)
+        if self.config_file is not None and self.cfg.board.cleanup:
+            self.config_file.unlink(missing_ok=True)  # else the board directory stays
+
+    def _hold_lease(self) -> None:
+        """Renew the diagnosis lease every agent interval (on a connection of its own: a
+        round that blocks on the store must not let it lapse), until stopped or another
+        diagnoser took it over."""
+        try:
+            control = self.control.connect(self._read_timeout_s)
+            if self.serves_clock:  # the first diagnoser; a standby took it over already
+                control.take_diagnosis(
+                    control.diagnosis_owner(), self.rank, self._host, os.getpid()
+                )
+        except Exception as exc:  # noqa: BLE001 - no lease: no standby can take over
+            report_error("diagnoser.lease", exc)
+            return
+        while True:
+            try:
+                control.renew_lease()
+                self._renewed_ns = time.monotonic_ns()
+            except Exception as exc:  # noqa: BLE001
+                report_error("diagnoser.lease", exc)
+            if self._stop.wait(self.cfg.agent.interval_s):
+                return
+
+    def _still_in_charge(self) -> bool:
+        """Whether this diagnoser still holds the lease. One that lost it (it froze long
+        enough for the standby to take over) emits nothing more and stops its rounds."""
+        if not self.in_charge:
+            return False
+        try:
+            owner = self.control.diagnosis_owner()
+        except Exception:  # noqa: BLE001 - the store does not answer us
+            # As with any lease: unrenewed for as long as the standby waits, it may have
+            # passed to the standby, which reaches the store where we do not. Say nothing
+            # rather than twice (the standby names us; without one, we stay in charge).
+            unrenewed_s = (time.monotonic_ns() - self._renewed_ns) / 1e9
+            return not self.cfg.diagnoser.standby or unrenewed_s < self._lease_s
+        if owner is not None and owner != self._owner:
+            self.in_charge = False
+            self._stop.set()
+            log.warning(
+                "ccld: rank %d's diagnoser lost the diagnosis lease to %s; it stops",
+                self.rank,
+                owner.decode(errors="replace"),
+            )
+        return self.in_charge
+
+    def _run(self) -> None:
+        try:
+            if self.serves_clock:
+                self.control.serve_clock(self.job_start_ns, self.cfg.control.connect_timeout_s)
+            self.control.set_timeout(self._read_timeout_s)
+        except Exception as exc:  # noqa: BLE001
+            report_error("diagnoser.clock", exc)
+        interval = self.cfg.agent.interval_s
+        pause = interval / 2
+        while not self._stop.wait(min(pause, self._until_clock_epoch())):
+            self._post_clock_epoch()
+            t0 = time.perf_counter()
+            self._round()
+            # The rounds run on a training rank and hold the GIL: at thousands of ranks a
+            # round takes a good share of a second, and back to back they would slow this
+            # rank's own training (and make it look like a straggler). Keep them to at most
+            # MAX_ROUND_SHARE of the time.
+            cost = time.perf_counter() - t0
+            pause = max(interval / 2, cost * (1 - MAX_ROUND_SHARE) / MAX_ROUND_SHARE)
+
+    def _until_clock_epoch(self) -> float:
+        """Seconds to the next clock re-sync (the agents wait for its timestamps)."""
+        period = self.cfg.agent.clock_resync_s
+        if not period:
+            return float("inf")
+        return max(0.0, (self._clock_epoch + 1) * period - self.clock_ns() / 1e9)
+
+    def _post_clock_epoch(self) -> None:
+        epoch = resync_epoch(self.clock_ns(), self.cfg.agent.clock_resync_s)
+        if epoch <= self._clock_epoch:
+            return
+        self._clock_epoch = epoch
+        try:
+            self.control.post_clock_epoch(epoch, self.clock_ns)
+        except Exception as exc:  # noqa: BLE001
+            report_error("diagnoser.clock_resync", exc)
+
+    def _round(self) -> None:
+        with self._lock:
+            try:
+                with gc_paused():
+                    view = self._view()
+                    verdicts = self.diagnoser.round(view) if view.summaries else []
+            except Exception as exc:  # noqa: BLE001
+                report_error("diagnoser.round", exc)
+                return
+            if verdicts and not self._still_in_charge():
+                return
+            for v in verdicts:
+                self.verdicts.append(v)
+                try:  # a standby that takes over does not report it again
+                    self.control.record_reported(v.key())
+                except Exception as exc:  # noqa: BLE001
+                    report_error("diagnoser.reported", exc)
+                log.info("ccld verdict: %s", v.to_dict())
+                for sink in self.sinks:
+                    try:
+                        sink.emit(v)
+                    except Exception as exc:  # noqa: BLE001
+                        report_error(f"diagnoser.{type(sink).__name__}", exc)
+            for sink in self.sinks:
+                if hasattr(sink, "observe"):
+                    try:
+                        sink.observe(view, self.diagnoser)
+                    except Exception as exc:  # noqa: BLE001
+                        report_error(f"diagnoser.{type(sink).__name__}", exc)
+
+    def _read_store(self) -> tuple[dict[int, bytes], str | None]:
+        """Every rank's latest summary from the store, or ({}, why) when the store does not
+        answer within the read timeout."""
+        try:
+            raw = self.control.read_summaries(range(self.world))
+        except Exception as exc:  # noqa: BLE001 - the store is down, or cut off from us
+            why = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
+            if self._store_failed is None:  # once per outage
+                report_error("diagnoser.store", exc)
+            self._store_failed = why
+            return {}, why
+        if self._store_failed is not None:
+            log.warning("ccld: the store answers the diagnoser again")
+        self._store_failed = None
+        return raw, None
+
+    def _view(self) -> JobView:
+        raw, store_failed = self._read_store()
+        own = self.own_report()
+        if own is not None:
+            raw[self.rank] = own.summary
+            if self._tables.get(self.rank, (None,))[0] != own.groups_version:
+                self._tables[self.rank] = (own.groups_version, own.groups)
+                self._topology = None
+        summaries = self._summaries(raw)
+        for rank, s in list(summaries.items()):
+            known = self._tables.get(rank)
+            if known is None or known[0] != s.groups_version:
+                table = None if store_failed else self._read_table(rank)
+                if table is None:
+                    del summaries[rank]
+                    continue
+                self._tables[rank] = table
+                self._topology = None
+        tables = {r: t for r, (_, t) in self._tables.items() if r in summaries}
+        if self._topology is None or self._topology_ranks != len(tables):
+            self._topology, self._topology_ranks = topology_of(tables), len(tables)
+        gone = {
+            r
+            for r, s in summaries.items()
+            if s.host == self._host and not s.exited and not alive(s.pid)
+        }
+        return JobView(
+            summaries=summaries,
+            tables=tables,
+            now_ns=self.clock_ns(),
+            job_start_ns=self.job_start_ns,
+            world=self.world,
+            gone=gone,
+            topology=self._topology,
+            observer=self.rank,
+            store_local=self.control.store_local,
+            store_failed=store_failed,
+        )
+
+    def _summaries(self, raw: dict[int, bytes]) -> dict[int, RankSummary]:
+        """The summaries that decode and fit this job. A corrupt one is counted (contained
+        error ``diagnoser.decode``) and the rank's last good summary stands in, so that a
+        rank whose reports stay unreadable ages into an unresponsive one; channel evidence
+        naming a rank outside the job is dropped the same way."""
+        fresh: dict[int, RankSummary] = {}
+        for rank, data in raw.items():
+            try:
+                s = decode_summary(data)
+                _fits_job(s, rank, self.world)
+            except ValueError as exc:
+                report_error("diagnoser.decode", exc)
+                continue
+            fresh[rank] = s
+        rows = channel_rows(fresh.values()).entries
+        for rank in set(rows["rank"][rows["peer"] >= self.world].tolist()):
+            fresh[rank].channels = b""
+            report_error(
+                "diagnoser.decode", ValueError(f"rank {rank}: a channel peer not in the job")
+            )
+        self._last_good.update(fresh)
+        # Every rank ever heard from: one that is heard from no more (its key unreadable,
+        # the store gone) ages in the view into a silent or unresponsive rank.
+        return dict(self._last_good)
+
+    def _read_table(self, rank: int) -> tuple[int, list[GroupInfo]] | None:
+        """A rank's group table from the store, or None (counted) when it is corrupt."""
+        try:
+            version, groups = self.control.read_groups(rank)
+            for g in groups:
+                _fits_group(g, rank, self.world)
+        except (ValueError, KeyError, TypeError) as exc:
+            report_error("diagnoser.groups", ValueError(f"rank {rank}'s group table: {exc}"))
+            return None
+        return version, groups
+
+
+def _fits_job(s: RankSummary, rank: int, world: int) -> None:
+    """Raise ValueError when a decoded summary does not fit the job (its own checks passed
+    in decode_summary): another rank's key, a peer outside the job."""
+    if s.rank != rank:
+        raise ValueError(f"the summary under rank {rank}'s key is rank {s.rank}'s")
+    if any(op.peer >= world for op in s.in_flight):
+        raise ValueError(f"rank {rank}: an in-flight op with a peer outside the job")
+
+
+def _fits_group(g: GroupInfo, rank: int, world: int) -> None:
+    role_index(g.role)
+    ranks = set(g.ranks)
+    if (
+        not all(type(r) is int and 0 <= r < world for r in g.ranks)
+        or len(ranks) != len(g.ranks)
+        or rank not in ranks
+    ):
+        raise ValueError(f"group {g.group_id:016x} has ranks {list(g.ranks)[:8]}")
+
+
+def alive(pid: int) -> bool:
+    """Whether a process exists and is not a zombie (a killed child not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except (OSError, IndexError):
+        return False

@@ -1,0 +1,104 @@
+"""The diagnoser's own rank cut off: every peer silent at once is the observer's fault, not
+each peer's; on synthetic views."""
+
+from __future__ import annotations
+
+from builders import NOW, S, facts, group, job_view, peer_channel, rank_summary
+
+from ccld_plugin.config import DiagnoserConfig
+from ccld_plugin.diagnose import Diagnoser
+from ccld_plugin.diagnose.isolation import observer_isolated
+from ccld_plugin.diagnose.view import JobView
+from ccld_plugin.wire.codes import OP_CODES
+from ccld_plugin.wire.peer_channels import encode_channels
+from ccld_plugin.wire.summary import GroupProgress, InFlightOp
+
+INTERVAL = 0.5
+DP4 = group("dp", [0, 1, 2, 3])
+CUT = dict(wait="network", queued=64_000, stalled_s=4.0, rtos=3, rtt_us=200_000)
+
+
+def _rank(rank: int, age_s: float, op_age_s: float | None, channels=()) -> object:
+    """Rank ``rank`` whose last summary is ``age_s`` old, in all_reduce seq 9 of DP4 for
+    ``op_age_s`` seconds (None: in no op)."""
+    t = NOW - int(age_s * S)
+    flights = (
+        [InFlightOp(0, OP_CODES["all_reduce"], 0, -1, 9, 1 << 20, NOW - int(op_age_s * S))]
+        if op_age_s is not None
+        else []
+    )
+    return rank_summary(
+        rank,
+        t,
+        groups=[GroupProgress(0, 9 if flights else 8, 8, 0, 0, 0, 0)],
+        in_flight=flights,
+        last_progress_ns=NOW - int((op_age_s or 0) * S),
+        channels=encode_channels(list(channels), INTERVAL, len(channels)),
+    )
+
+
+def _view(ages: dict[int, float], observer: int = 0, **where: object) -> JobView:
+    """Rank ``observer`` fresh and blocked 8 s with its links to 1 and 3 stalled; every
+    other rank blocked too, its last summary ``ages[r]`` seconds old."""
+    summaries = [
+        _rank(observer, 0.0, 8.0, [peer_channel(1, **CUT), peer_channel(3, **CUT)]),
+        *(_rank(r, age, 8.0 - age) for r, age in ages.items()),
+    ]
+    v = job_view(summaries, {r: [DP4] for r in range(4)}, world=4)
+    v.observer = observer
+    for k, value in {"store_local": True, **where}.items():
+        setattr(v, k, value)
+    return v
+
+
+def _diagnoser() -> Diagnoser:
+    return Diagnoser(DiagnoserConfig(hang_min_s=3, unresponsive_s=4), INTERVAL)
+
+
+def test_every_peer_silent_at_once_names_the_diagnosers_own_rank() -> None:
+    v = _view({1: 4.0, 2: 4.1, 3: 4.2})
+    (verdict,) = _diagnoser().round(v)
+    assert (verdict.kind, verdict.cause, verdict.ranks) == ("hang", "communication", [0])
+    assert verdict.group is not None and verdict.group["role"] == "dp"
+    ev = facts(verdict.evidence)
+    assert ev["peers_silent_at_once"][0]["data"]["ranks"] == [1, 2, 3]
+    assert {e["data"]["peer"] for e in ev["link_stalled"]} == {1, 3}
+    assert ev["link_down"] and "store_unreachable" not in ev
+
+
+def test_a_store_that_does_not_answer_is_evidence_of_isolation_anywhere() -> None:
+    v = _view({1: 4.0, 2: 4.1, 3: 4.2}, observer=0, store_local=False, store_failed="timeout")
+    (verdict,) = _diagnoser().round(v)
+    assert verdict.ranks == [0]
+    assert facts(verdict.evidence)["store_unreachable"][0]["data"]["error"] == "timeout"
+
+
+def test_a_remote_store_that_died_with_its_host_does_not_blame_the_observer() -> None:
+    v = _view({1: 4.0, 2: 4.1, 3: 4.2}, store_local=False, store_failed="reset by peer")
+    v.summaries[0] = _rank(0, 0.0, 8.0)  # its own connections do not stall
+    assert observer_isolated(v) is None
+
+
+def test_a_remote_store_that_answers_clears_the_observer() -> None:
+    # The store, elsewhere, hears from the observer: peers alive and connected would have
+    # been heard too. They are judged one by one, and the observer is not named.
+    v = _view({1: 4.0, 2: 4.1, 3: 4.2}, store_local=False)
+    assert observer_isolated(v) is None
+    assert all(0 not in verdict.ranks for verdict in _diagnoser().round(v))
+
+
+def test_no_isolation_when_one_peer_still_speaks_or_they_stopped_apart() -> None:
+    assert observer_isolated(_view({1: 4.0, 2: 4.1, 3: 0.2})) is None
+    assert observer_isolated(_view({1: 4.0, 2: 9.0, 3: 4.2})) is None  # 5 s apart
+    assert observer_isolated(_view({1: 4.0, 2: 4.1, 3: 4.2}, gone={2})) is None
+    v = _view({1: 4.0, 2: 4.1, 3: 4.2})
+    v.observer = None  # a post-mortem: nobody observes
+    assert observer_isolated(v) is None
+
+
+def test_isolated_but_not_yet_stuck_past_the_threshold_gives_nothing_yet() -> None:
+    v = _view({1: 4.0, 2: 4.1, 3: 4.2})
+    v.summaries[0] = _rank(0, 0.0, 1.0)  # its op began 1 s ago: under hang_min_s
+    d = _diagnoser()
+    assert observer_isolated(v) is not None
+    assert d.round(v) == []  # and the silent peers are not blamed meanwhile
