@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose import Diagnoser, JobView
 from ccld_plugin.diagnose.view import topology_of
-from ccld_plugin.runtime.services import gc_paused
+from ccld_plugin.runtime.diagnoser import gc_paused
 from ccld_plugin.wire.peer_channels import PeerChannel, encode_channels
 from ccld_plugin.wire.summary import (
     ArrivalSample,
@@ -66,6 +66,11 @@ def layout(world: int) -> dict[int, list[GroupInfo]]:
 
 
 def summary(rank: int, world: int, step: int, now: int) -> bytes:
+    return encode_summary(rank_summary(rank, world, step, now))
+
+
+def rank_summary(rank: int, world: int, step: int, now: int) -> RankSummary:
+    """Rank ``rank``'s steady-state summary at ``now`` (diagnoser clock), step ``step``."""
     seq = (step + 1) * OPS_PER_STEP
     start = now - STEP_NS
     groups = [
@@ -93,7 +98,7 @@ def summary(rank: int, world: int, step: int, now: int) -> bytes:
         1.0,
         6,
     )
-    s = RankSummary(
+    return RankSummary(
         rank=rank,
         pid=1000 + rank,
         host=f"node{rank // 8}",
@@ -107,7 +112,6 @@ def summary(rank: int, world: int, step: int, now: int) -> bytes:
         samples=samples,
         channels=channels,
     )
-    return encode_summary(s)
 
 
 def bench(world: int, rounds: int, store: dist.Store) -> dict[str, float]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -61,6 +62,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="write into --out even when it holds files that are not a demo's",
     )
+    demo.add_argument(
+        "--diagnoser-process",
+        action="store_true",
+        help="run the diagnoser as a process of its own (ccld diagnoser), not on a rank",
+    )
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
 
     wbs = sub.add_parser(
@@ -102,6 +108,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     tr.add_argument("--config", type=Path, help="a YAML config (default: the job's own)")
     tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
+
+    dg = sub.add_parser(
+        "diagnoser",
+        help="run the diagnoser as a process of its own, beside a job with diagnoser.rank=-1",
+    )
+    dg.add_argument("--store", required=True, metavar="HOST:PORT", help="the job's TCPStore")
+    dg.add_argument("--world", type=int, required=True, help="the job's number of ranks")
+    dg.add_argument(
+        "--job",
+        help="the job's name (default: the config's job, else the launcher's run id, else "
+        "job-PORT, as the ranks name it)",
+    )
+    dg.add_argument("--config", type=Path, help="a YAML config file (the job's)")
+    dg.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
 
     run = sub.add_parser(
         "run",
@@ -154,9 +174,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                     netns=args.netns,
                     zero_stage=args.zero_stage,
                     force=args.force,
+                    diagnoser_process=args.diagnoser_process,
                 ),
                 console,
             )
+        if args.command == "diagnoser":
+            from ccld_plugin.config import load_config
+            from ccld_plugin.runtime.external import run_diagnoser
+            from ccld_plugin.runtime.session import job_name
+
+            host, sep, port = args.store.rpartition(":")
+            if not sep or not host or not port.isdigit() or args.world < 1:
+                console.print(
+                    f"[red]ccld diagnoser: --store {args.store!r} --world {args.world}: "
+                    "expected HOST:PORT and a world of at least 1[/]"
+                )
+                return 2
+            cfg = load_config(args.config, args.overrides)
+            # as the ranks name their job when neither config nor launcher does: by port
+            os.environ.setdefault("MASTER_PORT", port)
+            return run_diagnoser(cfg, host, int(port), args.job or job_name(cfg), args.world)
         if args.command == "wandb-summary":
             from ccld_plugin.sinks.wandb.run_file import print_summary, wait_for_run
 

@@ -159,12 +159,14 @@ class ControlConfig:
 @dataclass(kw_only=True)
 class DiagnoserConfig:
     rank: int = 0
-    """Global rank that runs the diagnoser thread."""
+    """Global rank that runs the diagnoser thread; -1: none, the diagnoser runs as a process
+    of its own (``ccld diagnoser``), for large jobs."""
     standby: bool = True
     """Run a standby diagnoser that takes diagnosis over when the diagnoser rank dies."""
     standby_rank: int = -1
     """Global rank of the standby; -1: the same local rank on the next node
-    (LOCAL_WORLD_SIZE ranks per node), or the next rank in a one-node job."""
+    (LOCAL_WORLD_SIZE ranks per node), or the next rank in a one-node job (rank 0 for a
+    diagnoser of its own)."""
     hang_min_s: float = 10.0
     """Floor of the hang threshold."""
     hang_k: float = 5.0
@@ -181,7 +183,7 @@ class DiagnoserConfig:
     """...and above the cohort median by this many MADs."""
 
     def __post_init__(self) -> None:
-        _check(self.rank >= 0, "diagnoser.rank", self.rank, ">= 0")
+        _check(self.rank >= -1, "diagnoser.rank", self.rank, ">= 0, or -1 (ccld diagnoser)")
         _check(self.standby_rank >= -1, "diagnoser.standby_rank", self.standby_rank, ">= -1")
         _seconds("diagnoser.hang_min_s", self.hang_min_s, 0, "> 0", strict=True)
         _check(

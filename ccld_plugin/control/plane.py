@@ -8,9 +8,10 @@ worker), else a dedicated TCPStore hosted by the diagnoser rank. Keys:
 - ``clk/...``: the clock handshake; ``job_start``: the diagnoser's start time;
 - ``ep/<rank>``: the (ip, port) local ends of the rank's TCP connections, which peers join
   with their remote ends to map connections to ranks (rewritten when they change);
-- ``diag/owner``, ``diag/beat``, ``diag/reported``: the diagnosis lease (which rank's
-  diagnoser is in charge, its renewal counter) and the keys of the verdicts reported so
-  far, which a standby that takes over does not report again.
+- ``diag/owner``, ``diag/beat``, ``diag/released``, ``diag/reported``: the diagnosis
+  lease (which rank's diagnoser is in charge, its renewal counter, whether it ended on
+  purpose) and the keys of the verdicts reported so far, which a standby that takes over
+  does not report again.
 """
 
 from __future__ import annotations
@@ -49,6 +50,21 @@ class ControlPlane:
         base = _own_client(cfg) if cfg.store == "auto" else None
         if base is None:
             base = self._dedicated_store()
+        self._attach(base)
+
+    @classmethod
+    def client(cls, cfg: ControlConfig, host: str, port: int, job: str, world: int) -> ControlPlane:
+        """The control plane of a process outside the job (``ccld diagnoser``), over the
+        job's store at ``host:port``; it is rank -1."""
+        plane = object.__new__(cls)
+        plane.cfg, plane.rank, plane.world, plane.diagnoser_rank = cfg, -1, world, -1
+        plane.store_prefix = f"{cfg.prefix}{job}/"
+        timeout = timedelta(seconds=cfg.connect_timeout_s)
+        plane._attach(dist.TCPStore(host, port, world, False, timeout, wait_for_workers=False))
+        return plane
+
+    def _attach(self, base: Any) -> None:
+        self.address = (base.host, base.port)
         self.store = DeadlineStore(dist.PrefixStore(self.store_prefix, base))
         # A store on this host answers this rank even when its link is down: a diagnoser
         # here then hears nothing from anyone, the sign of its own isolation.
@@ -61,11 +77,8 @@ class ControlPlane:
         timeout = timedelta(seconds=self.cfg.connect_timeout_s if timeout_s is None else timeout_s)
         other = object.__new__(ControlPlane)
         other.__dict__.update(self.__dict__)
-        base = _own_client(self.cfg, timeout) if self.cfg.store == "auto" else None
-        if base is None:
-            host, port = self._dedicated_address()
-            base = dist.TCPStore(host, port, self.world, False, timeout, wait_for_workers=False)
-        other.store = DeadlineStore(dist.PrefixStore(self.store_prefix, base))
+        host, port = self.address
+        other._attach(dist.TCPStore(host, port, self.world, False, timeout, wait_for_workers=False))
         if timeout_s is not None:
             other.set_timeout(timeout_s)
         return other
@@ -82,7 +95,7 @@ class ControlPlane:
 
     def _dedicated_store(self) -> Any:
         host, port = self._dedicated_address()
-        hosting = self.rank == self.diagnoser_rank
+        hosting = self.rank == max(self.diagnoser_rank, 0)  # rank 0 for ccld diagnoser
         return dist.TCPStore(
             host,
             port,
@@ -224,6 +237,17 @@ class ControlPlane:
         old = b"" if expected is None else expected
         return bytes(self.store.compare_set("diag/owner", old, mine)) == mine
 
+    def release_diagnosis(self, owner: bytes) -> None:
+        """Say that ``owner`` ended on purpose (the job's normal end): no standby takes
+        over from it."""
+        self.store.set("diag/released", owner)
+
+    def diagnosis_released(self, owner: bytes) -> bool:
+        return (
+            bool(self.store.check(["diag/released"]))
+            and bytes(self.store.get("diag/released")) == owner
+        )
+
     def renew_lease(self) -> int:
         return int(self.store.add("diag/beat", 1))
 
@@ -281,7 +305,7 @@ def _is_local_address(host: str) -> bool:
     return False
 
 
-def _own_client(cfg: ControlConfig, timeout: timedelta | None = None) -> Any | None:
+def _own_client(cfg: ControlConfig) -> Any | None:
     """A new client of the job's own TCPStore, or None when the job has none."""
     try:
         store = c10d._get_default_store()
@@ -295,6 +319,6 @@ def _own_client(cfg: ControlConfig, timeout: timedelta | None = None) -> Any | N
         store.host,
         store.port,
         is_master=False,
-        timeout=timeout or timedelta(seconds=cfg.connect_timeout_s),
+        timeout=timedelta(seconds=cfg.connect_timeout_s),
         wait_for_workers=False,
     )

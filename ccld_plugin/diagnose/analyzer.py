@@ -21,14 +21,23 @@ from ccld_plugin.diagnose.hang import (
     find_unresponsive,
 )
 from ccld_plugin.diagnose.isolation import isolation_hang, observer_isolated
+from ccld_plugin.diagnose.nccl_evidence import nccl_evidence
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.slow import SlowDetector
+from ccld_plugin.diagnose.tcp_evidence import Located, channel_evidence
 from ccld_plugin.diagnose.view import JobView
+from ccld_plugin.wire.topology import GroupInfo
 
-__all__ = ["Diagnoser"]
+__all__ = ["Diagnoser", "located_by_channels"]
 
 HISTORY = 300  # per-group max op durations kept (one per rank per round)
 FIRST_OP_FACTOR = 2.0
+
+
+def located_by_channels(view: JobView, group: GroupInfo, members: list[int]) -> Located | None:
+    """Where a hang's channels put it: NCCL wait states first (they say exactly what each
+    step waits for), then the TCP connections. The live diagnoser's and the post-mortem's."""
+    return nccl_evidence(view, group, members) or channel_evidence(view, group, members)
 
 
 class Diagnoser:

@@ -19,6 +19,7 @@ import json
 import math
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -33,7 +34,7 @@ from ccld_plugin.board.reader import BoardError, BoardReader, board_files
 from ccld_plugin.board.report import collective_table, print_collectives
 from ccld_plugin.config import load_config
 from ccld_plugin.harness.faults.spec import FaultSpec, parse_faults
-from ccld_plugin.harness.launch import LocalJob
+from ccld_plugin.harness.launch import LocalJob, free_port
 from ccld_plugin.harness.netjob import NetJob, available
 from ccld_plugin.sinks.console import render_verdict
 from ccld_plugin.sinks.jsonl import read_verdicts
@@ -52,6 +53,7 @@ GRACE_S = 3.0  # after a verdict that means the job will not recover, before end
 # after a rank failed on its own, before ending the job: time for the diagnoser (if it
 # survives) to say so, the "unresponsive" threshold and a round or two
 FAILED_GRACE_S = 15.0
+DIAGNOSER_GRACE_S = 5.0  # for ``ccld diagnoser``'s last round once the job is over
 MARKER = ".ccld-demo"  # in DIR: a demo's output, which the next demo may replace
 OUTPUTS = ("boards", "logs", "verdicts.jsonl", "faults.jsonl", "summary.json", "trace.json")
 _EXPECTED = {
@@ -80,6 +82,8 @@ class DemoOptions:
     zero_stage: int = 2  # deepspeed only
     netns: bool = False  # ranks in a closed network; implied by a communication fault
     force: bool = False  # write into ``out`` even when it holds files that are not a demo's
+    # the diagnoser as a process of its own (``ccld diagnoser``), no rank running one
+    diagnoser_process: bool = False
 
 
 @dataclass
@@ -151,6 +155,7 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
         f"sinks.jsonl={out / 'verdicts.jsonl'}",
         "sinks.console=false",
         *_wandb_overrides(out),
+        *(["diagnoser.rank=-1"] if opts.diagnoser_process else []),
         *opts.overrides,
     ]
     cfg = load_config(None, overrides)  # the ranks' config, every value checked
@@ -176,6 +181,11 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
         world=opts.world, argv=argv, log_dir=out / "logs", env=env, agent_store=not closed_network
     )
     job: LocalJob | NetJob = local
+    if opts.diagnoser_process and closed_network:
+        raise DemoError(
+            "ccld demo: --diagnoser-process runs on this host, outside the closed network; "
+            "drop --netns (and communication faults) or the option"
+        )
     if closed_network:  # ranks in a closed network (netjob)
         ok, why = available()
         if not ok:
@@ -190,11 +200,17 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
     )
     started = time.time()
     with _termination_as_exit():
+        external = None
         try:  # the job (and its network, if any) ends however the demo ends
+            if opts.diagnoser_process:
+                local.master_port = free_port()
+                external = _start_diagnoser(local, overrides, out / "logs" / "diagnoser.log")
             job.start()
             followed = _follow(job, out / "verdicts.jsonl", opts.timeout_s, console)
         finally:
             codes = job.stop()
+            if external is not None:
+                _stop_diagnoser(external)
     verdicts = read_verdicts(out / "verdicts.jsonl")
     for v in verdicts[len(followed.printed) :]:  # written by the diagnoser's last round
         console.print(render_verdict(v))
@@ -491,6 +507,37 @@ def _has_cuda() -> bool:
 
 class DemoError(ValueError):
     """A demo that cannot run as asked; the message is one line."""
+
+
+def _start_diagnoser(job: LocalJob, overrides: list[str], log_path: Path) -> subprocess.Popen:
+    """``ccld diagnoser`` beside the job, on the store its launcher hosts."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "ccld_plugin.cli",
+        "diagnoser",
+        "--store",
+        f"{job.master_addr}:{job.master_port}",
+        "--world",
+        str(job.world),
+        *sum((["--set", o] for o in overrides), []),
+    ]
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop_diagnoser(proc: subprocess.Popen) -> None:
+    """Let it run its last round (it ends by itself once every rank left), then end it."""
+    try:
+        proc.wait(timeout=DIAGNOSER_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.wait(timeout=DIAGNOSER_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _follow(job: LocalJob | NetJob, path: Path, timeout_s: float, console: Console) -> Followed:

@@ -4,7 +4,6 @@ board's clock offset)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,13 +15,12 @@ from ccld_plugin.board.reader import BoardError, BoardReader, board_files
 from ccld_plugin.wire.codes import STATE_ERROR
 from ccld_plugin.wire.topology import GroupInfo
 
-__all__ = ["JobBoards", "PostmortemError", "RankBoard", "load_boards", "process_alive"]
+__all__ = ["JobBoards", "PostmortemError", "RankBoard", "load_boards"]
 
 # Ranks of one run create their boards right after the rendezvous; a board that started
 # this much earlier than the job's others is left over from an earlier run of a job of the
 # same name.
 STALE_START_S = 120.0
-HOST_BYTES = 63  # of the host name that a board keeps
 
 
 class PostmortemError(ValueError):
@@ -135,15 +133,3 @@ def _one_run(boards: list[RankBoard], notes: list[str]) -> dict[int, RankBoard]:
         else:
             ranks[h.rank] = b
     return ranks
-
-
-def process_alive(pid: int, host: str) -> bool | None:
-    """Whether the rank's process still runs; None when it ran on another host."""
-    if host and host != os.uname().nodename[:HOST_BYTES]:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            state = fh.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except (OSError, IndexError):
-        return False

@@ -14,14 +14,13 @@ from pathlib import Path
 from ccld_plugin.agent.board_summary import summarize_board
 from ccld_plugin.agent.nccl_channels import NcclChannels
 from ccld_plugin.board.job_files import JOB_CONFIG
+from ccld_plugin.board.process import process_alive
 from ccld_plugin.config import CcldConfig, load_config
 from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
-from ccld_plugin.diagnose.nccl_evidence import nccl_evidence
-from ccld_plugin.diagnose.tcp_evidence import Located, channel_evidence
-from ccld_plugin.postmortem.boards import JobBoards, RankBoard, process_alive
+from ccld_plugin.diagnose.analyzer import located_by_channels
+from ccld_plugin.postmortem.boards import JobBoards, RankBoard
 from ccld_plugin.wire.peer_channels import MAX_ENTRIES, encode_channels, entry_order
 from ccld_plugin.wire.summary import RankSummary
-from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["diagnose_boards", "job_config", "job_view"]
 
@@ -94,13 +93,7 @@ def _died_first(
     return stale or (failed_ns is not None and failed_ns > s.heartbeat_ns)
 
 
-def _located(view: JobView, group: GroupInfo, members: list[int]) -> Located | None:
-    """As the live diagnoser locates a hang (``runtime.services.located_by_channels``):
-    NCCL wait states first, then TCP connections."""
-    return nccl_evidence(view, group, members) or channel_evidence(view, group, members)
-
-
 def diagnose_boards(boards: JobBoards, cfg: CcldConfig) -> list[Verdict]:
     """The verdicts one diagnoser round gives on the boards."""
-    diagnoser = Diagnoser(cfg.diagnoser, cfg.agent.interval_s, channel_evidence=_located)
+    diagnoser = Diagnoser(cfg.diagnoser, cfg.agent.interval_s, channel_evidence=located_by_channels)
     return diagnoser.round(job_view(boards, cfg))

@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ccld_plugin.agent.agent import LocalReport
+from ccld_plugin.board.process import process_alive
 from ccld_plugin.config import CcldConfig
 from ccld_plugin.control import ControlPlane, owner_record, resync_epoch
 from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
-from ccld_plugin.diagnose.nccl_evidence import nccl_evidence
-from ccld_plugin.diagnose.tcp_evidence import Located, channel_evidence
+from ccld_plugin.diagnose.analyzer import located_by_channels
 from ccld_plugin.diagnose.view import topology_of
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.sinks import Sink
@@ -26,7 +26,7 @@ from ccld_plugin.wire.peer_channels import channel_rows
 from ccld_plugin.wire.summary import RankSummary, decode_summary
 from ccld_plugin.wire.topology import GroupInfo, Topology, role_index
 
-__all__ = ["DiagnoserService", "alive"]
+__all__ = ["DiagnoserService"]
 
 MAX_ROUND_SHARE = 0.2  # of the diagnoser rank's time spent in diagnoser rounds
 STORE_READ_MIN_S = 2.0
@@ -49,12 +49,6 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
-
-
-def located_by_channels(view: JobView, group: GroupInfo, members: list[int]) -> Located | None:
-    """Where a hang's channels put it: NCCL wait states first (they say exactly what each
-    step waits for), then the TCP connections."""
-    return nccl_evidence(view, group, members) or channel_evidence(view, group, members)
 
 
 class DiagnoserService:
@@ -122,6 +116,11 @@ class DiagnoserService:
             if thread.ident is not None:  # a standby taking over at exit started neither
                 thread.join(timeout=self.cfg.agent.interval_s + 5)
         self._round()
+        if self.in_charge:
+            try:  # a normal end: the standby, on its own way out, must not take over
+                self.control.release_diagnosis(self._owner)
+            except Exception as exc:  # noqa: BLE001
+                report_error("diagnoser.lease", exc)
         for sink in self.sinks:
             try:
                 sink.close()
@@ -129,6 +128,12 @@ class DiagnoserService:
                 report_error("diagnoser.sink", exc)
         if self.config_file is not None and self.cfg.board.cleanup:
             self.config_file.unlink(missing_ok=True)  # else the board directory stays
+
+    def job_ended(self) -> bool:
+        """Whether every rank of the job left through its exit path."""
+        return len(self._last_good) == self.world and all(
+            s.exited for s in self._last_good.values()
+        )
 
     def _hold_lease(self) -> None:
         """Renew the diagnosis lease every agent interval (on a connection of its own: a
@@ -188,12 +193,13 @@ class DiagnoserService:
             self._post_clock_epoch()
             t0 = time.perf_counter()
             self._round()
-            # The rounds run on a training rank and hold the GIL: at thousands of ranks a
-            # round takes a good share of a second, and back to back they would slow this
-            # rank's own training (and make it look like a straggler). Keep them to at most
-            # MAX_ROUND_SHARE of the time.
+            # On a training rank the rounds hold its GIL: at thousands of ranks a round
+            # takes a good share of a second, and back to back they would slow this rank's
+            # own training (and make it look like a straggler). There they take at most
+            # MAX_ROUND_SHARE of the time; a diagnoser of its own (rank -1) needs no cap.
             cost = time.perf_counter() - t0
-            pause = max(interval / 2, cost * (1 - MAX_ROUND_SHARE) / MAX_ROUND_SHARE)
+            if self.rank >= 0:
+                pause = max(interval / 2, cost * (1 - MAX_ROUND_SHARE) / MAX_ROUND_SHARE)
 
     def _until_clock_epoch(self) -> float:
         """Seconds to the next clock re-sync (the agents wait for its timestamps)."""
@@ -282,7 +288,7 @@ class DiagnoserService:
         gone = {
             r
             for r, s in summaries.items()
-            if s.host == self._host and not s.exited and not alive(s.pid)
+            if not s.exited and process_alive(s.pid, s.host) is False
         }
         return JobView(
             summaries=summaries,
@@ -292,7 +298,7 @@ class DiagnoserService:
             world=self.world,
             gone=gone,
             topology=self._topology,
-            observer=self.rank,
+            observer=self.rank if self.rank >= 0 else None,
             store_local=self.control.store_local,
             store_failed=store_failed,
         )
@@ -352,13 +358,3 @@ def _fits_group(g: GroupInfo, rank: int, world: int) -> None:
         or rank not in ranks
     ):
         raise ValueError(f"group {g.group_id:016x} has ranks {list(g.ranks)[:8]}")
-
-
-def alive(pid: int) -> bool:
-    """Whether a process exists and is not a zombie (a killed child not yet reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            state = fh.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except (OSError, IndexError):
-        return False

@@ -21,10 +21,11 @@ import threading
 import time
 from collections.abc import Callable
 
+from ccld_plugin.board.process import process_alive
 from ccld_plugin.config import CcldConfig
 from ccld_plugin.control import ControlPlane
 from ccld_plugin.errors import log, report_error
-from ccld_plugin.runtime.diagnoser import LEASE_INTERVALS, DiagnoserService, alive
+from ccld_plugin.runtime.diagnoser import LEASE_INTERVALS, DiagnoserService
 
 __all__ = ["Standby", "standby_rank"]
 
@@ -35,6 +36,8 @@ def standby_rank(diagnoser: int, world: int, ranks_per_node: int, chosen: int) -
     rank. None without one (a one-rank job, or a standby that would be the diagnoser)."""
     if chosen >= 0:
         rank = chosen
+    elif diagnoser < 0:  # a diagnoser of its own, outside the job
+        rank = 0
     elif 0 < ranks_per_node < world:
         rank = (diagnoser + ranks_per_node) % world
     else:
@@ -96,8 +99,8 @@ class Standby:
         """Whether the diagnoser in charge is lost: its renewals stood still for
         ``min_stale_s``, or its process is gone from this host."""
         owner = self.control.diagnosis_owner()
-        if owner is None:
-            return False  # no diagnoser has started yet
+        if owner is None or self.control.diagnosis_released(owner):
+            return False  # no diagnoser has started yet, or it ended on purpose
         beat = self.control.lease_beat()
         now = time.monotonic_ns()
         if owner != self._owner or beat != self._beat:
@@ -107,7 +110,7 @@ class Standby:
 
     def _gone(self, owner: bytes) -> bool:
         who = json.loads(owner)
-        return who["host"] == self._host and not alive(int(who["pid"]))
+        return process_alive(int(who["pid"]), str(who["host"])) is False
 
     def _take_over(self, start: bool = True) -> bool:
         """Claim the lease from the owner last seen; start a diagnoser (or, at exit, make

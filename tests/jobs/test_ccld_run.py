@@ -77,7 +77,9 @@ def test_ddp_compute_hang(tmp_path):
     assert (v["kind"], v["cause"], v["ranks"]) == ("hang", "compute", [2])
     assert v["group"] == {**v["group"], "role": "dp", "ranks": [0, 1, 2, 3]}  # DDP's group
     assert v["step"] == 5  # steps marked from the optimizer step hook
-    assert v["stack"] and any("ddp_plain.py" in f and "in fault" in f for f in v["stack"])
+    stack = v["stack"] or []  # where it is stuck: the fault, called from the script's loop
+    assert any("script_faults.py" in f and "in fault" in f for f in stack), stack
+    assert any("ddp_plain.py" in f and "in main" in f for f in stack), stack
 
 
 @pytest.mark.xfail(

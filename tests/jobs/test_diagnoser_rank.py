@@ -80,3 +80,15 @@ def test_frozen_diagnoser_is_taken_over_while_the_job_hangs(tmp_path: Path) -> N
         "rank 1 takes diagnosis over from rank 0"
         in (tmp_path / "out" / "logs" / "rank1.log").read_text()
     )
+
+
+def test_diagnoser_as_a_process_of_its_own(tmp_path: Path) -> None:
+    # diagnoser.rank=-1: no rank runs one; `ccld diagnoser` beside the job serves the
+    # clock, holds the lease and names the hang like the diagnoser thread would.
+    code, summary = _demo(tmp_path, "compute-hang@1:step=4", diagnoser=-1, diagnoser_process=True)
+    v = only(summary, "hang")
+    assert (v["cause"], v["ranks"], v["group"]["role"]) == ("compute", [1], "dp")
+    assert summary["latency_s"][0]["latency_s"] <= 30 and code == 0
+    log = (tmp_path / "out" / "logs" / "diagnoser.log").read_text()
+    assert "ccld diagnoser: job 'boards', 4 ranks" in log
+    assert "takes diagnosis over" not in (tmp_path / "out" / "logs" / "rank0.log").read_text()

@@ -303,8 +303,8 @@ def ring_fault_view(build: Build, tmp_path: Path, fault: int, where: int):
 
 
 def hang_verdicts(view):
+    from ccld_plugin.diagnose.analyzer import located_by_channels
     from ccld_plugin.diagnose.hang import find_hangs
-    from ccld_plugin.runtime.services import located_by_channels
 
     return find_hangs(view, lambda gid: 3.0, 1.0, located_by_channels)
 

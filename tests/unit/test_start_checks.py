@@ -19,7 +19,7 @@ from ccld_plugin.config import CcldConfig, ConfigError, SinksConfig, load_config
 from ccld_plugin.harness.demo import DemoOptions, Outcome, why_failed
 from ccld_plugin.harness.faults.spec import parse_fault
 from ccld_plugin.runtime import session
-from ccld_plugin.runtime.services import DiagnoserService
+from ccld_plugin.runtime.diagnoser import DiagnoserService
 from ccld_plugin.sinks import ConsoleSink, build_sinks
 from ccld_plugin.wire.summary import InFlightOp, encode_summary
 from ccld_plugin.wire.topology import GroupInfo

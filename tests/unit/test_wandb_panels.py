@@ -13,17 +13,21 @@ import zlib
 from collections import deque
 
 import numpy as np
-from builders import MS, S, group, job_view, rank_summary
+from builders import S, job_view
+from wandb_views import (
+    DP,
+    STEP_NS,
+    TABLES,
+    job_views,
+    joined_samples,
+    panel_summary,
+    slow_link_verdict,
+)
 
 from ccld_plugin.config import DiagnoserConfig, WandbConfig, load_config
 from ccld_plugin.diagnose import Diagnoser, JobView
-from ccld_plugin.diagnose.arrivals import Joined
 from ccld_plugin.diagnose.records import (
     VERDICT_SCHEMA_VERSION,
-    Cause,
-    Evidence,
-    Kind,
-    Verdict,
 )
 from ccld_plugin.sinks import build_sinks
 from ccld_plugin.sinks.wandb.heatmap import encode_png, heatmap_rgb
@@ -31,81 +35,13 @@ from ccld_plugin.sinks.wandb.panels import PanelMetrics, group_key, hang_watch, 
 from ccld_plugin.sinks.wandb.sink import WandbSink
 from ccld_plugin.sinks.wandb.verdicts import VERDICT_COLUMNS, verdict_row
 from ccld_plugin.wire.codes import OP_CODES
-from ccld_plugin.wire.summary import GroupProgress, InFlightOp, RankSummary, StepStat
-from ccld_plugin.wire.topology import GroupInfo
-
-# ---------------------------------------------------------------------- synthetic
-DP = group("dp", [0, 1, 2, 3])
-TP = [group("tp", [0, 1]), group("tp", [2, 3])]
-TABLES = {r: [DP, TP[r // 2]] for r in range(4)}
-STEP_NS = 100 * MS
-
-
-def _summary(
-    rank: int,
-    steps: list[int],
-    now: int,
-    compute_ms: float = 60.0,
-    blocked_us: tuple[int, int] = (20_000, 10_000),
-    flights: tuple = (),
-) -> RankSummary:
-    stats = [StepStat(s, s * STEP_NS, 100_000, int(compute_ms * 1000)) for s in steps]
-    return rank_summary(
-        rank,
-        now,
-        pid=1,
-        host=f"h{rank // 2}",
-        step=steps[-1] if steps else 0,
-        groups=[
-            GroupProgress(0, 9, 9, 2, blocked_us[0], 0, 0),
-            GroupProgress(1, 9, 9, 2, blocked_us[1], 0, 0),
-        ],
-        in_flight=list(flights),
-        steps=stats,
-    )
-
-
-def _job_views(steps: int, first: int = 0, slow_rank: int = 2) -> list[JobView]:
-    """One view per step: every rank reports the step that just ended; ``slow_rank``
-    computes twice as long."""
-    views = []
-    for s in range(first, first + steps):
-        now = (s + 1) * STEP_NS + 1
-        sums = {r: _summary(r, [s], now, 120.0 if r == slow_rank else 60.0) for r in range(4)}
-        views.append(job_view(sums, TABLES, now, world=4))
-    return views
-
-
-def _joined(view: JobView, step: int, last: int = 2) -> list[Joined]:
-    """Two joined samples: DP ranks waited 30 ms for ``last``; TP rank 1 waited 1 ms."""
-    t = step * STEP_NS + 50 * MS
-
-    def joined(
-        g: GroupInfo, t_last: int, who: int, waits: dict[int, int], transfer: int, nbytes: int
-    ) -> Joined:
-        return Joined(
-            g,
-            4 * step,
-            t_last,
-            who,
-            transfer,
-            nbytes,
-            np.array(list(waits)),
-            np.array([t_last - w for w in waits.values()]),
-        )
-
-    return [
-        joined(
-            DP, t, last, {r: (0 if r == last else 30 * MS) for r in range(4)}, 2 * MS, 4_000_000
-        ),
-        joined(TP[0], t - MS, 0, {0: 0, 1: 1 * MS}, 1 * MS, 1_000_000),
-    ]
+from ccld_plugin.wire.summary import InFlightOp
 
 
 def test_step_rows_wait_for_every_rank_and_decompose_the_step():
     m = PanelMetrics()
-    v0, v1 = _job_views(2)
-    (row,) = m.update(v0, _joined(v0, 0))
+    v0, v1 = job_views(2)
+    (row,) = m.update(v0, joined_samples(0))
     assert m.update(v0, []) == []  # the same summaries read again add nothing
     assert (row.step, row.ranks, row.step_ms, row.compute_ms, row.compute_max_ms) == (
         0,
@@ -122,16 +58,16 @@ def test_step_rows_wait_for_every_rank_and_decompose_the_step():
     assert log["ccld/step"] == 0 and log["ccld/per_step/blocked_dp_ms"] == 20.0
     # Rank 3 has not finished step 1 yet: no row until it has.
     partial = dict(v1.summaries)
-    partial[3] = _summary(3, [], v1.now_ns + 5)
+    partial[3] = panel_summary(3, [], v1.now_ns + 5)
     assert (
         m.update(
             JobView(summaries=partial, tables=TABLES, now_ns=v1.now_ns, job_start_ns=0, world=4),
-            _joined(v1, 1),
+            joined_samples(1),
         )
         == []
     )
     late = dict(v1.summaries)
-    late[3] = _summary(3, [1], v1.now_ns + 10, blocked_us=(0, 0))
+    late[3] = panel_summary(3, [1], v1.now_ns + 10, blocked_us=(0, 0))
     (row1,) = m.update(
         JobView(summaries=late, tables=TABLES, now_ns=v1.now_ns + 10, job_start_ns=0, world=4), []
     )
@@ -140,10 +76,10 @@ def test_step_rows_wait_for_every_rank_and_decompose_the_step():
     assert row1.blocked_ms == {"dp": 20.0, "tp": 10.0}
 
 
-def test_blocked_time_is_shared_among_the_steps_of_a_summary():
+def test_blocked_time_is_shared_among_the_steps_of_apanel_summary():
     m = PanelMetrics()
     now = 3 * STEP_NS
-    sums = {r: _summary(r, [0, 1], now, blocked_us=(40_000, 0)) for r in range(4)}
+    sums = {r: panel_summary(r, [0, 1], now, blocked_us=(40_000, 0)) for r in range(4)}
     rows = m.update(job_view(sums, TABLES, now, world=4), [])
     assert [(r.step, r.blocked_ms) for r in rows] == [(0, {"dp": 20.0}), (1, {"dp": 20.0})]
 
@@ -151,7 +87,7 @@ def test_blocked_time_is_shared_among_the_steps_of_a_summary():
 def test_sparse_step_numbers_and_the_flush_at_the_end():
     m = PanelMetrics()
     now = 50 * STEP_NS
-    sums = {r: _summary(r, [0, 10, 20] if r != 1 else [0, 10], now) for r in range(4)}
+    sums = {r: panel_summary(r, [0, 10, 20] if r != 1 else [0, 10], now) for r in range(4)}
     view = job_view(sums, TABLES, now, world=4)
     assert [r.step for r in m.update(view, [])] == [0, 10]  # rank 1 has not finished 20
     (last,) = m.flush()  # the job is ending: what some ranks finished is shown too
@@ -161,8 +97,8 @@ def test_sparse_step_numbers_and_the_flush_at_the_end():
 
 def test_rank_table_heatmap_and_bandwidth_history():
     m = PanelMetrics()
-    for i, v in enumerate(_job_views(6)):
-        m.update(v, _joined(v, i))
+    for i, v in enumerate(job_views(6)):
+        m.update(v, joined_samples(i))
     rows = {r.rank: r for r in m.rank_rows(4)}
     assert rows[2].compute_ms == 120.0 and rows[2].ratio == 2.0 and rows[0].ratio == 1.0
     assert rows[2].last_share == 1.0 and rows[2].wait_ms == 0.0 and rows[0].wait_ms == 15.0
@@ -178,7 +114,7 @@ def test_rank_table_heatmap_and_bandwidth_history():
     now = 7 * STEP_NS
     m.update(
         JobView(
-            summaries={r: _summary(r, [6], now) for r in range(3)},
+            summaries={r: panel_summary(r, [6], now) for r in range(3)},
             tables=TABLES,
             now_ns=now,
             job_start_ns=0,
@@ -227,7 +163,7 @@ def test_png_encoder_round_trips():
 def test_hang_watch_names_the_oldest_op_and_its_threshold():
     now = 50 * S
     flight = [InFlightOp(0, OP_CODES["all_reduce"], 0, -1, 9, 64, now - 7 * S)]
-    sums = {r: _summary(r, [], now, flights=flight if r != 2 else ()) for r in range(4)}
+    sums = {r: panel_summary(r, [], now, flights=flight if r != 2 else ()) for r in range(4)}
     sums[1].in_flight[0] = InFlightOp(0, OP_CODES["all_reduce"], 0, -1, 9, 64, now - 8 * S)
     w = hang_watch(
         job_view(sums, TABLES, now, world=4),
@@ -254,32 +190,9 @@ def test_take_new_joined_walks_back_to_the_last_one_taken():
     assert take_new_joined(q, 6) == [8, 9, 10, 11, 12]  # 6 was evicted: all are new
 
 
-def _verdict() -> Verdict:
-    return Verdict(
-        kind=Kind.SLOW,
-        cause=Cause.COMMUNICATION,
-        ranks=[3],
-        group=DP.to_dict(),
-        link=[2, 3],
-        step=9,
-        detected_s=4.5,
-        severity=3.1,
-        evidence=[
-            Evidence.of(
-                "group_bandwidth",
-                "{role}{members} moves {mb_s:.1f} MB/s",
-                role="dp",
-                members=[0, 1, 2, 3],
-                mb_s=1.0,
-            ),
-            Evidence.of("note", "second line"),
-        ],
-    )
-
-
 def test_verdict_row_has_every_field():
-    row = dict(zip(VERDICT_COLUMNS, verdict_row(_verdict().to_dict()), strict=True))
-    fields = set(_verdict().to_dict()) - {"group"}
+    row = dict(zip(VERDICT_COLUMNS, verdict_row(slow_link_verdict().to_dict()), strict=True))
+    fields = set(slow_link_verdict().to_dict()) - {"group"}
     assert fields <= set(row) and {"group_role", "group_ranks", "group_id"} <= set(row)
     assert (row["kind"], row["ranks"], row["link"], row["group_ranks"]) == (
         "slow",
@@ -295,7 +208,7 @@ def test_disabled_mode_and_no_sink_when_off(monkeypatch):
     assert not [s for s in build_sinks(load_config(None, ["sinks.console=false"]).sinks)]
     monkeypatch.setenv("WANDB_MODE", "disabled")
     sink = WandbSink(WandbConfig(enabled=True))
-    view = _job_views(1)[0]
+    view = job_views(1)[0]
     sink.observe(view, Diagnoser(DiagnoserConfig(), 0.5))
     sink.close()
     assert sink._dead and sink._backend is None

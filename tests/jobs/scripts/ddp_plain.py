@@ -4,26 +4,13 @@ FAULT in the environment breaks one rank: ``hang@R:S`` (rank R blocks at step S)
 ``slow@R:X`` (rank R's compute takes X seconds more every step)."""
 
 import os
-import time
 
 import torch
 import torch.distributed as dist
+from script_faults import fault
 from torch.nn.parallel import DistributedDataParallel
 
 STEPS = int(os.environ.get("STEPS", "40"))
-
-
-def fault(rank: int, step: int) -> None:
-    kind, _, where = os.environ.get("FAULT", "").partition("@")
-    if not kind:
-        return
-    who, arg = where.split(":")
-    if int(who) != rank:
-        return
-    if kind == "hang" and step == int(arg):
-        time.sleep(3600)
-    if kind == "slow":
-        time.sleep(float(arg))
 
 
 def main() -> None:

@@ -4,26 +4,13 @@ a tensor-parallel all-reduce of activations, a data-parallel all-reduce of gradi
 FAULT as in ddp_plain.py: ``hang@R:S`` or ``slow@R:X``."""
 
 import os
-import time
 
 import torch
 import torch.distributed as dist
+from script_faults import fault
 from torch.distributed.device_mesh import init_device_mesh
 
 STEPS = int(os.environ.get("STEPS", "40"))
-
-
-def fault(rank: int, step: int) -> None:
-    kind, _, where = os.environ.get("FAULT", "").partition("@")
-    if not kind:
-        return
-    who, arg = where.split(":")
-    if int(who) != rank:
-        return
-    if kind == "hang" and step == int(arg):
-        time.sleep(3600)
-    if kind == "slow":
-        time.sleep(float(arg))
 
 
 def main() -> None:

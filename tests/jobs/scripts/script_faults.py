@@ -1,0 +1,19 @@
+"""The faults of the unchanged test scripts (they know nothing of ccld, nor of its fault
+specs): FAULT in the environment is ``hang@R:S`` (rank R blocks at step S) or
+``slow@R:X`` (rank R's compute takes X seconds more every step)."""
+
+import os
+import time
+
+
+def fault(rank: int, step: int) -> None:
+    kind, _, where = os.environ.get("FAULT", "").partition("@")
+    if not kind:
+        return
+    who, arg = where.split(":")
+    if int(who) != rank:
+        return
+    if kind == "hang" and step == int(arg):
+        time.sleep(3600)
+    if kind == "slow":
+        time.sleep(float(arg))
