@@ -42,6 +42,11 @@ MIN_STEP_SHARE = 0.1  # excess compute below 10% of the step time is noise, not 
 # A group's transfer bandwidth must fall this far below its siblings' (and below its own
 # history, once it has one) to count: small transfers on a busy host vary by 2x.
 COMM_RATIO = 2.5
+# A verdict that names a link (two ranks) waits this many windows more than one that names
+# a rank: it also clears the other connections of both ends, and their evidence (light,
+# often one-way flows: slow_links.PORT_RATIO) gathers more slowly than the slow link's; a
+# window in between that shows one end's port slow names that rank instead.
+LINK_EXTRA_WINDOWS = 1
 # Bandwidth is only meaningful for transfers large enough not to be all latency.
 MIN_BANDWIDTH_BYTES = 256 * 1024
 MIN_TRANSFER_NS = 10_000
@@ -59,6 +64,7 @@ class SlowDetector:
         self.bw_history: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=20))
         self.channels = ChannelHistory()  # per-peer TCP evidence: names the slow link's rank
         self._channel_found: LinkFinding | None = None  # of the current streak
+        self._comm_reported: set[tuple] = set()  # communication streaks with a verdict
         self._cohort_key = -1
         self._cohort_cache: dict[int, list[int]] = {}
 
@@ -383,6 +389,7 @@ class SlowDetector:
                 for key in [k for k in self.streak if k[:2] == (Kind.SLOW, Cause.COMMUNICATION)]:
                     self.streak.pop(key)
                     self.first_seen.pop(key, None)
+                self._comm_reported.clear()
                 self._channel_found = None
                 return []
             # A window too short for the channel evidence holds its streak as it is.
@@ -392,13 +399,13 @@ class SlowDetector:
             common &= set(g.ranks)
         ranks = sorted(common) if common else sorted(set().union(*(g.ranks for g, _, _ in slow)))
         link = None
+        if judged.fresh and found is not None:
+            found = self._narrowed(found)
         if found is not None and set(found.ranks) <= set().union(*(g.ranks for g, _, _ in slow)):
             ranks, link = found.ranks, found.link
         worst = min(slow, key=lambda s: s[1] / s[2])
-        key = (Kind.SLOW, Cause.COMMUNICATION, tuple(ranks))
-        self.streak[key] += 1
-        self.first_seen.setdefault(key, lo)
-        if self.streak[key] != self.cfg.confirm_windows:
+        key = self._comm_streak(ranks, lo)
+        if not self._comm_due(key, link):
             return []
         g, b, ref = worst
         evidence = [
@@ -436,23 +443,46 @@ class SlowDetector:
             )
         ]
 
-    def _channel_slow(self, view: JobView, found: LinkFinding, lo: int, hi: int) -> list[Verdict]:
-        """Communication-bound slowness seen in the channel evidence alone."""
+    def _narrowed(self, found: LinkFinding) -> LinkFinding:
+        """``found``, or the streak's earlier finding where that named one end of the link
+        ``found`` names (a window that could only name the link does not undo one end)."""
         prev = self._channel_found
         if prev is not None and set(prev.ranks) < set(found.ranks):
-            found = prev  # a window that could only name the link does not undo one end
+            found = prev
         self._channel_found = found
-        key = (Kind.SLOW, Cause.COMMUNICATION, tuple(found.ranks))
+        return found
+
+    def _comm_streak(self, ranks: list[int], lo: int) -> tuple:
+        """Count this window's communication-bound finding on ``ranks``; its streak key.
+        The same finding narrowed (link 0<->1, then rank 1) or widened keeps its count, by
+        the channel evidence or by the groups' bandwidth; a different culprit starts over."""
+        key = (Kind.SLOW, Cause.COMMUNICATION, tuple(ranks))
         for other in [k for k in self.streak if k[:2] == key[:2] and k != key]:
-            # The same finding narrowed (link 0<->1, then rank 1) keeps its count; a
-            # different culprit starts over.
             count, first = self.streak.pop(other), self.first_seen.pop(other, lo)
-            if set(other[2]) & set(found.ranks):
+            reported = other in self._comm_reported
+            self._comm_reported.discard(other)
+            if set(other[2]) & set(ranks):
                 self.streak[key] = max(self.streak[key], count)
                 self.first_seen[key] = min(self.first_seen.get(key, first), first)
+                if reported:  # told once: narrowed later, it is not told again
+                    self._comm_reported.add(key)
         self.streak[key] += 1
         self.first_seen.setdefault(key, lo)
-        if self.streak[key] != self.cfg.confirm_windows:
+        return key
+
+    def _comm_due(self, key: tuple, link: list[int] | None) -> bool:
+        """Whether the streak ``key`` is confirmed now and not reported yet (then it is)."""
+        needed = self.cfg.confirm_windows + (LINK_EXTRA_WINDOWS if link is not None else 0)
+        if self.streak[key] < needed or key in self._comm_reported:
+            return False
+        self._comm_reported.add(key)
+        return True
+
+    def _channel_slow(self, view: JobView, found: LinkFinding, lo: int, hi: int) -> list[Verdict]:
+        """Communication-bound slowness seen in the channel evidence alone."""
+        found = self._narrowed(found)
+        key = self._comm_streak(found.ranks, lo)
+        if not self._comm_due(key, found.link):
             return []
         g = found.group
         return [

@@ -10,6 +10,7 @@ the network per byte (the plugin's per-link totals).
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
@@ -48,12 +49,36 @@ SLOW_RATIO = 6.0
 RTT_RATIO = 3.0
 SLOW_RTT_EXCESS_US = 1_000
 SLOW_BUSY_SHARE = 0.2
-# Once one link is slow, its two ends are told apart with softer evidence: the end whose
-# other links are slow by LOCATE_RATIO in time per byte (and RTT_RATIO in RTT) while the
-# other end's are not is named, however little those links are used (a PP link of a
-# TP-heavy job is busy ~10%). It is below the slow ratios: a link that is not LOCATE_RATIO
-# over its reference is not slow either (``_locate`` skips it on that bound).
-LOCATE_RATIO = 3.0
+# A slow port (NIC, cable, switch port) slows every connection of its rank; a slow
+# connection slows that one alone. Once the slow links are one connection, its two ends
+# are told apart by their other connections: an end is named when more than half of them
+# are slower than the same direction of their siblings (the links at the same positions
+# in the other groups of the role: stage s to s+1 with stage s to s+1, not with s+1 to s)
+# by PORT_RATIO, the geometric mean of the time per byte and RTT ratios of both
+# directions, and one direction is busy PORT_MIN_EXCESS of the time more than that
+# reference would be for its bytes; and the other end's are not. They are judged on all
+# the windows since the slow links appeared (ChannelHistory.episode_start), as the port's
+# slowness lasts and noise averages out. A port slows both directions and both measures,
+# host noise mostly one: these are often one-way flows (pipeline sends), whose sender
+# waits for the receiver's delayed ACK or late read on a healthy link too. RTTs count from
+# 1 ms up (PORT_RTT_FLOOR_US: below, host noise).
+# Measured on TP2xPP2 (4 ranks, 2-core host, 0.5 s and 1 s intervals): a healthy pipeline
+# link's time per byte was 85-650 ms/MB (the TP links' 5-10), so with rank 3's port shaped
+# to 30 Mbit/s its PP link 1->3 was only 1.5-2.1x its sibling 0->2 (whose receiver reads
+# late too) and 3->1 1.6-8x 2->0; with the two directions in one reference, 1.1-2.5x,
+# below a slow link's ratios. The mean of the four ratios, over the windows so far, of the
+# other connection of the shaped port's rank (ranks 0, 1 and 3, 30 Mbit/s, 9 runs, 60
+# windows): 1.44-2.6, 1.30-1.33 in 2 (the window before had named the rank), 10-29%
+# busier; at 60 Mbit/s 1.13-1.29 (the link is named). Of the other ends 0.4-0.8, of both
+# ends with only the TP connection shaped or nothing (11 runs, 116 windows) up to 1.26;
+# one window alone up to 1.47. Time per byte alone overlapped (port 1.24-8.3x, healthy up
+# to 1.46x; a link busy ~1% of the time is at the kernel's jiffy resolution, where
+# healthy TP siblings differed up to 2.3x).
+PORT_RATIO = 1.4
+PORT_MIN_EXCESS = 0.05
+PORT_RTT_FLOOR_US = 1_000
+# Evidence lines of the links named (one per connection first, its slower direction).
+MAX_LINK_LINES = 8
 JIFFY_S = 0.004  # the coarsest kernel timer resolution in use (HZ=250)
 # Reports this much older than the window being evaluated are dropped (windows only go
 # forward), and any more than KEEP_S behind the newest: a longer window is judged on its
@@ -176,7 +201,8 @@ class ChannelHistory:
     against its own history, its send-queue time per byte is SLOW_RATIO times higher and
     its RTT RTT_RATIO times (by at least SLOW_RTT_EXCESS_US), and its send queue is busy
     SLOW_BUSY_SHARE of the time. The rank common to the slow links is named; a single
-    slow link is named as a link unless one end's other links are slow too.
+    slow connection is named as a link unless one end's other connections are slow too
+    (PORT_RATIO: its port).
     """
 
     def __init__(self) -> None:
@@ -186,6 +212,9 @@ class ChannelHistory:
             lambda: deque(maxlen=8)
         )
         self.span_start: int | None = None  # of windows not judged yet (too few reports)
+        # Start of the first of the consecutive windows with slow links: a port's other
+        # connections are judged on all of them (PORT_RATIO).
+        self.episode_start: int | None = None
         self.roles = _LinkRoles()
         self.last = LinkJudgement(None, True)
 
@@ -218,10 +247,15 @@ class ChannelHistory:
             return LinkJudgement(self.last.found, False)
         self.span_start = None
         tcp, nccl = tcp_links(rows), nccl_links(rows)
-        found = _locate(view, tcp, self.history, _TCP, self.roles)
+        episode = start if self.episode_start is None else self.episode_start
+        since = self.between(episode, t1) if episode < start else rows
+        found = _locate(view, tcp, self.history, _TCP, self.roles, lambda: tcp_links(since))
         if found is None:
-            found = _locate(view, nccl, self.nccl_history, _NCCL, self.roles)
-        self.forget_before(start - int(FORGET_S * 1e9))
+            found = _locate(
+                view, nccl, self.nccl_history, _NCCL, self.roles, lambda: nccl_links(since)
+            )
+        self.episode_start = episode if found is not None else None
+        self.forget_before(min(start, episode) - int(FORGET_S * 1e9))
         self.last = LinkJudgement(found, True, frozenset(tcp) | frozenset(nccl))
         return self.last
 
@@ -313,6 +347,8 @@ class _Rules:
     eligible: Callable[[LinkStats, float], bool]  # (link, reference RTT)
     slow: Callable[[LinkStats, float], bool]  # (link, reference time per MB)
     line: Callable[[LinkStats, float, float, str], Evidence]
+    ratio: float  # the least time per byte over the reference that ``slow`` can accept
+    rtt: bool  # whether the links have an RTT
 
 
 # What a slow link is compared with, by the ``reference`` of its evidence.
@@ -320,6 +356,9 @@ _REFERENCES = {
     "siblings": "links of the same role that share no rank with it",
     "history": "its own history",
 }
+# The reference of the other connections of a slow port's rank (see PORT_RATIO): in the
+# evidence's data it is "siblings" too, the same direction of them.
+_SAME_DIRECTION = "the same direction of the links of its role that share no rank with it"
 
 
 def _tcp_line(st: LinkStats, r_rtt: float, r_spm: float, ref: str) -> Evidence:
@@ -327,8 +366,8 @@ def _tcp_line(st: LinkStats, r_rtt: float, r_spm: float, ref: str) -> Evidence:
         "link_slow",
         "rank {rank} -> {peer}: RTT {rtt_ms:.1f} ms (floor {floor_ms:.2f} ms), send queue busy "
         "{busy_share:.0%}, {ms_per_mb:.0f} ms per MB ({mb_s:.1f} MB/s while busy), up to "
-        "{queued:bytes} queued, {retransmits} retransmits; {rtt_ratio:.0f}x the RTT and "
-        "{time_ratio:.0f}x the time per byte of " + _REFERENCES[ref],
+        "{queued:bytes} queued, {retransmits} retransmits; {rtt_ratio:.1f}x the RTT and "
+        "{time_ratio:.1f}x the time per byte of " + _REFERENCES.get(ref, _SAME_DIRECTION),
         rank=st.src,
         peer=st.dst,
         rtt_ms=st.rtt_us / 1000,
@@ -338,9 +377,9 @@ def _tcp_line(st: LinkStats, r_rtt: float, r_spm: float, ref: str) -> Evidence:
         mb_s=1 / st.s_per_mb,
         queued=st.queued,
         retransmits=st.retrans,
-        rtt_ratio=st.rtt_us / r_rtt,
+        rtt_ratio=st.rtt_us / r_rtt if r_rtt > 0 else 0.0,
         time_ratio=st.s_per_mb / r_spm,
-        reference=ref,
+        reference=ref if ref in _REFERENCES else "siblings",
     )
 
 
@@ -348,14 +387,15 @@ def _nccl_line(st: LinkStats, r_rtt: float, r_spm: float, ref: str) -> Evidence:
     return Evidence.of(
         "nccl_link_slow",
         "rank {rank} -> {peer} (NCCL): send steps wait {ms_per_mb:.1f} ms per MB handed to "
-        "the network, {time_ratio:.0f}x " + _REFERENCES[ref] + " ({ref_ms_per_mb:.2f} ms); "
-        "{sent:bytes} sent in {intervals} intervals",
+        "the network, {time_ratio:.1f}x "
+        + _REFERENCES.get(ref, _SAME_DIRECTION)
+        + " ({ref_ms_per_mb:.2f} ms); {sent:bytes} sent in {intervals} intervals",
         rank=st.src,
         peer=st.dst,
         ms_per_mb=st.s_per_mb * 1000,
         time_ratio=st.s_per_mb / r_spm,
         ref_ms_per_mb=r_spm * 1000,
-        reference=ref,
+        reference=ref if ref in _REFERENCES else "siblings",
         sent=st.sent,
         intervals=st.ticks,
     )
@@ -367,6 +407,8 @@ _TCP = _Rules(
     ),
     slow=lambda st, r_spm: st.s_per_mb >= SLOW_RATIO * r_spm and st.busy >= SLOW_BUSY_SHARE,
     line=_tcp_line,
+    ratio=SLOW_RATIO,
+    rtt=True,
 )
 _NCCL = _Rules(
     eligible=lambda st, r_rtt: True,  # no RTT: the plugin sees steps, not packets
@@ -374,7 +416,22 @@ _NCCL = _Rules(
         st.s_per_mb >= NCCL_SLOW_RATIO * r_spm and st.busy >= NCCL_MIN_WAIT_SHARE
     ),
     line=_nccl_line,
+    ratio=NCCL_SLOW_RATIO,
+    rtt=False,
 )
+
+# A slow directed link as shown: its stats, its reference's (RTT, time per MB), and which
+# reference that is ("siblings", "history", or "same direction" for a port's other links).
+_Shown = tuple[LinkStats, float, float, str]
+
+
+def _history_ref(history: deque[LinkStats]) -> tuple[float, float] | None:
+    if not history:
+        return None
+    return (
+        statistics.median(o.rtt_us for o in history),
+        statistics.median(o.s_per_mb for o in history),
+    )
 
 
 def _locate(
@@ -383,63 +440,66 @@ def _locate(
     history: dict[tuple[int, int], deque[LinkStats]],
     rules: _Rules,
     role_of: Callable[[JobView, tuple[int, int]], GroupInfo | None],
+    pooled: Callable[[], dict[tuple[int, int], LinkStats]] | None = None,
 ) -> LinkFinding | None:
-    """The slow links among ``links`` and the rank or link they have in common."""
+    """The slow links among ``links`` and the rank or link they have in common; a port's
+    other connections are judged on ``pooled()`` (the links over every window since the
+    slow links appeared) when given, else on ``links``."""
     groups = {k: role_of(view, k) for k in links}
     roles = {k: g.role if g is not None else None for k, g in groups.items()}
     by_role: dict[str | None, dict[tuple[int, int], LinkStats]] = defaultdict(dict)
     for k, st in links.items():
         by_role[roles[k]][k] = st
     siblings = {role: _SiblingMedians(ls) for role, ls in by_role.items()}
-    slow: list[tuple[LinkStats, float, float, str]] = []
-    softer: list[tuple[LinkStats, float, float, str]] = []
+    slow: list[_Shown] = []
     for k, st in links.items():
         role = roles[k]
         floor = siblings[role].spm_floor(k)
-        if floor is not None and st.s_per_mb < LOCATE_RATIO * floor:
-            continue  # under any median its siblings can have: neither slow nor softer
+        if floor is not None and st.s_per_mb < rules.ratio * floor:
+            continue  # under any median its siblings can have: not slow
         ref = siblings[role].without(k)
         source = "siblings"
-        if ref is None and history[k]:
-            ref = (
-                statistics.median(o.rtt_us for o in history[k]),
-                statistics.median(o.s_per_mb for o in history[k]),
-            )
-            source = "history"
+        if ref is None:
+            ref, source = _history_ref(history[k]), "history"
         if ref is None or not rules.eligible(st, ref[0]):
             continue
-        ref_rtt, ref_spm = ref
-        if rules.slow(st, ref_spm):
-            slow.append((st, ref_rtt, ref_spm, source))
-        if st.s_per_mb >= LOCATE_RATIO * ref_spm:
-            softer.append((st, ref_rtt, ref_spm, source))
-    slow_keys = {(st.src, st.dst) for st, *_ in softer}
-    for k, st in links.items():
-        if k not in slow_keys:
-            history[k].append(st)
+        if rules.slow(st, ref[1]):
+            slow.append((st, ref[0], ref[1], source))
     if not slow:
+        for k, st in links.items():
+            history[k].append(st)
         return None
     ranks, link = common_culprit([(st.src, st.dst) for st, *_ in slow], set())
+    ports = _Ports(view, pooled() if pooled is not None else links, role_of, history, rules.rtt)
     shown = list(slow)
+    healthy_end = None
     if link is not None:
-        # One slow link: is one end slow on its other links too (its NIC)?
-        other = {
-            r: [x for x in softer if r in x[0].pair and x[0].pair != tuple(link)] for r in link
-        }
-        ends = [r for r in link if other[r]]
+        # One slow connection: the end whose other connections are slow too is its port.
+        found = {r: ports.slow_links(r, link) for r in link}
+        ends = [r for r in link if found[r]]
         if len(ends) == 1:
+            (healthy_end,) = [r for r in link if r != ends[0]]
             ranks, link = ends, None
-            shown += other[ends[0]]
+            shown += found[ends[0]]
+    elif len(ranks) == 1:
+        pairs = {(st.src, st.dst) for st, *_ in slow}
+        shown += [x for x in ports.slow_links(ranks[0]) if (x[0].src, x[0].dst) not in pairs]
+    named = {(st.src, st.dst) for st, *_ in shown}
+    for k, st in links.items():
+        if k not in named:
+            history[k].append(st)
     worst, ref_rtt, ref_spm, source = max(slow, key=lambda x: x[0].s_per_mb / x[2])
-    evidence = [
-        rules.line(st, r_rtt, r_spm, src)
-        for st, r_rtt, r_spm, src in sorted(shown, key=lambda x: (x[0].src, x[0].dst))[:4]
-    ]
+    evidence = [rules.line(*x) for x in _lines(shown, len(slow))]
     if link is None and len(ranks) == 1:
+        why = (
+            f", and rank {healthy_end}'s other connections are not slow"
+            if healthy_end is not None
+            else ""
+        )
         evidence.append(
             Evidence.of(
                 "common_rank",
-                "every slow link has rank {rank} at one end: its NIC or link",
+                "every slow link has rank {rank} at one end" + why + ": its NIC or link",
                 rank=ranks[0],
             )
         )
@@ -453,3 +513,112 @@ def _locate(
         )
     severity = round(worst.s_per_mb / ref_spm, 2) if ref_spm > 0 else 0.0
     return LinkFinding(ranks, link, groups.get((worst.src, worst.dst)), severity, evidence)
+
+
+def _lines(shown: list[_Shown], strict: int) -> list[_Shown]:
+    """The links to show, at most MAX_LINK_LINES: every connection's slower direction
+    first (the slow links by the strict test, then a port's other connections, each by
+    its ratio), then their other directions."""
+    ratio = {(st.src, st.dst): st.s_per_mb / r_spm for st, _, r_spm, _ in shown}
+    by_pair: dict[tuple[int, int], list[_Shown]] = defaultdict(list)
+    order: dict[tuple[int, int], tuple[int, float]] = {}
+    for i, x in enumerate(shown):
+        pair = x[0].pair
+        by_pair[pair].append(x)
+        tier = 0 if i < strict else 1
+        key = (tier, -ratio[(x[0].src, x[0].dst)])
+        order[pair] = min(order.get(pair, key), key)
+    pairs = sorted(by_pair, key=lambda p: (order[p], p))
+    for p in pairs:
+        by_pair[p].sort(key=lambda x: -ratio[(x[0].src, x[0].dst)])
+    picked = [by_pair[p][0] for p in pairs] + [x for p in pairs for x in by_pair[p][1:]]
+    return picked[:MAX_LINK_LINES]
+
+
+class _Ports:
+    """A rank's other connections, judged against the same direction of their siblings:
+    is the rank's port slow (see PORT_RATIO)? Built only in a window with slow links."""
+
+    def __init__(
+        self,
+        view: JobView,
+        links: dict[tuple[int, int], LinkStats],
+        role_of: Callable[[JobView, tuple[int, int]], GroupInfo | None],
+        history: dict[tuple[int, int], deque[LinkStats]],
+        rtt: bool,
+    ) -> None:
+        self.links, self.history, self.rtt = links, history, rtt
+        self.groups = {k: role_of(view, k) for k in links}
+        by_role: dict[str | None, dict[tuple[int, int], LinkStats]] = defaultdict(dict)
+        for k, st in links.items():
+            g = self.groups[k]
+            by_role[g.role if g is not None else None][k] = st
+        self.siblings = {role: _SiblingMedians(ls) for role, ls in by_role.items()}
+        self.touching: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for k in links:
+            self.touching[k[0]].append(k)
+            self.touching[k[1]].append(k)
+        self._positions: dict[int, dict[int, int]] = {}
+        self._by_place: dict[tuple, _SiblingMedians] | None = None
+
+    def place(self, k: tuple[int, int]) -> tuple | None:
+        """(role, group size, position of the sender, of the receiver) in its group."""
+        g = self.groups.get(k)
+        if g is None:
+            return None
+        pos = self._positions.get(g.group_id)
+        if pos is None:
+            pos = self._positions[g.group_id] = {r: i for i, r in enumerate(g.ranks)}
+        return (g.role, g.size, pos[k[0]], pos[k[1]])
+
+    def reference(self, k: tuple[int, int]) -> tuple[tuple[float, float], str] | None:
+        """The same direction of k's siblings (RTT, time per MB); else all its siblings
+        (a role of one group), else its own history."""
+        if self._by_place is None:
+            places: dict[tuple, dict[tuple[int, int], LinkStats]] = defaultdict(dict)
+            for j, st in self.links.items():
+                pl = self.place(j)
+                if pl is not None:
+                    places[pl][j] = st
+            self._by_place = {pl: _SiblingMedians(ls) for pl, ls in places.items()}
+        pl = self.place(k)
+        ref = self._by_place[pl].without(k) if pl is not None else None
+        if ref is not None:
+            return ref, "same direction"
+        g = self.groups.get(k)
+        ref = self.siblings[g.role if g is not None else None].without(k)
+        if ref is not None:
+            return ref, "siblings"
+        hist = _history_ref(self.history[k])
+        return (hist, "history") if hist is not None else None
+
+    def slow_links(self, rank: int, besides: list[int] | None = None) -> list[_Shown]:
+        """The links of ``rank``'s connections (other than to ``besides``' ranks) that
+        are slow by PORT_RATIO and PORT_MIN_EXCESS, when more than half of its connections
+        measured are; empty otherwise."""
+        skip = set(besides or ()) - {rank}
+        per_peer: dict[int, list[_Shown]] = defaultdict(list)
+        for k in self.touching.get(rank, ()):
+            peer = k[1] if k[0] == rank else k[0]
+            if peer in skip:
+                continue
+            found = self.reference(k)
+            if found is not None and found[0][1] > 0:
+                (r_rtt, r_spm), source = found
+                per_peer[peer].append((self.links[k], r_rtt, r_spm, source))
+        slow = [xs for xs in per_peer.values() if self._slow(xs)]
+        if 2 * len(slow) <= len(per_peer):
+            return []
+        return [x for xs in slow for x in xs if x[0].s_per_mb > x[2]]
+
+    def _slow(self, directions: list[_Shown]) -> bool:
+        """Whether one connection's directions (against their references) are slow."""
+        logs, excess = [], 0.0
+        for st, r_rtt, r_spm, _ in directions:
+            logs.append(math.log(max(st.s_per_mb / r_spm, 1e-6)))  # NCCL waits can be 0
+            if self.rtt:
+                floor = PORT_RTT_FLOOR_US
+                logs.append(math.log((st.rtt_us + floor) / (r_rtt + floor)))
+            if st.s_per_mb > 0:
+                excess = max(excess, st.busy * (1 - r_spm / st.s_per_mb))
+        return math.exp(statistics.fmean(logs)) >= PORT_RATIO and excess >= PORT_MIN_EXCESS

@@ -4,7 +4,10 @@
 :class:`~ccld_plugin.harness.faults.netns.ClosedNetwork`: rank r in its namespace with its own
 address, MASTER_ADDR = rank 0's address, gloo on the rank's ``eth0``. Communication
 faults are applied from outside, on the rank's link, when the rank reaches the fault's
-step: ``comm-slow`` shapes it (``tc`` tbf), ``comm-hang`` cuts it.
+step: ``comm-slow`` shapes it (``tc`` tbf), ``comm-hang`` cuts it. ``comm-slow`` with a
+``peer`` shapes one connection only: the traffic between the rank and that peer goes
+through a tbf of its own (an htb class picked by a u32 filter on the peer's address), the
+rest of the rank's link is left alone.
 
 The launcher talks to the job only through files: it watches the steps on the rank
 boards and appends each fault's onset to the fault log (the format of
@@ -28,6 +31,7 @@ from pathlib import Path
 from types import TracebackType
 
 from ccld_plugin.board.reader import BoardError, BoardReader
+from ccld_plugin.harness.faults import netns
 from ccld_plugin.harness.faults.netns import RANK_IFNAME, ClosedNetwork, NetnsError, available
 from ccld_plugin.harness.faults.spec import FaultSpec
 from ccld_plugin.harness.launch import LocalJob
@@ -159,7 +163,9 @@ class NetJob:
     def _apply(self, fault: FaultSpec, step: int, readers: dict[int, BoardReader]) -> None:
         assert self.net is not None
         try:
-            if fault.kind == "comm-slow":
+            if fault.kind == "comm-slow" and fault.peer is not None:
+                shape_pair(self.net, fault.rank, fault.peer, fault.rate)
+            elif fault.kind == "comm-slow":
                 self.net.shape(fault.rank, fault.rate)
             else:
                 self.net.cut(fault.rank)
@@ -185,3 +191,36 @@ class NetJob:
                 self.fault_log.parent.mkdir(parents=True, exist_ok=True)
                 with open(self.fault_log, "a") as fh:
                     fh.write(json.dumps(entry) + "\n")
+
+
+def shape_pair(
+    net: ClosedNetwork,
+    rank: int,
+    peer: int,
+    rate: str,
+    *,
+    burst: str = "32kb",
+    latency_ms: int = 50,
+) -> None:
+    """Limit the traffic between ``rank`` and ``peer`` to ``rate`` in both directions, with
+    the tbf of :meth:`ClosedNetwork.shape`, and nothing else of either rank's link: on both
+    ends of ``rank``'s veth an htb root sends everything to an unlimited class, except the
+    packets to (rank egress) or from (switch egress) ``peer``'s address, which a u32 filter
+    puts in a class whose queue is the tbf. Removed with the namespaces."""
+    tbf = ["tbf", "rate", rate, "burst", burst, "latency", f"{latency_ms}ms"]
+    wide = ["htb", "rate", "10gbit", "quantum", "60000"]  # neither class limits by itself
+    peer_ip = net.address(peer)
+    ends = [
+        (net.netns(rank), RANK_IFNAME, "dst"),  # rank -> peer
+        (net.switch_netns, net.switch_port(rank), "src"),  # peer -> rank
+    ]
+    for ns, dev, side in ends:
+        tc = ["-n", ns]
+        netns._tc(
+            *tc, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "1"
+        )
+        netns._tc(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", *wide)
+        netns._tc(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:2", *wide)
+        netns._tc(*tc, "qdisc", "add", "dev", dev, "parent", "1:2", "handle", "20:", *tbf)
+        netns._tc(*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+                  "u32", "match", "ip", side, f"{peer_ip}/32", "flowid", "1:2")  # fmt: skip

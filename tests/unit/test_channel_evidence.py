@@ -40,6 +40,7 @@ def view(
     now: int = 100 * S,
     ages: dict[int, float] | None = None,
     groups: list[GroupInfo] = DP4,
+    world: int = 4,
 ) -> JobView:
     """A view in which rank r's latest summary, made ages[r] seconds ago, carries
     reports[r] as its channel evidence."""
@@ -52,7 +53,7 @@ def view(
         )
         for r, entries in reports.items()
     ]
-    return job_view(summaries, {r: groups for r in reports}, now, world=4)
+    return job_view(summaries, {r: groups for r in reports}, now, world=world)
 
 
 # --- codec ----------------------------------------------------------------------------------
@@ -230,11 +231,12 @@ def feed(
     per_tick: dict[int, list[PeerChannel]],
     groups: list[GroupInfo],
     t0: int = 10 * S,
+    world: int = 4,
 ) -> JobView:
-    v = view({r: [] for r in per_tick}, groups=groups)
+    v = view({r: [] for r in per_tick}, groups=groups, world=world)
     for k in range(ticks):
         t = t0 + int(k * INTERVAL * S)
-        tick = view(per_tick, now=t, groups=groups)
+        tick = view(per_tick, now=t, groups=groups, world=world)
         h.ingest(tick.summaries.values())
     return v
 
@@ -282,6 +284,208 @@ def test_one_slow_link_is_named_as_a_link() -> None:
     found = h.slow_links(v, 10 * S, 15 * S).found
     assert found is not None and found.link == [0, 1] and found.ranks == [0, 1]
     assert found.group.role == "tp"  # type: ignore[union-attr]
+
+
+# A pipeline link's one-way flows, as measured on TP2xPP2 in namespaces (2-core host): the
+# sender of activations waits for a receiver that reads late (its delayed ACK), so its send
+# queue is busy ~30% on a healthy link, more than a shaped TP link's share per byte; the
+# gradients' sender, whose receiver waits for them, ~6%. A shaped port adds the link's own
+# drain time: ~1.7x and ~3.7x that.
+def pipeline(
+    peer: int, forward: bool, port_slow: bool = False, lean: float = 1.0, rtt_lean: float = 1.0
+) -> PeerChannel:
+    busy = (0.52 if port_slow else 0.30 * lean) if forward else (0.22 if port_slow else 0.06)
+    rtt = (
+        (14_000 if port_slow else 10_000 * rtt_lean)
+        if forward
+        else (13_000 if port_slow else 3_000)
+    )
+    return entry(
+        peer,
+        wait="network" if forward else "none",
+        sent=290_000,
+        rtt_us=int(rtt),
+        min_rtt_us=4,
+        busy_share=busy,
+        queued=48 if forward else 0,
+    )
+
+
+def layout_links(
+    tp: int, pp: int, dp: int, port: int | None = None, pair: set[int] | None = None
+) -> tuple[list[GroupInfo], dict[int, list[PeerChannel]]]:
+    """A TPxPPxDP job (rank = tp index + tp x (dp index + dp x stage)) and each rank's
+    channel entries per tick: TP and DP connections busy both ways, PP connections one
+    way at a time. ``port``: every connection of that rank is shaped; ``pair``: only the
+    connection between those two ranks."""
+    world = tp * pp * dp
+
+    def coords(r: int) -> tuple[int, int, int]:
+        return r % tp, (r // tp) % dp, r // (tp * dp)
+
+    def rank(t: int, d: int, s: int) -> int:
+        return t + tp * (d + dp * s)
+
+    groups = [group("world", range(world))]
+    for d in range(dp):
+        for s_ in range(pp):
+            groups.append(group("tp", [rank(t, d, s_) for t in range(tp)]))
+    for t in range(tp):
+        for s_ in range(pp):
+            groups.append(group("dp", [rank(t, d, s_) for d in range(dp)]))
+        for d in range(dp):
+            groups.append(group("pp", [rank(t, d, s_) for s_ in range(pp)]))
+    per_tick: dict[int, list[PeerChannel]] = {r: [] for r in range(world)}
+    for g in groups:
+        if g.role == "world" or g.size < 2:
+            continue
+        for a in g.ranks:
+            for b in g.ranks:
+                if a == b or (g.role == "pp" and abs(coords(a)[2] - coords(b)[2]) != 1):
+                    continue
+                slow = port in (a, b) or pair == {a, b}
+                if g.role == "pp":
+                    forward = coords(a)[2] < coords(b)[2]
+                    per_tick[a].append(pipeline(b, forward, slow))
+                else:
+                    per_tick[a].append(shaped(b) if slow else healthy(b))
+    return groups, per_tick
+
+
+@pytest.mark.parametrize("port", [0, 1, 2, 3])
+def test_slow_port_names_its_rank_with_its_links_in_both_groups(port: int) -> None:
+    # Every connection of one rank of a TP2xPP2 job is slow: its TP connection by far
+    # (the slow link), its PP connection by less than the links' slow ratios (its one-way
+    # flows wait on delayed ACKs on healthy links too), but 1.7x and 3.7x the time per
+    # byte (1.4x and 3.5x the RTT) of the same direction of the PP sibling link. The rank
+    # is named, not the TP pair, and both of its connections are shown, both ways.
+    groups, per_tick = layout_links(2, 2, 1, port=port)
+    h = ChannelHistory()
+    v = feed(h, 10, per_tick, groups)
+    found = h.slow_links(v, 10 * S, 15 * S).found
+    assert found is not None
+    assert (found.ranks, found.link) == ([port], None)
+    assert found.group is not None and found.group.role == "tp" and port in found.group.ranks
+    ev = facts(found.evidence)
+    shown = {frozenset((e["data"]["rank"], e["data"]["peer"])) for e in ev["link_slow"]}
+    tp_peer, pp_peer = port ^ 1, port ^ 2
+    assert shown == {frozenset((port, tp_peer)), frozenset((port, pp_peer))}
+    pp_lines = [e for e in ev["link_slow"] if pp_peer in (e["data"]["rank"], e["data"]["peer"])]
+    assert len(pp_lines) == 2 and all(e["data"]["time_ratio"] > 1.5 for e in pp_lines)
+    assert [e["data"] for e in ev["common_rank"]] == [{"rank": port}]
+    assert f"rank {tp_peer}'s other connections are not slow" in ev["common_rank"][0]["text"]
+
+
+@pytest.mark.parametrize("pair", [{0, 1}, {2, 3}])
+@pytest.mark.parametrize(("lean", "rtt_lean"), [(1.0, 1.0), (1.35, 1.35), (1.3, 1.8)])
+def test_one_slow_connection_names_the_link(pair: set[int], lean: float, rtt_lean: float) -> None:
+    # Only one TP connection is shaped: the PP connections of both its ends are as slow as
+    # their siblings, up to what one direction of healthy siblings differed by (1.35x in
+    # time per byte and RTT, or 1.3x and 1.8x).
+    groups, per_tick = layout_links(2, 2, 1, pair=pair)
+    a, b = sorted(pair)
+    # The activations 1 -> 3 (a PP link of one end) lean slow, as measured.
+    per_tick[1] = [
+        pipeline(3, True, lean=lean, rtt_lean=rtt_lean) if e.peer == 3 else e for e in per_tick[1]
+    ]
+    h = ChannelHistory()
+    v = feed(h, 10, per_tick, groups)
+    found = h.slow_links(v, 10 * S, 15 * S).found
+    assert found is not None
+    assert (found.ranks, found.link) == ([a, b], [a, b])
+    ev = facts(found.evidence)
+    assert {(e["data"]["rank"], e["data"]["peer"]) for e in ev["link_slow"]} == {(a, b), (b, a)}
+    assert [e["data"] for e in ev["one_link"]] == [{"link": [a, b]}]
+
+
+def test_a_noisy_window_of_a_connection_is_judged_with_the_ones_before() -> None:
+    # Only 2<->3 is shaped. In one window rank 2's PP connection leans slow both ways (as
+    # measured once on a loaded host: 2 -> 0 2x the time per byte and 1.4x the RTT of its
+    # sibling, 0 -> 2 1.1x and 1.5x): judged alone that is a port; with the windows since
+    # the link became slow, it is not.
+    groups, per_tick = layout_links(2, 2, 1, pair={2, 3})
+    noisy = {r: list(es) for r, es in per_tick.items()}
+    noisy[2] = [
+        entry(0, sent=290_000, rtt_us=4_200, min_rtt_us=4, busy_share=0.12) if e.peer == 0 else e
+        for e in per_tick[2]
+    ]
+    noisy[0] = [
+        pipeline(2, True, lean=1.1, rtt_lean=1.5) if e.peer == 2 else e for e in per_tick[0]
+    ]
+    alone = ChannelHistory()
+    v = feed(alone, 10, noisy, groups, t0=15 * S)
+    found = alone.slow_links(v, 15 * S, 20 * S).found
+    assert found is not None and (found.ranks, found.link) == ([2], None)
+    h = ChannelHistory()
+    feed(h, 10, per_tick, groups)
+    found = h.slow_links(v, 10 * S, 15 * S).found
+    assert found is not None and found.link == [2, 3]
+    feed(h, 10, noisy, groups, t0=15 * S)
+    found = h.slow_links(v, 15 * S, 20 * S).found
+    assert found is not None and (found.ranks, found.link) == ([2, 3], [2, 3])
+
+
+def test_jiffy_noise_on_idle_links_is_no_port() -> None:
+    # TP2xDP2, only the DP connection 1<->3 is shaped. Rank 3's TP link moves its bytes in
+    # a few jiffies per interval: 2x its sibling's time per byte there is rounding, not a
+    # port (measured: up to 2.3x between healthy TP siblings busy 1-3% of the time).
+    groups, per_tick = layout_links(2, 1, 2, pair={1, 3})
+    per_tick[3] = [
+        entry(2, sent=6 * 10**6, rtt_us=300, min_rtt_us=8, busy_share=0.06) if e.peer == 2 else e
+        for e in per_tick[3]
+    ]
+    h = ChannelHistory()
+    v = feed(h, 10, per_tick, groups)
+    found = h.slow_links(v, 10 * S, 15 * S).found
+    assert found is not None and (found.ranks, found.link) == ([1, 3], [1, 3])
+    assert found.group is not None and found.group.role == "dp"
+
+
+def test_slow_port_in_three_groups_shows_a_link_of_each() -> None:
+    # TP2xPP2xDP2 (8 ranks): rank 7's TP and DP connections are slow links, its PP
+    # connection (to rank 3) is slow by its same-direction sibling: all three are shown.
+    groups, per_tick = layout_links(2, 2, 2, port=7)
+    h = ChannelHistory()
+    v = feed(h, 10, per_tick, groups, world=8)
+    found = h.slow_links(v, 10 * S, 15 * S).found
+    assert found is not None and (found.ranks, found.link) == ([7], None)
+    ev = facts(found.evidence)
+    shown = {frozenset((e["data"]["rank"], e["data"]["peer"])) for e in ev["link_slow"]}
+    assert shown == {frozenset((7, 6)), frozenset((7, 5)), frozenset((7, 3))}
+    # One connection of the same layout: the DP link 5<->7 alone is named.
+    groups, per_tick = layout_links(2, 2, 2, pair={5, 7})
+    h = ChannelHistory()
+    v = feed(h, 10, per_tick, groups, world=8)
+    found = h.slow_links(v, 10 * S, 15 * S).found
+    assert found is not None and (found.ranks, found.link) == ([5, 7], [5, 7])
+    assert found.group is not None and found.group.role == "dp"
+
+
+def test_a_link_verdict_waits_a_window_in_which_a_port_can_show() -> None:
+    # A link is confirmed one window later than a rank; a window in between that finds
+    # one end's port slow names that rank, with the count of the link's windows.
+    from ccld_plugin.config import DiagnoserConfig
+    from ccld_plugin.diagnose.slow import SlowDetector
+    from ccld_plugin.diagnose.slow_links import LinkFinding
+
+    cfg = DiagnoserConfig()
+    link = LinkFinding([2, 3], [2, 3], TP2PP2[2], 30.0, [])
+    port = LinkFinding([3], None, TP2PP2[2], 30.0, [])
+    v = view({})
+    windows = [(1 + 5 * i, 6 + 5 * i) for i in range(6)]
+    det = SlowDetector(cfg)
+    seq = [link, link, port, link]
+    got = [det._channel_slow(v, f, lo, hi) for f, (lo, hi) in zip(seq, windows[:4], strict=True)]
+    assert [len(x) for x in got] == [0, 0, 1, 0]
+    assert (got[2][0].ranks, got[2][0].link) == ([3], None)
+    # A link alone is named, a window after a rank would have been.
+    det = SlowDetector(cfg)
+    got = [det._channel_slow(v, link, lo, hi) for lo, hi in windows[:4]]
+    assert [len(x) for x in got] == [0] * cfg.confirm_windows + [1, 0]
+    assert got[cfg.confirm_windows][0].link == [2, 3]
+    det = SlowDetector(cfg)
+    got = [det._channel_slow(v, port, lo, hi) for lo, hi in windows[:3]]
+    assert [len(x) for x in got] == [0] * (cfg.confirm_windows - 1) + [1, 0]
 
 
 def test_healthy_jitter_and_delayed_acks_are_not_slow() -> None:

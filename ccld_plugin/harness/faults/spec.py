@@ -6,6 +6,8 @@ Kinds and their parameters:
 - ``compute-hang@R[:step=S]``: rank R blocks in compute before its next collective;
 - ``mismatch@R[:step=S]``: rank R issues a different collective than its peers;
 - ``comm-slow@R:rate=RATE[,step=S]``: rank R's link is shaped to RATE (e.g. ``20mbit``);
+  with ``peer=P``, only the traffic between R and P (one connection; R's other links
+  stay as they were);
 - ``comm-hang@R[:step=S]``: rank R's link is cut;
 - ``kill@R[:step=S]``: rank R's process ends itself with SIGKILL (no exit path runs);
 - ``freeze@R[:step=S]``: rank R's process stops itself (SIGSTOP): alive, its connections
@@ -28,7 +30,7 @@ FAULT_KINDS: dict[str, tuple[set[str], set[str]]] = {
     "compute-slow": ({"factor"}, {"step"}),
     "compute-hang": (set(), {"step"}),
     "mismatch": (set(), {"step"}),
-    "comm-slow": ({"rate"}, {"step"}),
+    "comm-slow": ({"rate"}, {"step", "peer"}),
     "comm-hang": (set(), {"step"}),
     "kill": (set(), {"step"}),
     "freeze": (set(), {"step"}),
@@ -51,6 +53,7 @@ class FaultSpec:
     step: int = DEFAULT_STEP
     factor: float = 1.0
     rate: str = ""
+    peer: int | None = None  # comm-slow: shape only the traffic between rank and peer
 
     @property
     def is_comm(self) -> bool:
@@ -60,7 +63,8 @@ class FaultSpec:
         """The spec in its canonical form: it parses back to this fault."""
         short = f"{self.factor:g}"
         factor = short if float(short) == self.factor else repr(self.factor)
-        extra = {"compute-slow": f"factor={factor},", "comm-slow": f"rate={self.rate},"}
+        peer = f"peer={self.peer}," if self.peer is not None else ""
+        extra = {"compute-slow": f"factor={factor},", "comm-slow": f"rate={self.rate},{peer}"}
         return f"{self.kind}@{self.rank}:{extra.get(self.kind, '')}step={self.step}"
 
 
@@ -108,7 +112,11 @@ def parse_fault(text: str) -> FaultSpec:
         raise FaultSpecError(
             f"fault {spec!r}: rate {rate!r} must look like 20mbit (bit, kbit, mbit, gbit)"
         )
-    return FaultSpec(kind=kind, rank=int(rank_s), step=step, factor=factor, rate=rate)
+    peer_s = values.get("peer")
+    if peer_s is not None and (not _INT.fullmatch(peer_s) or int(peer_s) == int(rank_s)):
+        raise FaultSpecError(f"fault {spec!r}: peer must be a rank number other than {rank_s}")
+    peer = int(peer_s) if peer_s is not None else None
+    return FaultSpec(kind=kind, rank=int(rank_s), step=step, factor=factor, rate=rate, peer=peer)
 
 
 def parse_faults(texts: Iterable[str], world: int | None = None) -> list[FaultSpec]:
@@ -119,8 +127,9 @@ def parse_faults(texts: Iterable[str], world: int | None = None) -> list[FaultSp
         return []
     faults = [parse_fault(t) for t in items]
     for f in faults:
-        if world is not None and f.rank >= world:
-            raise FaultSpecError(
-                f"fault {str(f)!r}: rank {f.rank} is outside the world of {world} ranks"
-            )
+        for what, r in (("rank", f.rank), ("peer", f.peer)):
+            if world is not None and r is not None and r >= world:
+                raise FaultSpecError(
+                    f"fault {str(f)!r}: {what} {r} is outside the world of {world} ranks"
+                )
     return faults
