@@ -24,6 +24,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ccld_plugin.agent.agent import STEPS_KEPT
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose import Diagnoser, JobView
 from ccld_plugin.diagnose.view import topology_of
@@ -108,7 +109,11 @@ def rank_summary(rank: int, world: int, step: int, now: int) -> RankSummary:
         last_progress_ns=now - 1000,
         groups_version=1,
         groups=groups,
-        steps=[StepStat(step - 1, start, 1_000_000, 700_000 + rank % 13 * 100)],
+        # the last STEPS_KEPT steps, as the agent sends them
+        steps=[
+            StepStat(k, now - (step - k) * STEP_NS, 1_000_000, 700_000 + rank % 13 * 100)
+            for k in range(max(0, step - STEPS_KEPT), step)
+        ],
         samples=samples,
         channels=channels,
     )

@@ -35,6 +35,7 @@ from ccld_plugin.wire.topology import GroupInfo
 __all__ = ["Agent", "StepClock"]
 
 MAX_STEPS = 32
+STEPS_KEPT = 16  # in every summary: about 4 s of steps at 4 steps per second
 SAMPLES_PER_GROUP = 8
 STACK_FRAMES = 16
 MAX_BACKOFF_S = 30.0
@@ -95,6 +96,10 @@ class Agent:
         self._groups_version = 0
         self._published_groups: tuple = ()
         self.latest: LocalReport | None = None
+        # The last steps go in every summary, not only the new ones: the store keeps one
+        # summary per rank, and a diagnoser whose rounds come every few ticks (thousands of
+        # ranks on a training rank) would never see the steps of the ticks in between.
+        self._recent_steps: deque[StepStat] = deque(maxlen=STEPS_KEPT)
         self.latest_groups: tuple = ()  # the group signature ``latest`` carries
         # Why the store last failed us (None: it answers); when sending is tried again.
         self.store_lost: str | None = None
@@ -293,7 +298,8 @@ class Agent:
             )
         if stats:
             self._published_step = stats[-1].step
-        return stats[-MAX_STEPS:]
+        self._recent_steps.extend(stats[-MAX_STEPS:])
+        return list(self._recent_steps)
 
     def _samples(self, done: np.ndarray, diag: Any) -> list[ArrivalSample]:
         """Arrival samples: per group, the collectives completed this tick whose seq is a
