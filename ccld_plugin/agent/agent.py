@@ -25,7 +25,7 @@ from ccld_plugin.agent.tcp_channels import ChannelSampler
 from ccld_plugin.board.job_files import remove_stack, write_stack
 from ccld_plugin.board.reader import BoardReader
 from ccld_plugin.config import AgentConfig
-from ccld_plugin.control import ClockSync, ControlPlane, resync_epoch
+from ccld_plugin.control import ClockSync, ControlPlane, request_timeout_s, resync_epoch
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.wire.codes import FLAG_ASYNC, FLAG_P2P, STATE_DONE
 from ccld_plugin.wire.peer_channels import MAX_ENTRIES, encode_channels, entry_order
@@ -105,7 +105,7 @@ class Agent:
         self.store_lost: str | None = None
         self._retry_at = 0.0
         self._backoff = cfg.interval_s
-        self._request_timeout_s = min(clock_timeout_s, max(2.0, 4 * cfg.interval_s))
+        self._request_timeout_s = request_timeout_s(cfg.interval_s, clock_timeout_s)
         self._stack_written: tuple[str, ...] = ()  # the stack in the sidecar file, if any
         self._main_ident = threading.main_thread().ident
         # Per-peer TCP progress of this rank (None where the probe cannot run), and the

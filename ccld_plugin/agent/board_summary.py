@@ -5,7 +5,9 @@ so both hand the diagnoser the same record for the same board.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -21,6 +23,7 @@ from ccld_plugin.wire.summary import (
 
 __all__ = [
     "BoardSnapshot",
+    "in_flight_ops",
     "stuck_s",
     "summarize_board",
 ]
@@ -42,6 +45,24 @@ class BoardSnapshot:
         ops = reader.ops()
         table = reader.group_table()  # after the ops: its completed seqs cover them
         return cls(header, ops, table)
+
+
+def in_flight_ops(records: Iterable[Any], offset_ns: int = 0) -> list[InFlightOp]:
+    """Board op records as a summary's in-flight ops, their enter time on the diagnoser's
+    clock (``offset_ns``: the rank's clock minus the diagnoser's)."""
+    return [
+        InFlightOp(
+            int(r["group_slot"]),
+            int(r["op"]),
+            int(r["flags"]),
+            int(r["peer"]),
+            int(r["seq"]),
+            int(r["bytes"]),
+            int(r["enter_ns"]) - offset_ns,
+            int(r["state"]),
+        )
+        for r in records
+    ]
 
 
 def summarize_board(
@@ -76,19 +97,7 @@ def summarize_board(
         )
     flights = ops[ops["state"] == STATE_IN_FLIGHT][:MAX_IN_FLIGHT]
     errors = ops[ops["state"] == STATE_ERROR][-2:]
-    in_flight = [
-        InFlightOp(
-            int(r["group_slot"]),
-            int(r["op"]),
-            int(r["flags"]),
-            int(r["peer"]),
-            int(r["seq"]),
-            int(r["bytes"]),
-            int(r["enter_ns"]) - offset_ns,
-            int(r["state"]),
-        )
-        for r in (*flights, *errors)
-    ]
+    in_flight = in_flight_ops([*flights, *errors], offset_ns)
     last_exit = int(ops["exit_ns"].max()) if len(ops) else 0
     last_progress = max(h.start_mono_ns, h.step_start_ns, last_exit)
     flags = (FLAG_EXITED if exited else 0) | (FLAG_ERRORED if len(errors) else 0)

@@ -3,7 +3,7 @@
 in time when its host or link is gone (``deadline``)."""
 
 from ccld_plugin.control.clock import ClockSync, resync_epoch
-from ccld_plugin.control.deadline import DeadlineStore, StoreTimeout
+from ccld_plugin.control.deadline import DeadlineStore, StoreTimeout, request_timeout_s
 from ccld_plugin.control.plane import ControlPlane, owner_record
 
 __all__ = [
@@ -12,5 +12,6 @@ __all__ = [
     "DeadlineStore",
     "StoreTimeout",
     "owner_record",
+    "request_timeout_s",
     "resync_epoch",
 ]

@@ -19,11 +19,22 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["DeadlineStore", "StoreTimeout"]
+__all__ = ["DeadlineStore", "StoreTimeout", "request_timeout_s"]
 
 # On top of a request's own wait (``get`` and ``wait`` time out by themselves, with the
 # store's message): the worker hands back their error before the deadline passes.
 MARGIN_S = 0.5
+
+
+# A request of a few hundred keys takes milliseconds; one that waits longer than a few
+# agent intervals (and at least this long) waits for a store that is down or cut off.
+MIN_TIMEOUT_S = 2.0
+
+
+def request_timeout_s(interval_s: float, at_most_s: float = float("inf")) -> float:
+    """How long a request waits for the store once start-up is over: 4 agent intervals,
+    at least MIN_TIMEOUT_S, at most ``at_most_s``."""
+    return min(at_most_s, max(MIN_TIMEOUT_S, 4 * interval_s))
 
 
 class StoreTimeout(RuntimeError):

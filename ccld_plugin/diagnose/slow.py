@@ -352,15 +352,13 @@ class SlowDetector:
             elif stragglers & set(g.ranks):
                 # A member that computes late (a straggler being confirmed) delays the
                 # group's transfers too: it explains the low bandwidth.
-                log.debug(
-                    "ccld window %d-%d: %s%s moves %.1f MB/s vs %.1f, explained by straggler(s) %s",
+                _not_slow(
                     lo,
-                    hi - 1,
-                    g.role,
-                    list(g.ranks),
-                    b / 1e6,
-                    ref / 1e6,
-                    sorted(stragglers & set(g.ranks)),
+                    hi,
+                    g,
+                    b,
+                    ref,
+                    f"explained by straggler(s) {sorted(stragglers & set(g.ranks))}",
                 )
             else:
                 slow.append((g, b, ref))
@@ -374,15 +372,7 @@ class SlowDetector:
             # straggler's TP peer), and that is no communication verdict.
             cleared = [x for x in slow if _links_measured(x[0], judged.measured)]
             for g, b, ref in cleared:
-                log.debug(
-                    "ccld window %d-%d: %s%s moves %.1f MB/s vs %.1f, but its links are healthy",
-                    lo,
-                    hi - 1,
-                    g.role,
-                    list(g.ranks),
-                    b / 1e6,
-                    ref / 1e6,
-                )
+                _not_slow(lo, hi, g, b, ref, "but its links are healthy")
             slow = [x for x in slow if x not in cleared]
         if not slow:
             if found is None:
@@ -540,6 +530,20 @@ def _wait_balance(r: int, mine: list[Joined]) -> _WaitBalance:
         else:
             by_r += float(waits[at][0])
     return _WaitBalance(for_r, by_r, last_n)
+
+
+def _not_slow(lo: int, hi: int, g: GroupInfo, b: float, ref: float, why: str) -> None:
+    """Log a group whose low bandwidth is not a communication finding, and why."""
+    log.debug(
+        "ccld window %d-%d: %s%s moves %.1f MB/s vs %.1f, %s",
+        lo,
+        hi - 1,
+        g.role,
+        list(g.ranks),
+        b / 1e6,
+        ref / 1e6,
+        why,
+    )
 
 
 def _links_measured(g: GroupInfo, measured: frozenset[tuple[int, int]]) -> bool:

@@ -16,7 +16,7 @@ from pathlib import Path
 from ccld_plugin.agent.agent import LocalReport
 from ccld_plugin.board.process import process_alive
 from ccld_plugin.config import CcldConfig
-from ccld_plugin.control import ControlPlane, owner_record, resync_epoch
+from ccld_plugin.control import ControlPlane, owner_record, request_timeout_s, resync_epoch
 from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
 from ccld_plugin.diagnose.analyzer import located_by_channels
 from ccld_plugin.diagnose.view import topology_of
@@ -29,7 +29,6 @@ from ccld_plugin.wire.topology import GroupInfo, Topology, role_index
 __all__ = ["DiagnoserService"]
 
 MAX_ROUND_SHARE = 0.2  # of the diagnoser rank's time spent in diagnoser rounds
-STORE_READ_MIN_S = 2.0
 # Renewals a standby waits for before it takes the lease over (a loaded host can delay one
 # or two); the diagnoser in charge counts its lease lost one interval earlier.
 LEASE_INTERVALS = 4
@@ -78,10 +77,8 @@ class DiagnoserService:
         # even when the store does not answer it.
         self.own_report = own_report
         self._store_failed: str | None = None  # why the store last failed, until it answers
-        # A read of a few hundred keys takes milliseconds; one that waits longer than a few
-        # agent intervals waits for a store that is down or cut off.
-        self._read_timeout_s = min(
-            cfg.control.connect_timeout_s, max(STORE_READ_MIN_S, 4 * cfg.agent.interval_s)
+        self._read_timeout_s = request_timeout_s(
+            cfg.agent.interval_s, cfg.control.connect_timeout_s
         )
         self.world = world
         self.job_start_ns = job_start_ns

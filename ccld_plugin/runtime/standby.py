@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from ccld_plugin.board.process import process_alive
 from ccld_plugin.config import CcldConfig
-from ccld_plugin.control import ControlPlane
+from ccld_plugin.control import ControlPlane, request_timeout_s
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.runtime.diagnoser import LEASE_INTERVALS, DiagnoserService
 
@@ -84,7 +84,7 @@ class Standby:
     def _run(self) -> None:
         interval = self.cfg.agent.interval_s
         try:
-            self.control = self.control.connect(max(2.0, 4 * interval))
+            self.control = self.control.connect(request_timeout_s(interval))
         except Exception as exc:  # noqa: BLE001 - nothing to watch the lease with
             report_error("standby.lease", exc)
             return

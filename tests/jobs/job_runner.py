@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ccld_plugin.harness.demo import DemoOptions, run_demo
+from ccld_plugin.harness.faults import netns
 from ccld_plugin.harness.launch import LocalJob
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -92,3 +95,45 @@ def facts(evidence: list[dict]) -> dict[str, list[dict]]:
     for e in evidence:
         out.setdefault(e["fact"], []).append(e)
     return out
+
+
+# Tests of slowness keep the default hang floor: on a loaded 2-core host a first step can
+# keep the other ranks waiting 3 s, which the short floor of the hang tests would flag.
+NO_SHORT_HANGS = ("diagnoser.hang_min_s=10",)
+
+
+def leftover_networks() -> list[str]:
+    """Namespaces and state files of networks this process owns (other runs may be going
+    on at the same time: only ours must be gone)."""
+    runs = []
+    for f in netns.STATE_DIR.glob("*.json") if netns.STATE_DIR.is_dir() else []:
+        try:
+            if json.loads(f.read_text()).get("pid") == os.getpid():
+                runs.append(f.stem)
+        except (OSError, ValueError):
+            continue
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
+    names = [ln.split()[0] for ln in out.stdout.splitlines()]
+    return [f"state file {r}.json" for r in runs] + [
+        n for n in names if any(n.startswith(f"{netns.PREFIX}{r}-") for r in runs)
+    ]
+
+
+def netns_demo(
+    tmp_path: Path, tp: int, pp: int, steps: int, *faults: str, **options: Any
+) -> tuple[int, dict]:
+    """A 4-rank torch demo in a closed network, which must leave no namespace behind."""
+    result = demo(
+        tmp_path / "out",
+        *faults,
+        world=4,
+        tp=tp,
+        pp=pp,
+        steps=steps,
+        netns=True,
+        overrides=FAST_UNRESPONSIVE,
+        timeout_s=150,
+        **{"framework": "torch", **options},
+    )
+    assert leftover_networks() == [], "the run left its network behind"
+    return result

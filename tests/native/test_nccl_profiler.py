@@ -251,12 +251,13 @@ READ_LATER_S = 5.0  # the boards are read as if 5 s later: the stalled steps hav
 
 
 def ring_fault_view(build: Build, tmp_path: Path, fault: int, where: int):
+    from ccld_plugin.agent.board_summary import in_flight_ops
     from ccld_plugin.agent.nccl_channels import NcclChannels
     from ccld_plugin.board.reader import BoardReader
     from ccld_plugin.diagnose.view import JobView
     from ccld_plugin.wire.codes import STATE_IN_FLIGHT
     from ccld_plugin.wire.peer_channels import encode_channels
-    from ccld_plugin.wire.summary import GroupProgress, InFlightOp, RankSummary
+    from ccld_plugin.wire.summary import GroupProgress, RankSummary
     from ccld_plugin.wire.topology import GroupInfo
 
     summaries, tables = {}, {}
@@ -281,19 +282,7 @@ def ring_fault_view(build: Build, tmp_path: Path, fault: int, where: int):
             last_progress_ns=int(ops["exit_ns"].max()),
             groups_version=1,
             groups=[GroupProgress(0, int(ops["seq"].max()), 1, 0, 0, 0, 0)],
-            in_flight=[
-                InFlightOp(
-                    int(r["group_slot"]),
-                    int(r["op"]),
-                    int(r["flags"]),
-                    int(r["peer"]),
-                    int(r["seq"]),
-                    int(r["bytes"]),
-                    int(r["enter_ns"]),
-                    int(r["state"]),
-                )
-                for r in flights
-            ],
+            in_flight=in_flight_ops(flights),
             channels=encode_channels(entries, 1.0, len(entries)),
         )
         tables[g] = [group]
