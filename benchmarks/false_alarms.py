@@ -12,8 +12,9 @@ compute time for every step: the span from the step's first op to the next step'
 op, minus the time blocked in synchronous ops (the agent measures from ``mark_step``; the
 shift is the same for every rank of a cohort). A ``slow``/``compute`` verdict counts as
 *true* only when these times show the named rank slower than the median of its cohort by
-``diagnoser.slow_ratio`` in each of the windows that confirmed it (``confirm_windows``, one
-more in a two-rank cohort); every other verdict on a healthy run is *false*. Every false
+``diagnoser.slow_ratio`` in each of the ``confirm_windows`` windows of steps, end to end,
+that the detector's sliding windows spanned before it; every other verdict on a healthy
+run is *false*. Every false
 verdict is printed with its evidence facts.
 
 ``--loaded`` runs as many busy processes as there are cores during every run (other work
@@ -219,7 +220,7 @@ def judge(v: dict, compute: dict, cfg) -> tuple[bool | None, str]:
         return False, "no compute_excess evidence"
     r, d = v["ranks"][0], ev["data"]
     cohort = [c for c in d["cohort"] if c != r]
-    needed = cfg.confirm_windows + (1 if len(d["cohort"]) < 3 else 0)
+    needed = cfg.confirm_windows  # the span the sliding windows covered, end to end
     w = cfg.window_steps
     last = int(d["last_step"])
     ratios, ratios_all = [], []

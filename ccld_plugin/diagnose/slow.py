@@ -30,6 +30,7 @@ __all__ = ["Joined", "SlowDetector"]
 
 FIRST_STEP = 1  # step 0 is warm-up (allocations, connection setup)
 MAX_JOINED = 20000
+SLIDE_MAX_RANKS = 1024  # larger jobs judge stragglers on windows end to end (evaluate)
 MIN_ARRIVAL_SAMPLES = 4
 # A straggler's peers wait for it: of the waiting in its sampled collectives (theirs for it
 # when it arrives last, its own for others), theirs is at least this share. Weighed by time,
@@ -37,8 +38,8 @@ MIN_ARRIVAL_SAMPLES = 4
 # hair at the others, a coin toss that a share of arrivals counted (a 2x straggler of a
 # 2-core TP2xPP2xDP2 job measured 33% last arrivals in a window).
 WAITED_FOR_SHARE = 0.5
-WAITED_FOR_SHARE_SMALL_COHORT = 0.8
-MIN_STEP_SHARE = 0.1  # excess compute below 10% of the step time is noise, not a verdict
+WAITED_FOR_SHARE_SMALL_COHORT = 0.6
+MIN_STEP_SHARE = 0.05  # excess compute below 5% of the step time is noise, not a verdict
 # A group's transfer bandwidth must fall this far below its siblings' (and below its own
 # history, once it has one) to count: small transfers on a busy host vary by 2x.
 COMM_RATIO = 2.5
@@ -58,11 +59,14 @@ class SlowDetector:
         self.steps: dict[int, dict[int, StepStat]] = defaultdict(dict)
         self.arrivals = ArrivalJoin()
         self.joined: deque[Joined] = deque(maxlen=MAX_JOINED)
-        self.next_window = 0
+        self.next_end = FIRST_STEP + cfg.window_steps  # the step after the next window
+        self._stride = 1  # steps from one straggler window to the next
         self.streak: dict[tuple, int] = defaultdict(int)
         self.first_seen: dict[tuple, int] = {}
         self.bw_history: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=20))
         self.channels = ChannelHistory()  # per-peer TCP evidence: names the slow link's rank
+        self._streak_t0: dict[tuple, int] = {}  # a straggler streak's first window's start
+        self._straggler_told: set[tuple] = set()  # straggler streaks with a verdict
         self._channel_found: LinkFinding | None = None  # of the current streak
         self._comm_reported: set[tuple] = set()  # communication streaks with a verdict
         self._cohort_key = -1
@@ -83,21 +87,31 @@ class SlowDetector:
         self.joined.extend(self.arrivals.add(view, fresh))
 
     def next_window_start(self) -> int:
-        return FIRST_STEP + self.next_window * self.cfg.window_steps
+        return self.next_end - self.cfg.window_steps
 
     # ------------------------------------------------------------------ windows
     def evaluate(self, view: JobView) -> list[Verdict]:
+        """Judge every window of ``window_steps`` steps that all ranks have finished. The
+        straggler window slides one step at a time (a straggler is confirmed as soon as
+        it has stayed slow for ``confirm_windows`` windows' worth of steps, wherever its
+        onset falls); the bandwidth and link windows follow each other end to end, as
+        the channel evidence needs whole agent intervals. Above SLIDE_MAX_RANKS ranks the
+        straggler window moves a whole window at a time too: a window costs a pass over
+        every rank's steps (~45 ms at 2,048 ranks), and a round must stay within budget."""
         verdicts: list[Verdict] = []
+        w = self.cfg.window_steps
         while True:
-            lo = self.next_window_start()
-            hi = lo + self.cfg.window_steps
+            lo, hi = self.next_end - w, self.next_end
             ranks = [r for r, steps in self.steps.items() if steps]
             if not ranks or any(max(self.steps[r]) < hi - 1 for r in ranks):
                 return verdicts
-            self.next_window += 1
-            verdicts += self._window(view, lo, hi, ranks)
+            self._stride = 1 if len(ranks) <= SLIDE_MAX_RANKS else w
+            self.next_end += self._stride
+            verdicts += self._window(view, lo, hi, ranks, links=(hi - FIRST_STEP) % w == 0)
 
-    def _window(self, view: JobView, lo: int, hi: int, ranks: list[int]) -> list[Verdict]:
+    def _window(
+        self, view: JobView, lo: int, hi: int, ranks: list[int], links: bool
+    ) -> list[Verdict]:
         compute: dict[int, float] = {}  # median compute time per step over the window
         step_us: dict[int, float] = {}
         t0, t1 = None, None
@@ -113,9 +127,11 @@ class SlowDetector:
             t1 = end if t1 is None else max(t1, end)
         if t0 is None or t1 is None:  # both are set together
             return []
-        while self.joined and self.joined[0].time_ns < t0:  # windows go forward only
+        # Windows go forward only; a straggler's streak keeps its samples since it began.
+        keep_from = min(t0, *self._streak_t0.values()) if self._streak_t0 else t0
+        while self.joined and self.joined[0].time_ns < keep_from:
             self.joined.popleft()
-        joined = [j for j in self.joined if j.time_ns <= t1]
+        joined = [j for j in self.joined if t0 <= j.time_ns <= t1]
         log.debug(
             "ccld window %d-%d: compute us %s, %d joined samples",
             lo,
@@ -123,8 +139,9 @@ class SlowDetector:
             {r: round(x) for r, x in sorted(compute.items())},
             len(joined),
         )
-        verdicts = self._stragglers(view, compute, step_us, joined, lo, hi)
-        verdicts += self._slow_links(view, joined, lo, hi, t0, t1)
+        verdicts = self._stragglers(view, compute, step_us, lo, hi, t0, t1)
+        if links:
+            verdicts += self._slow_links(view, joined, lo, hi, t0, t1)
         return verdicts
 
     def _stragglers(
@@ -132,14 +149,18 @@ class SlowDetector:
         view: JobView,
         compute: dict[int, float],
         step_us: dict[int, float],
-        joined: list[Joined],
         lo: int,
         hi: int,
+        t0: int,
+        t1: int,
     ) -> list[Verdict]:
+        """Stragglers of the window [lo, hi) (steps), spanning [t0, t1] in time. Compute
+        time is judged in every window; the arrival order, once a rank has stayed slow
+        for the windows a verdict needs, over all the samples of its streak (one window
+        holds too few to be sure of, in a two-rank cohort above all)."""
         out = []
         candidates = set()
         cohorts = self._cohorts(view.topology)
-        by_rank: dict[int, list[Joined]] | None = None  # built for the first candidate
         # Per cohort, once: its members in this window, their compute times sorted (each
         # member is judged against the median of the others) and the median step time.
         per_cohort: dict[tuple[int, ...], tuple[list[int], RankedValues, float]] = {}
@@ -160,41 +181,47 @@ class SlowDetector:
             med = ranked.median_without(me)
             if med <= 0 or x < self.cfg.slow_ratio * med:
                 continue
-            if by_rank is None:
-                by_rank = _by_member(joined)
-            mine = by_rank.get(r, [])
-            balance = _wait_balance(r, mine)
-            why_not = self._not_a_straggler(
-                r, x, med, cohort, compute, cohort_step_us, mine, balance.share
-            )
+            why_not = self._slower_than_cohort(r, x, med, cohort, compute, cohort_step_us)
             if why_not:
-                log.debug(
-                    "ccld window %d-%d: rank %d computes %.2fx its cohort %s, not a straggler: %s",
-                    lo,
-                    hi - 1,
-                    r,
-                    x / med,
-                    cohort,
-                    why_not,
-                )
+                _not_a_straggler(lo, hi, r, x / med, cohort, why_not)
                 continue
             key = (Kind.SLOW, Cause.COMPUTE, r)
             candidates.add(key)
             self.streak[key] += 1
             self.first_seen.setdefault(key, lo)
-            # Two ranks cannot outvote noise: a small cohort needs one more window.
-            needed = self.cfg.confirm_windows + (1 if len(cohort) < 3 else 0)
-            if self.streak[key] == needed:
-                out.append(
-                    self._straggler_verdict(view, r, x, med, cohort, mine, balance, lo, hi, key)
-                )
+            self._streak_t0.setdefault(key, t0)
+            if self.streak[key] < self._straggler_windows() or key in self._straggler_told:
+                continue
+            mine = self._streak_samples(r, self._streak_t0[key], t1)
+            balance = _wait_balance(r, mine)
+            why_not = _not_waited_for(len(cohort), mine, balance.share)
+            if why_not:
+                _not_a_straggler(lo, hi, r, x / med, cohort, why_not)
+                continue
+            self._straggler_told.add(key)
+            out.append(self._straggler_verdict(view, r, x, med, cohort, mine, balance, lo, hi, key))
         for key in list(self.streak):
             if key[:2] == (Kind.SLOW, Cause.COMPUTE) and key not in candidates:
                 self.streak.pop(key)
                 self.first_seen.pop(key, None)
+                self._streak_t0.pop(key, None)
+                self._straggler_told.discard(key)
         return out
 
-    def _not_a_straggler(
+    def _streak_samples(self, r: int, t0: int, t1: int) -> list[Joined]:
+        """Rank r's joined collectives (of groups of two or more) between t0 and t1."""
+        return [
+            j
+            for j in self.joined
+            if t0 <= j.time_ns <= t1 and j.group.size > 1 and bool((j.members == r).any())
+        ]
+
+    def _straggler_windows(self) -> int:
+        """Consecutive straggler windows a straggler must be seen in: as many as span
+        ``confirm_windows`` windows of steps end to end."""
+        return (self.cfg.confirm_windows - 1) * self.cfg.window_steps // self._stride + 1
+
+    def _slower_than_cohort(
         self,
         r: int,
         x: float,
@@ -202,11 +229,9 @@ class SlowDetector:
         cohort: list[int],
         compute: dict[int, float],
         cohort_step_us: float,
-        mine: list[Joined],
-        waited_for: float | None,
     ) -> str:
-        """Why rank r, computing x against its cohort's median med, is no straggler
-        (empty when it is one)."""
+        """Why rank r, computing x against its cohort's median med, is not slower than its
+        cohort by enough to matter (empty when it is)."""
         # A straggler worth a verdict costs the job a real share of its step time.
         if x - med < MIN_STEP_SHARE * cohort_step_us:
             return f"excess {(x - med) / 1000:.1f} ms < {MIN_STEP_SHARE:.0%} of the step"
@@ -215,21 +240,6 @@ class SlowDetector:
             mad = statistics.median(abs(v - med) for v in others)
             if x - med < self.cfg.mad_k * max(mad, 0.01 * med):
                 return f"within {self.cfg.mad_k} MAD of the others ({mad / 1000:.1f} ms)"
-        # Its peers must be waiting for it. With a cohort too small for statistics the
-        # arrival order has to decide, so it must be clear-cut.
-        need = WAITED_FOR_SHARE if len(cohort) >= 3 else WAITED_FOR_SHARE_SMALL_COHORT
-        if len(cohort) < 3 and len(mine) < 2 * MIN_ARRIVAL_SAMPLES:
-            return f"{len(mine)} arrival samples for a cohort of {len(cohort)}"
-        if (
-            mine
-            and len(mine) >= MIN_ARRIVAL_SAMPLES
-            and waited_for is not None
-            and waited_for < need
-        ):
-            return (
-                f"its peers waiting for it are {waited_for:.0%} of the waiting in "
-                f"{len(mine)} samples (< {need:.0%})"
-            )
         return ""
 
     def _cohorts(self, topo: Topology) -> dict[int, list[int]]:
@@ -366,6 +376,13 @@ class SlowDetector:
         # where no sibling group exists to compare bandwidth with (one DP group).
         judged = self.channels.slow_links(view, t0, t1)
         found = judged.found
+        if slow and found is None and judged.pending:
+            # Low bandwidth with the links' own judgement still to come: a busy host slows
+            # a group's transfers as much as a slow link does (seen: one DP group at 5.6x
+            # its siblings in a healthy 8-rank run on 2 cores). Wait for the links.
+            for g, b, ref in slow:
+                _not_slow(lo, hi, g, b, ref, "its links are not judged yet")
+            return []
         if found is None and judged.fresh:
             # A group whose own connections were measured and found healthy did not move
             # slowly on the network: its members were slow to run (a busy host, a
@@ -532,6 +549,39 @@ def _wait_balance(r: int, mine: list[Joined]) -> _WaitBalance:
     return _WaitBalance(for_r, by_r, last_n)
 
 
+def _not_waited_for(cohort_size: int, mine: list[Joined], waited_for: float | None) -> str:
+    """Why the collectives ``mine`` of a rank slower than its cohort do not show its peers
+    waiting for it (empty when they do). With a cohort too small for statistics the
+    arrival order has to decide, so it must have more samples and be clearer."""
+    small = cohort_size < 3
+    need_n = MIN_ARRIVAL_SAMPLES * (2 if small else 1)
+    need = WAITED_FOR_SHARE_SMALL_COHORT if small else WAITED_FOR_SHARE
+    if not mine and not small:
+        return ""  # no samples at all (none taken): the cohort's statistics decide alone
+    if len(mine) < need_n:  # a few: more come while the streak lasts
+        return f"{len(mine)} arrival samples in its streak (< {need_n})"
+    if waited_for is None or waited_for < need:
+        share = "none" if waited_for is None else f"{waited_for:.0%}"
+        return (
+            f"its peers waiting for it are {share} of the waiting in {len(mine)} samples "
+            f"(< {need:.0%})"
+        )
+    return ""
+
+
+def _not_a_straggler(lo: int, hi: int, r: int, ratio: float, cohort: list[int], why: str) -> None:
+    """Log a rank slower than its cohort that is no straggler (yet), and why."""
+    log.debug(
+        "ccld window %d-%d: rank %d computes %.2fx its cohort %s, not a straggler: %s",
+        lo,
+        hi - 1,
+        r,
+        ratio,
+        cohort,
+        why,
+    )
+
+
 def _not_slow(lo: int, hi: int, g: GroupInfo, b: float, ref: float, why: str) -> None:
     """Log a group whose low bandwidth is not a communication finding, and why."""
     log.debug(
@@ -550,17 +600,6 @@ def _links_measured(g: GroupInfo, measured: frozenset[tuple[int, int]]) -> bool:
     """Whether a connection between two members of ``g`` was measured."""
     members = set(g.ranks)
     return any(a in members and b in members for a, b in measured)
-
-
-def _by_member(joined: list[Joined]) -> dict[int, list[Joined]]:
-    """Each rank's joined collectives (of groups of two or more): a pass over all of them,
-    so made only once a window has a straggler candidate."""
-    out: dict[int, list[Joined]] = defaultdict(list)
-    for j in joined:
-        if j.group.size > 1:
-            for m in j.group.ranks:
-                out[m].append(j)
-    return out
 
 
 def _stats_cohort(topo: Topology, rank: int, stages: dict[int | None, list[int]]) -> list[int]:

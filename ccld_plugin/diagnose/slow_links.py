@@ -116,6 +116,8 @@ class LinkJudgement:
     # The directed links (rank, peer) that moved enough data to be judged: where ``found``
     # is None they were judged healthy.
     measured: frozenset[tuple[int, int]] = frozenset()
+    # Not fresh, but this job reports channels: a judgement is on its way.
+    pending: bool = False
 
 
 class LinkStats(NamedTuple):
@@ -244,7 +246,7 @@ class ChannelHistory:
         rows = self.between(start, t1)
         if not _enough(rows):
             self.span_start = start
-            return LinkJudgement(self.last.found, False)
+            return LinkJudgement(self.last.found, False, pending=bool(self.batches))
         self.span_start = None
         tcp, nccl = tcp_links(rows), nccl_links(rows)
         episode = start if self.episode_start is None else self.episode_start

@@ -71,8 +71,8 @@ def test_compute_slow_factor_2_tp2_pp2_dp2(tmp_path):
     assert v["group"]["role"] in ("tp", "dp") and 5 in v["group"]["ranks"]
     # The severity is the compute ratio as measured. 8 ranks share 2 cores here: while the
     # slow rank sleeps its stretch, the others get more CPU and compute faster, so factor 2
-    # has measured up to ~3.
-    assert 1.5 <= v["severity"] <= 4.0
+    # has measured up to ~3 on a quiet host and 4.5 under a load of 12-16.
+    assert 1.5 <= v["severity"] <= 6.0
     (ev,) = facts(v["evidence"])["compute_excess"]
     assert ev["data"]["ratio"] == v["severity"]  # the compute ratio, as the sentence says
     steps = summary["latency_s"][0]["steps_to_verdict"]

@@ -526,14 +526,16 @@ def test_too_few_intervals_are_judged_with_the_next_window() -> None:
     h = ChannelHistory()
     ring = {0: [healthy(3)], 1: [shaped(0)], 2: [shaped(1)], 3: [healthy(2)]}
     v = feed(h, 2, ring, DP4)
-    assert h.slow_links(v, 10 * S, 10 * S + int(2 * INTERVAL * S)) == LinkJudgement(None, False)
+    assert h.slow_links(v, 10 * S, 10 * S + int(2 * INTERVAL * S)) == LinkJudgement(
+        None, False, pending=True
+    )
     v = feed(h, 2, ring, DP4, t0=10 * S + int(2 * INTERVAL * S))
     judged = h.slow_links(v, 10 * S + int(2 * INTERVAL * S), 10 * S + int(4 * INTERVAL * S))
     assert judged.fresh and judged.found is not None and judged.found.ranks == [1]
     # The next short window repeats that judgement, not fresh.
     v = feed(h, 1, ring, DP4, t0=10 * S + int(4 * INTERVAL * S))
     again = h.slow_links(v, 10 * S + int(4 * INTERVAL * S), 10 * S + int(5 * INTERVAL * S))
-    assert again == LinkJudgement(judged.found, False)
+    assert again == LinkJudgement(judged.found, False, pending=True)
 
 
 def test_reports_are_kept_for_a_bounded_time_while_no_window_closes() -> None:

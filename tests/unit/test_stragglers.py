@@ -1,0 +1,150 @@
+"""The straggler rules of the slow detector on synthetic steps: every rank computes, then
+enters each of its collectives; the last to arrive sets when all leave. One diagnoser round
+per step, as on a job whose steps are longer than an agent tick."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from builders import MS, S, facts, group, job_view, rank_summary
+
+from ccld_plugin.config import DiagnoserConfig
+from ccld_plugin.diagnose.records import Cause, Kind, Verdict
+from ccld_plugin.diagnose.slow import SlowDetector
+from ccld_plugin.wire.summary import ArrivalSample, GroupProgress, StepStat
+from ccld_plugin.wire.topology import GroupInfo
+
+STEP_GAP_NS = 5 * MS  # after the last collective of a step, before the next one starts
+
+
+def dp(world: int) -> dict[int, list[GroupInfo]]:
+    g = group("dp", range(world))
+    return {r: [g] for r in range(world)}
+
+
+def tp2pp2() -> dict[int, list[GroupInfo]]:
+    """DP=1: each pipeline stage's cohort is its TP pair."""
+    tp = [group("tp", (0, 1)), group("tp", (2, 3))]
+    pp = [group("pp", (0, 2)), group("pp", (1, 3))]
+    return {r: [tp[r // 2], pp[r % 2]] for r in range(4)}
+
+
+def run(
+    tables: dict[int, list[GroupInfo]],
+    compute_ms: Callable[[int, int], float],
+    steps: int,
+    ops_per_step: int = 4,
+    unseen_ms: dict[int, float] | None = None,
+) -> list[Verdict]:
+    """Every verdict of a detector fed ``steps`` steps in which rank r computes
+    ``compute_ms(r, step)`` before its collectives (spread evenly between them), and
+    reports ``unseen_ms[r]`` more compute at the end of its step, after them."""
+    det = SlowDetector(DiagnoserConfig())
+    world = len(tables)
+    seq = {(r, slot): 0 for r in tables for slot in range(len(tables[r]))}
+    verdicts: list[Verdict] = []
+    t = 10 * S
+    for step in range(steps):
+        samples: dict[int, list[ArrivalSample]] = {r: [] for r in tables}
+        blocked = dict.fromkeys(tables, 0)
+        clock = dict.fromkeys(tables, t)
+        for _op in range(ops_per_step):
+            for r in tables:
+                clock[r] += int(compute_ms(r, step) * MS / ops_per_step)
+            # One collective on every group, in table order.
+            for slot in range(len(tables[0])):
+                for g in {id(tables[r][slot]): tables[r][slot] for r in tables}.values():
+                    if g.size < 2:
+                        continue
+                    last = max(clock[m] for m in g.ranks)
+                    done = last + MS // 10
+                    for m in g.ranks:
+                        seq[(m, slot)] += 1
+                        samples[m].append(
+                            ArrivalSample(
+                                slot, seq[(m, slot)], clock[m], (done - clock[m]) // 1000, 1024
+                            )
+                        )
+                        blocked[m] += done - clock[m]
+                        clock[m] = done
+        for r, extra in (unseen_ms or {}).items():
+            clock[r] += int(extra * MS)
+        end = max(clock.values())
+        summaries = []
+        for r in tables:
+            step_ns = end - t
+            summaries.append(
+                rank_summary(
+                    r,
+                    time_ns=end,
+                    step=step,
+                    steps=[StepStat(step, t, step_ns // 1000, (step_ns - blocked[r]) // 1000)],
+                    groups=[
+                        GroupProgress(s, seq[(r, s)], seq[(r, s)], ops_per_step, 0, 0, 0)
+                        for s in range(len(tables[r]))
+                    ],
+                    samples=samples[r],
+                )
+            )
+        view = job_view(summaries, tables, now_ns=end + MS, world=world)
+        det.ingest(view, summaries)
+        verdicts += det.evaluate(view)
+        t = end + STEP_GAP_NS
+    return verdicts
+
+
+def straggler(rank: int, factor: float, onset: int, base_ms: float = 40.0, noise: float = 0.1):
+    rng = random.Random(rank * 1000 + onset)
+
+    def compute_ms(r: int, step: int) -> float:
+        x = base_ms * (1 + rng.uniform(-noise, noise))
+        return x * factor if r == rank and step >= onset else x
+
+    return compute_ms
+
+
+def test_a_straggler_is_named_within_two_windows_of_its_onset_wherever_it_falls() -> None:
+    # The window slides: whatever the onset's place in it, 1.5x is named within
+    # window_steps * confirm_windows steps, on a DP cohort and on a two-rank TP cohort.
+    cfg = DiagnoserConfig()
+    for tables, rank in ((dp(4), 2), (tp2pp2(), 1), (tp2pp2(), 2)):
+        for onset in range(10, 15):
+            got = run(tables, straggler(rank, 1.5, onset), steps=onset + 20)
+            assert [(v.kind, v.cause, v.ranks) for v in got] == [
+                (Kind.SLOW, Cause.COMPUTE, [rank])
+            ], (rank, onset)
+            assert got[0].step is not None
+            assert got[0].step - onset <= cfg.window_steps * cfg.confirm_windows
+            ev = facts(got[0].evidence)
+            assert ev["waited_for"][0]["data"]["waited_share"] > 0.9
+            assert got[0].group is not None and rank in got[0].group["ranks"]
+
+
+def test_a_weak_straggler_is_named_too() -> None:
+    got = run(dp(8), straggler(5, 1.35, 10, noise=0.05), steps=40)
+    assert [(v.cause, v.ranks) for v in got] == [(Cause.COMPUTE, [5])]
+
+
+def test_healthy_noise_and_short_bursts_are_no_straggler() -> None:
+    # 10% jitter on every rank, and one rank at 3x for three steps (a checkpoint, a
+    # garbage collection): the burst is slower than its cohort but does not last.
+    rng = random.Random(3)
+
+    def compute_ms(r: int, step: int) -> float:
+        x = 40.0 * (1 + rng.uniform(-0.1, 0.1))
+        return x * 3 if r == 1 and 20 <= step < 23 else x
+
+    for tables in (dp(4), tp2pp2()):
+        assert run(tables, compute_ms, steps=120) == []
+
+
+def test_a_rank_that_computes_longer_but_is_not_waited_for_is_no_straggler() -> None:
+    # Rank 1 reports 30 ms more compute per step than it spends before its collectives
+    # (a wait the tracer does not see), and arrives first at every one of them: its
+    # peers never wait for it, so it is not what holds the job back.
+    def compute_ms(r: int, step: int) -> float:
+        return 38.0 if r == 1 else 40.0
+
+    for tables in (dp(4), tp2pp2()):
+        assert run(tables, compute_ms, steps=40, unseen_ms={1: 30.0}) == []
