@@ -4,7 +4,8 @@
 enables the plugin, which waits for ``init_process_group``. Groups created later get
 their role where the framework names it: DeviceMesh dimension names, Megatron's
 parallel_state (after ``initialize_model_parallel``), DeepSpeed's groups (after
-``deepspeed.initialize``). Steps are marked from a global optimizer step hook: step N+1
+``deepspeed.initialize``). DDP's bucket all-reduces go through a comm hook that calls the
+traced ``dist.all_reduce``. Steps are marked from a global optimizer step hook: step N+1
 begins when the N-th optimizer step is done.
 """
 
@@ -106,12 +107,60 @@ def _watch_device_mesh() -> None:
     cls.__init__ = init_then_register  # type: ignore[method-assign]
 
 
+class _BucketAllReduce:
+    """DDP's bucket all-reduce as a comm hook: the reduction of DDP's own default, issued
+    through the traced ``dist.all_reduce``.
+
+    DDP waits on its buckets' futures in C++ at the end of backward (the reducer's
+    finalize), where the tracer cannot count that wait as blocked time: a rank's peers
+    would then look as busy computing as the straggler they wait for. So, for CPU
+    tensors, the hook of the last bucket of a backward waits on all of the backward's
+    buckets itself (through the traced work, which counts it): DDP issues buckets in
+    index order, so every other one is in flight by then, and DDP would wait on them
+    right after it anyway. On GPU, ``wait()`` only orders streams and blocks nothing, so
+    the hook does not wait there.
+    """
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        # DDP scales each gradient by 1/world as it copies it into a bucket when it has no
+        # hook, and copies it unscaled when it has one: the same product, computed here.
+        # (Where a gradient already is a view of its bucket, gradient_as_bucket_view with
+        # gradients kept between steps, DDP divides by world instead: the same result
+        # when the world is a power of two, possibly not in the last bit otherwise.)
+        self.scale = 1.0 / group.size()
+        self.in_flight: list[Any] = []
+
+    def __call__(self, bucket: Any) -> Any:
+        import torch.distributed as dist
+
+        tensor = bucket.buffer()
+        tensor.mul_(self.scale)
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        if not tensor.is_cuda:
+            self.in_flight.append(work)
+            if bucket.is_last():
+                waits, self.in_flight = self.in_flight, []
+                for w in waits:
+                    w.wait()
+        return work.get_future().then(_reduced_tensor)
+
+
+def _reduced_tensor(fut: Any) -> Any:
+    # A Python hook's future must hold a Python object: the one tensor all_reduce returns.
+    return fut.value()[0]
+
+
+def _bucket_hook(state, bucket):
+    # DDP calls a comm hook as hook(state, bucket), and refuses one whose annotations are
+    # not its own classes (these would be strings here, under `from __future__`).
+    return state(bucket)
+
+
 def _trace_ddp_buckets() -> None:
     """DDP all-reduces its gradient buckets from C++, past the traced Python API. Unless
-    the script registers a comm hook of its own, register PyTorch's default all-reduce
-    hook (the same reduction, issued through ``dist.all_reduce``) at the first forward,
-    before the first backward, as comm hooks must be."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    the script registers a comm hook of its own, register ``_BucketAllReduce`` at the first
+    forward, before the first backward, as comm hooks must be."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     forward, register = DDP.forward, DDP.register_comm_hook
@@ -128,7 +177,7 @@ def _trace_ddp_buckets() -> None:
             hooked.add(id(self))
             try:
                 _register([(self.process_group, "dp")])  # DDP's group is data-parallel
-                register(self, self.process_group, allreduce_hook)
+                register(self, _BucketAllReduce(self.process_group), _bucket_hook)
             except Exception as exc:  # noqa: BLE001 - e.g. a builtin hook is registered
                 report_error("autostart.ddp", exc)
         return forward(self, *args, **kwargs)
