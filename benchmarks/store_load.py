@@ -23,9 +23,15 @@ store, so on a small machine the numbers are pessimistic. Each client's connect 
 reverse DNS lookup of its address (c10d's log lines); the children's resolver gives up
 after 1 s (RES_OPTIONS, unless set), so a lossy DNS server slows the set-up only.
 
+With ``--read-round``, it measures instead what the diagnoser's read of one round costs
+through the real control plane (``ControlPlane.read_summaries``: existence check, chunked
+``multi_get``, node frames split back into per-rank summaries) from a quiet store: one key
+per rank (``--ranks-per-node 1``: each rank its own key) against one framed key per node.
+
 Usage:
     python benchmarks/store_load.py [--ranks 16384 65536] [--ranks-per-node 8]
         [--interval-s 1.0] [--seconds 20] [--workers 4]
+    python benchmarks/store_load.py --read-round [--ranks 16384] [--ranks-per-node 1 8]
 """
 
 from __future__ import annotations
@@ -440,7 +446,12 @@ def format_row(row: Row, interval_s: float) -> str:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[16384, 65536])
-    p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--ranks-per-node", type=int, nargs="+", default=[8])
+    p.add_argument(
+        "--read-round",
+        action="store_true",
+        help="measure the diagnoser's read of a round through the control plane instead",
+    )
     p.add_argument("--interval-s", type=float, default=1.0, help="agent write interval")
     p.add_argument("--seconds", type=float, default=20.0, help="measured time per size")
     p.add_argument("--workers", type=int, default=4, help="writer processes")
@@ -457,9 +468,50 @@ def quiet_clients() -> None:
     os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 
+def read_round(ranks_list: list[int], per_node: list[int], rounds: int = 9) -> None:
+    """The diagnoser's read of a round over the real control plane, per job size and node
+    size: median and best of ``rounds`` reads, every rank's summary BYTES_PER_RANK bytes."""
+    from ccld_plugin.config import ControlConfig
+    from ccld_plugin.control import ControlPlane
+    from ccld_plugin.wire.node_summary import encode_node, node_count, node_ranks
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    summary = b"\0" * BYTES_PER_RANK
+    print(f"{'ranks':>7} {'per node':>8} {'keys':>6} {'read round ms':>13} {'best ms':>8}")
+    for world in ranks_list:
+        for size in per_node:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            cfg = ControlConfig(store="dedicated", port=port, connect_timeout_s=60)
+            job = ControlPlane(cfg, 0, world, "bench", 0, ranks_per_node=size)
+            for n in range(node_count(world, size)):
+                if size == 1:
+                    job.publish(n, summary)  # a rank alone on its node: its own key
+                else:
+                    frame = encode_node((r, summary) for r in node_ranks(n, size, world))
+                    job.publish_node(n, frame)
+            reader = ControlPlane.client(cfg, "127.0.0.1", port, "bench", world)
+            times = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                got = reader.read_summaries(range(world))
+                times.append(time.perf_counter() - t0)
+            assert len(got) == world, f"read {len(got)} of {world} summaries"
+            times.sort()
+            print(
+                f"{world:>7} {size:>8} {node_count(world, size):>6} "
+                f"{times[len(times) // 2] * 1000:>13.1f} {times[0] * 1000:>8.1f}"
+            )
+
+
 def main() -> None:
     args = parse_args()
     quiet_clients()
+    if args.read_round:
+        read_round(args.ranks, args.ranks_per_node)
+        return
+    args.ranks_per_node = args.ranks_per_node[0]
     fd_limit, ports = raise_fd_limit(), ephemeral_ports()
     cap = min(fd_limit, ports) - FD_MARGIN
     limit = f"open-file limit {fd_limit}" if fd_limit <= ports else f"{ports} ephemeral ports"

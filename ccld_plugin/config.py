@@ -143,8 +143,18 @@ class ControlConfig:
     chunk_keys: int = 256
     """Keys per multi_get when the diagnoser reads the summaries."""
     connect_timeout_s: float = 30.0
+    ranks_per_node: int = 0
+    """Ranks per node for node summaries (one store key per node, published by the node's
+    first live rank): 0 = the launcher's LOCAL_WORLD_SIZE (1 when unset); set it to split
+    one host's ranks into simulated nodes."""
 
     def __post_init__(self) -> None:
+        _check(
+            0 <= self.ranks_per_node <= 65535,
+            "control.ranks_per_node",
+            self.ranks_per_node,
+            "0..65535 (0: LOCAL_WORLD_SIZE)",
+        )
         _check(
             self.store in ("auto", "dedicated"),
             "control.store",

@@ -21,6 +21,8 @@ import numpy as np
 
 from ccld_plugin.agent.board_summary import BoardSnapshot, stuck_s, summarize_board
 from ccld_plugin.agent.nccl_channels import NcclChannels
+from ccld_plugin.agent.node_board import EXITED, STORE_LOST
+from ccld_plugin.agent.node_share import NodeShare
 from ccld_plugin.agent.tcp_channels import ChannelSampler
 from ccld_plugin.board.job_files import remove_stack, write_stack
 from ccld_plugin.board.reader import BoardReader
@@ -36,7 +38,12 @@ __all__ = ["Agent", "StepClock"]
 
 MAX_STEPS = 32
 STEPS_KEPT = 16  # in every summary: about 4 s of steps at 4 steps per second
-SAMPLES_PER_GROUP = 8
+# Arrival samples per group per tick: dense in small jobs, where a window of steps spans
+# few ticks and a two-rank cohort's verdict rests on the arrival order alone (8 per tick
+# left 2-5 joined samples in a 5-step window of a 4-rank demo), and 8 at thousands of
+# ranks, where the diagnoser's round joins every rank's samples.
+SAMPLE_BUDGET = 32768  # per group slot, over all ranks
+MIN_SAMPLES, MAX_SAMPLES = 8, 128
 STACK_FRAMES = 16
 MAX_BACKOFF_S = 30.0
 
@@ -64,6 +71,11 @@ class LocalReport:
     groups: list[GroupInfo]
 
 
+def samples_per_group(world: int) -> int:
+    """Arrival samples each rank sends per group and tick in a job of ``world`` ranks."""
+    return max(MIN_SAMPLES, min(MAX_SAMPLES, SAMPLE_BUDGET // max(1, world)))
+
+
 class Agent:
     def __init__(
         self,
@@ -76,6 +88,7 @@ class Agent:
         tracer: Any,
         steps: StepClock,
         clock_timeout_s: float,
+        ranks_per_node: int = 1,
     ) -> None:
         self.cfg = cfg
         self.control = control
@@ -112,6 +125,15 @@ class Agent:
         # NCCL plugin's channel records on the board (none unless NCCL loaded it).
         self._channels = ChannelSampler.create(self._board, control, rank, control.world)
         self._nccl = NcclChannels()
+        # The node's leader publishes this rank's summary in its node's frame; the rank
+        # writes its own key only at exit, and while it cannot hand its summary over (no
+        # clock handshake: its ticks are not the node's; its summary file not writable).
+        self.node = NodeShare(
+            self._reader.path, rank, control.world, ranks_per_node, pid, cfg.interval_s, self._stop
+        )
+        self._synced = False
+        self._own_key = False  # whether s/<rank> holds a summary that shadows the frames
+        self.leading = False  # whether this rank led its node at its last tick
         self._thread = threading.Thread(target=self._run, name="ccld-agent", daemon=True)
 
     def start(self) -> None:
@@ -125,12 +147,15 @@ class Agent:
             self._publish(final=True)
         except Exception as exc:  # noqa: BLE001
             report_error("agent.stop", exc)
+        if self.store_lost is None:  # else the leader may still publish our last summary
+            self.node.remove()
         self._reader.close()
 
     # ------------------------------------------------------------------ loop
     def _run(self) -> None:
         try:
             self.clock = self.control.sync_clock(self._clock_timeout_s)
+            self._synced = True
         except Exception as exc:  # noqa: BLE001 - run unsynchronized rather than not at all
             report_error("agent.clock", exc)
             self.clock = ClockSync(0, self._reader.header().start_mono_ns)
@@ -199,6 +224,9 @@ class Agent:
             self.latest_groups = signature
         data = encode_summary(self.summarize(final))
         self.latest = LocalReport(data, self._groups_version, groups)
+        tick, job_start = self._tick()
+        flags = (EXITED if final else 0) | (STORE_LOST if self.store_lost else 0)
+        handed = self._synced and self.node.hand(data, tick, job_start, flags)
         now = time.monotonic()
         if now < self._retry_at:
             return
@@ -206,7 +234,7 @@ class Agent:
             if signature != self._published_groups:
                 self.control.publish_groups(self.rank, groups, self._groups_version)
                 self._published_groups = signature
-            self.control.publish(self.rank, data)
+            self._send(data, tick, job_start, handed and not final)
         except Exception as exc:  # noqa: BLE001
             if self.store_lost is None:
                 log.warning(
@@ -225,6 +253,35 @@ class Agent:
         if self.store_lost is not None:
             log.warning("ccld rank %d: the store answers again", self.rank)
         self.store_lost = None
+
+    def _tick(self) -> tuple[int, int]:
+        """This tick's number on the diagnoser's clock (the same on every rank) and the
+        job's start (the same for every rank of this run)."""
+        if self.clock is None:
+            return 0, 0
+        period = int(self.cfg.interval_s * 1e9)
+        return round(self.clock.to_diag(time.monotonic_ns()) / period), self.clock.job_start_ns
+
+    def _send(self, data: bytes, tick: int, job_start: int, handed: bool) -> None:
+        """The store's part of a tick: the node's frame where this rank leads its node,
+        nothing more where another rank does (a request now and then while the store
+        failed us, to tell when it answers again), and its own key where its summary was
+        not handed over, where the node is not as configured (``NodeShare.leader``), and
+        at exit."""
+        self.leading = False
+        leader = self.node.leader(tick, job_start) if handed else None
+        if leader is None:
+            self.control.publish(self.rank, data)
+            self._own_key = True
+            return
+        if self._own_key:
+            self.control.withdraw(self.rank)
+            self._own_key = False
+        if leader == self.rank:
+            self.control.publish_node(self.node.node, self.node.frame(data, tick, job_start))
+            self.leading = True
+        elif self.store_lost is not None:
+            self.control.ping()
 
     # ------------------------------------------------------------------ summary
     def summarize(self, final: bool = False) -> RankSummary:
@@ -303,15 +360,16 @@ class Agent:
 
     def _samples(self, done: np.ndarray, diag: Any) -> list[ArrivalSample]:
         """Arrival samples: per group, the collectives completed this tick whose seq is a
-        multiple of a power of two chosen so that about SAMPLES_PER_GROUP remain. Members
+        multiple of a power of two chosen so that about ``samples_per_group`` remain. Members
         pick the same seqs (the multiples of a larger power are a subset of a smaller's),
         so the diagnoser can join them across ranks."""
         coll = done[(done["flags"] & FLAG_P2P) == 0]
+        keep = samples_per_group(self.control.world)
         out = []
         for slot in np.unique(coll["group_slot"]):
             mine = coll[coll["group_slot"] == slot]
-            every = 1 << max(0, int(np.ceil(np.log2(max(1, len(mine)) / SAMPLES_PER_GROUP))))
-            recs = mine[mine["seq"] % every == 0][-SAMPLES_PER_GROUP:]
+            every = 1 << max(0, int(np.ceil(np.log2(max(1, len(mine)) / keep))))
+            recs = mine[mine["seq"] % every == 0][-keep:]
             out += [
                 ArrivalSample(
                     int(slot),

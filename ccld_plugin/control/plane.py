@@ -3,7 +3,12 @@
 The job's own store when there is one (torchrun's agent store even survives a hung
 worker), else a dedicated TCPStore hosted by the diagnoser rank. Keys:
 
-- ``s/<rank>``: the rank's latest summary (overwritten every tick);
+- ``n/<node>``: the latest summaries of a node's ranks in one frame (``wire.node_summary``),
+  written every tick by the node's leader; ``node/size``: ranks per node;
+- ``s/<rank>``: a rank's own summary where no node frame carries it (its last one at exit,
+  or every tick while it cannot hand it to a leader), newer than any frame; empty once
+  frames carry it again; ``s/listed``: the ranks that ever wrote one, so that the
+  diagnoser reads only those;
 - ``g/<rank>``: the rank's group table, rewritten when it changes;
 - ``clk/...``: the clock handshake; ``job_start``: the diagnoser's start time;
 - ``ep/<rank>``: the (ip, port) local ends of the rank's TCP connections, which peers join
@@ -31,6 +36,8 @@ import torch.distributed.distributed_c10d as c10d
 from ccld_plugin.config import ControlConfig
 from ccld_plugin.control.clock import CLOCK_ROUNDS, CLOCK_SPACING_S, ClockSync
 from ccld_plugin.control.deadline import DeadlineStore
+from ccld_plugin.errors import report_error
+from ccld_plugin.wire.node_summary import decode_node, node_ranks
 from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["ControlPlane", "owner_record"]
@@ -38,13 +45,20 @@ __all__ = ["ControlPlane", "owner_record"]
 
 class ControlPlane:
     def __init__(
-        self, cfg: ControlConfig, rank: int, world: int, job: str, diagnoser_rank: int
+        self,
+        cfg: ControlConfig,
+        rank: int,
+        world: int,
+        job: str,
+        diagnoser_rank: int,
+        ranks_per_node: int = 0,
     ) -> None:
         self.cfg = cfg
         self.rank = rank
         self.world = world
         self.diagnoser_rank = diagnoser_rank
         self.store_prefix = f"{cfg.prefix}{job}/"
+        self._start_summaries(ranks_per_node)
         # A connection of our own: a blocking call of the training loop on the job's
         # client (gloo's rendezvous) must never hold up a heartbeat, nor ours the job.
         base = _own_client(cfg) if cfg.store == "auto" else None
@@ -59,6 +73,7 @@ class ControlPlane:
         plane = object.__new__(cls)
         plane.cfg, plane.rank, plane.world, plane.diagnoser_rank = cfg, -1, world, -1
         plane.store_prefix = f"{cfg.prefix}{job}/"
+        plane._start_summaries(0)  # the job's leaders say how many ranks a node holds
         timeout = timedelta(seconds=cfg.connect_timeout_s)
         plane._attach(dist.TCPStore(host, port, world, False, timeout, wait_for_workers=False))
         return plane
@@ -108,30 +123,90 @@ class ControlPlane:
         )
 
     # ---------------------------------------------------------------- summaries
+    def _start_summaries(self, ranks_per_node: int) -> None:
+        self.ranks_per_node = ranks_per_node  # 0: not known yet (read from node/size)
+        self._listed: set[int] = set()  # ranks whose s/<rank> this plane listed
+        self._node_size_set = False
+
     def publish(self, rank: int, summary: bytes) -> None:
+        """A rank's own summary key, for when no node frame carries it (or at exit)."""
         self.store.set(f"s/{rank}", summary)  # bytes are stored as is
+        if rank not in self._listed:
+            self.store.append("s/listed", f"{rank}\n")
+            self._listed.add(rank)
+
+    def withdraw(self, rank: int) -> None:
+        """Empty a rank's own key: node frames carry its summary again, and the key would
+        shadow them. Emptied, not deleted: a reader's multi_get of a key deleted after it
+        looked would wait for the key until the request times out."""
+        self.store.set(f"s/{rank}", b"")
+
+    def publish_node(self, node: int, frame: bytes) -> None:
+        if not self._node_size_set:
+            self.store.set("node/size", str(self.ranks_per_node))
+            self._node_size_set = True
+        self.store.set(f"n/{node}", frame)
+
+    def ping(self) -> None:
+        """One request, to tell whether the store answers."""
+        self.store.check(["node/size"])
 
     def read_summaries(self, ranks: Iterable[int]) -> dict[int, bytes]:
-        """Latest summaries of ``ranks``; ranks that never published are left out."""
-        return self._read_per_rank("s", ranks)
+        """Latest summaries of ``ranks``: from their nodes' frames, and from their own keys
+        where they wrote one (newer than a frame); ranks found in neither are left out. A
+        frame that does not decode is counted (``control.node_summary``) and left out."""
+        ranks = list(ranks)
+        wanted = set(ranks)
+        out: dict[int, bytes] = {}
+        size = self._node_size()
+        if size > 1:  # a rank alone on its node writes its own key
+            nodes = sorted({r // size for r in ranks if 0 <= r < self.world})
+            frames = self._read_keys([f"n/{n}" for n in nodes])
+            for n, frame in zip(nodes, frames, strict=True):
+                if frame is None:
+                    continue
+                try:
+                    got = decode_node(frame, node_ranks(n, size, self.world))
+                except ValueError as exc:
+                    report_error("control.node_summary", ValueError(f"node {n}: {exc}"))
+                    continue
+                out.update((r, data) for r, data in got.items() if r in wanted)
+        own = sorted(self._listed_ranks() & wanted)
+        out.update((r, data) for r, data in self._read_per_rank("s", own).items() if data)
+        return out
+
+    def _node_size(self) -> int:
+        if self.ranks_per_node <= 0 and self.store.check(["node/size"]):
+            text = bytes(self.store.get("node/size"))
+            size = int(text) if text.isdigit() else 0
+            if 0 < size <= self.world:
+                self.ranks_per_node = size
+        return self.ranks_per_node
+
+    def _listed_ranks(self) -> set[int]:
+        if not self.store.check(["s/listed"]):
+            return set()
+        text = bytes(self.store.get("s/listed")).decode(errors="replace")
+        return {int(r) for r in text.split() if r.isdigit()}
 
     def _read_per_rank(self, prefix: str, ranks: Iterable[int]) -> dict[int, bytes]:
-        """The values of ``<prefix>/<rank>`` that exist, read in chunks (one multi_get of
-        many keys is slower than several of a few hundred)."""
+        """The values of ``<prefix>/<rank>`` that exist."""
         ranks = list(ranks)
-        present = [
-            r
-            for r, ok in zip(ranks, self._exist([f"{prefix}/{r}" for r in ranks]), strict=True)
-            if ok
-        ]
-        out: dict[int, bytes] = {}
+        values = self._read_keys([f"{prefix}/{r}" for r in ranks])
+        return {r: v for r, v in zip(ranks, values, strict=True) if v is not None}
+
+    def _read_keys(self, keys: list[str]) -> list[bytes | None]:
+        """The values of ``keys`` (None where a key does not exist), read in chunks (one
+        multi_get of many keys is slower than several of a few hundred)."""
+        if not keys:
+            return []
+        out: list[bytes | None] = [None] * len(keys)
+        present = [i for i, ok in enumerate(self._exist(keys)) if ok]
         step = self.cfg.chunk_keys
         for i in range(0, len(present), step):
             chunk = present[i : i + step]
-            for r, value in zip(
-                chunk, self.store.multi_get([f"{prefix}/{r}" for r in chunk]), strict=True
-            ):
-                out[r] = bytes(value)
+            for k, value in zip(chunk, self.store.multi_get([keys[k] for k in chunk]), strict=True):
+                out[k] = bytes(value)
         return out
 
     def _exist(self, keys: list[str]) -> list[bool]:

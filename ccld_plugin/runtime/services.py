@@ -19,7 +19,7 @@ from ccld_plugin.runtime.diagnoser import DiagnoserService
 from ccld_plugin.runtime.standby import Standby, standby_rank
 from ccld_plugin.sinks import build_sinks
 
-__all__ = ["Services", "start"]
+__all__ = ["Services", "ranks_per_node", "start"]
 
 
 @dataclass
@@ -58,7 +58,8 @@ def start(
     cfg: CcldConfig, rank: int, world: int, job: str, board_path: Path, tracer: Any, started_ns: int
 ) -> Services:
     """Start the agent (and on the diagnoser rank, the diagnoser) of a rank."""
-    control = ControlPlane(cfg.control, rank, world, job, cfg.diagnoser.rank)
+    per_node = ranks_per_node(cfg, world)
+    control = ControlPlane(cfg.control, rank, world, job, cfg.diagnoser.rank, per_node)
     steps = StepClock()
     timeout = cfg.control.connect_timeout_s
     agent = Agent(
@@ -71,6 +72,7 @@ def start(
         tracer,
         steps,
         timeout + 5,
+        per_node,
     )
     diag, standby = None, None
     if rank == cfg.diagnoser.rank:
@@ -87,7 +89,7 @@ def start(
     elif cfg.diagnoser.standby and rank == standby_rank(
         cfg.diagnoser.rank,
         world,
-        int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0),
+        per_node,
         cfg.diagnoser.standby_rank,
     ):
 
@@ -111,6 +113,18 @@ def start(
         standby.start()
     agent.start()
     return Services(agent, steps, diag, standby)
+
+
+def ranks_per_node(cfg: CcldConfig, world: int) -> int:
+    """``control.ranks_per_node``, else the launcher's LOCAL_WORLD_SIZE, else 1; at most
+    the world."""
+    size = cfg.control.ranks_per_node
+    if not size:
+        try:
+            size = int(os.environ.get("LOCAL_WORLD_SIZE", "") or 1)
+        except ValueError:
+            size = 1
+    return max(1, min(size, world))
 
 
 def _write_job_config(cfg: CcldConfig, board_dir: Path) -> Path | None:

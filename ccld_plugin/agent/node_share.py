@@ -1,0 +1,119 @@
+"""One rank's part in its node's summaries: it hands its summary to the node (its summary
+file, ``node_board``), and when it leads the node, gathers the node's summaries into the
+frame it publishes (``wire.node_summary``).
+
+Agent ticks are aligned on the diagnoser's clock, so the node's ranks write their files
+at about the moment the leader gathers them: the leader waits, a bounded share of an
+interval, for each rank that wrote at the last tick to write at this one, so that the
+frame carries this tick's summaries and not the last's.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from pathlib import Path
+
+from ccld_plugin.agent.node_board import (
+    EXITED,
+    FRESH_TICKS,
+    LocalSummary,
+    choose_leader,
+    network_namespace,
+    read_local,
+    remove_local,
+    summary_path,
+    write_local,
+)
+from ccld_plugin.board.process import process_alive
+from ccld_plugin.errors import report_error
+from ccld_plugin.wire.node_summary import encode_node, node_of, node_ranks
+
+__all__ = ["GATHER_SHARE", "NodeShare"]
+
+GATHER_SHARE = 0.25  # of an interval: how long a leader waits for this tick's summaries
+POLL_S = 0.005
+
+
+class NodeShare:
+    def __init__(
+        self,
+        board_path: Path,
+        rank: int,
+        world: int,
+        ranks_per_node: int,
+        pid: int,
+        interval_s: float,
+        stop: threading.Event,
+    ) -> None:
+        self.rank = rank
+        self.node = node_of(rank, ranks_per_node)
+        self.pid = pid
+        self._gather_s = GATHER_SHARE * interval_s
+        self._stop = stop
+        self._path = summary_path(board_path)
+        # Boards of one job are <folder>/rank<r>.board (runtime.session.board_path).
+        self._others = {
+            r: summary_path(board_path.with_name(f"rank{r}.board"))
+            for r in node_ranks(self.node, ranks_per_node, world)
+            if r != rank
+        }
+        self._written = False
+        self.net = network_namespace()
+
+    def hand(self, summary: bytes, tick: int, job_start_ns: int, flags: int) -> bool:
+        """Write this rank's summary for the node's leader; False when there is none (a rank
+        alone on its node) or it cannot be written (counted): the rank then publishes its
+        own key, which is cheaper than a frame of one."""
+        if not self._others:
+            return False
+        try:
+            write_local(
+                self._path, LocalSummary(flags, self.pid, tick, job_start_ns, self.net, summary)
+            )
+        except OSError as exc:
+            report_error("agent.node_summary", exc)
+            return False
+        self._written = True
+        return True
+
+    def leader(self, tick: int, job_start_ns: int) -> int | None:
+        """Who leads this rank's node at ``tick`` (``node_board.choose_leader``; None: this
+        rank publishes its own key). A lower rank's file that is not there yet (the first
+        tick: every rank writes at the same moment) is waited for, a share of an interval."""
+        deadline = time.monotonic() + self._gather_s
+
+        def read(rank: int) -> LocalSummary | None:
+            s = read_local(self._others[rank])
+            while s is None and time.monotonic() < deadline and not self._stop.wait(POLL_S):
+                s = read_local(self._others[rank])
+            return s
+
+        lower = sorted(r for r in self._others if r < self.rank)
+        alive = functools.partial(process_alive, host="")  # the node's ranks run on this host
+        return choose_leader(self.rank, lower, read, tick, job_start_ns, self.net, alive)
+
+    def frame(self, summary: bytes, tick: int, job_start_ns: int) -> bytes:
+        """The node's frame at ``tick``: this rank's summary and the latest of each other
+        rank of the node, of this run and this network namespace (a dead rank's last one
+        stays in, as its key would)."""
+        found: dict[int, bytes] = {self.rank: summary}
+        waiting = set(self._others)
+        deadline = time.monotonic() + self._gather_s
+        while waiting:
+            for r in sorted(waiting):
+                s = read_local(self._others[r])
+                if s is None or not s.of_node(job_start_ns, self.net):
+                    waiting.discard(r)
+                    continue
+                found[r] = s.summary
+                if s.tick >= tick or s.flags & EXITED or s.tick < tick - FRESH_TICKS:
+                    waiting.discard(r)  # current, gone, or not writing: nothing to wait for
+            if not waiting or time.monotonic() >= deadline or self._stop.wait(POLL_S):
+                break
+        return encode_node(sorted(found.items()))
+
+    def remove(self) -> None:
+        if self._written:
+            remove_local(self._path)

@@ -1,0 +1,74 @@
+"""One node's summaries in one store value, and which ranks make a node.
+
+A node leader's agent publishes its node's per-rank summaries framed together (each one
+encoded by ``wire.summary``, untouched), so the diagnoser reads one key per node instead
+of one per rank. Nodes are runs of ``ranks_per_node`` consecutive global ranks, as
+launchers number them (node n holds ranks n x size .. n x size + size - 1).
+
+Frame: ``MAGIC``, the entry count (u16), then per entry its rank (u32) and length (u32),
+then the summaries one after another, in entry order.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+
+__all__ = ["decode_node", "encode_node", "node_count", "node_of", "node_ranks"]
+
+MAGIC = b"CCN1"
+_HEAD = struct.Struct("<4sH")
+_ENTRY = struct.Struct("<II")
+MAX_ENTRIES = 0xFFFF
+
+
+def node_of(rank: int, ranks_per_node: int) -> int:
+    return rank // ranks_per_node
+
+
+def node_ranks(node: int, ranks_per_node: int, world: int) -> range:
+    """The global ranks of ``node`` (the last node of a job may hold fewer)."""
+    return range(node * ranks_per_node, min(world, (node + 1) * ranks_per_node))
+
+
+def node_count(world: int, ranks_per_node: int) -> int:
+    return -(-world // ranks_per_node)
+
+
+def encode_node(summaries: Iterable[tuple[int, bytes]]) -> bytes:
+    """The frame of ``(rank, summary)`` pairs."""
+    items = list(summaries)
+    if len(items) > MAX_ENTRIES:
+        raise ValueError(f"a node frame holds at most {MAX_ENTRIES} summaries, not {len(items)}")
+    head = [_HEAD.pack(MAGIC, len(items))]
+    head += [_ENTRY.pack(rank, len(data)) for rank, data in items]
+    return b"".join(head + [bytes(data) for _, data in items])
+
+
+def decode_node(data: bytes, ranks: range) -> dict[int, bytes]:
+    """The per-rank summaries in a frame of the node of ``ranks``. Raises ValueError when
+    the frame is not one (bad magic, truncated, trailing bytes), or names a rank twice or
+    a rank outside the node: a frame is taken whole or not at all."""
+    if len(data) < _HEAD.size:
+        raise ValueError(f"a node frame of {len(data)} bytes is shorter than its header")
+    magic, count = _HEAD.unpack_from(data)
+    if magic != MAGIC:
+        raise ValueError(f"not a node frame (magic {bytes(magic)!r})")
+    pos = _HEAD.size + count * _ENTRY.size
+    if pos > len(data):
+        raise ValueError(f"a node frame of {count} entries is truncated ({len(data)} bytes)")
+    entries = struct.unpack_from(f"<{2 * count}I", data, _HEAD.size)
+    out: dict[int, bytes] = {}
+    for rank, size in zip(entries[::2], entries[1::2], strict=True):
+        if rank in out:
+            raise ValueError(f"a node frame names rank {rank} twice")
+        if rank not in ranks:
+            raise ValueError(f"a node frame names rank {rank}, not of ranks {ranks.start}..")
+        end = pos + size
+        if end > len(data):
+            raise ValueError(f"a node frame's summary of rank {rank} is truncated")
+        out[rank] = data[pos:end]
+        pos = end
+    if pos != len(data):
+        raise ValueError(f"a node frame has {len(data) - pos} bytes after its last summary")
+    return out

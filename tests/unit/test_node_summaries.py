@@ -1,0 +1,212 @@
+"""Node summaries: the frame of a node's per-rank summaries, the summary files a node's
+ranks hand to their leader, who leads, and the control plane that reads one key per node
+and gives back per-rank summaries (over a real TCPStore in this process)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from builders import rank_summary
+
+from ccld_plugin.agent.node_board import (
+    EXITED,
+    STORE_LOST,
+    LocalSummary,
+    choose_leader,
+    read_local,
+    remove_local,
+    summary_path,
+    write_local,
+)
+from ccld_plugin.config import ControlConfig
+from ccld_plugin.control import ControlPlane
+from ccld_plugin.harness.launch import free_port
+from ccld_plugin.wire.node_summary import decode_node, encode_node, node_count, node_of, node_ranks
+from ccld_plugin.wire.summary import decode_summary, encode_summary
+
+JOB_START = 123_456_789
+
+
+def _summaries(ranks: range) -> dict[int, bytes]:
+    return {r: encode_summary(rank_summary(r, step=r + 1)) for r in ranks}
+
+
+def test_nodes_are_runs_of_consecutive_ranks() -> None:
+    assert [node_of(r, 4) for r in range(9)] == [0, 0, 0, 0, 1, 1, 1, 1, 2]
+    assert node_ranks(1, 4, 10) == range(4, 8)
+    assert node_ranks(2, 4, 10) == range(8, 10)  # the last node holds what is left
+    assert node_count(10, 4) == 3 and node_count(8, 4) == 2 and node_count(5, 1) == 5
+
+
+def test_a_frame_gives_back_each_ranks_summary_byte_for_byte() -> None:
+    ranks = node_ranks(1, 4, 16)
+    per_rank = _summaries(ranks)
+    frame = encode_node(sorted(per_rank.items()))
+    got = decode_node(frame, ranks)
+    assert got == per_rank
+    assert [decode_summary(got[r]).step for r in ranks] == [5, 6, 7, 8]
+    # Cost: 10 bytes of header, 8 per rank, beside the summaries themselves.
+    assert len(frame) == 6 + 8 * 4 + sum(map(len, per_rank.values()))
+    assert decode_node(encode_node([]), ranks) == {}
+
+
+def test_a_frame_of_one_rank_is_a_rank_alone_on_its_node() -> None:
+    data = _summaries(range(3, 4))
+    assert decode_node(encode_node(data.items()), node_ranks(3, 1, 8)) == data
+
+
+@pytest.mark.parametrize(
+    ("frame", "why"),
+    [
+        (b"CC", "shorter than its header"),
+        (b"XXXX\x00\x00", "not a node frame"),
+        (encode_node([(4, b"abc")])[:-1], "truncated"),
+        (encode_node([(4, b"abc")]) + b"!", "after its last summary"),
+        (encode_node([(4, b"a"), (4, b"b")]), "twice"),
+        (encode_node([(9, b"a")]), "not of ranks 4.."),
+        (encode_node([(4, b"a")])[:8], "truncated"),
+    ],
+)
+def test_a_bad_frame_is_refused_whole(frame: bytes, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        decode_node(frame, range(4, 8))
+
+
+def test_summary_file_round_trip_and_removal(tmp_path: Path) -> None:
+    path = summary_path(tmp_path / "rank3.board")
+    assert path.name == "rank3.summary" and read_local(path) is None
+    s = LocalSummary(EXITED, 4242, 17, JOB_START, 4026531840, b"summary bytes")
+    write_local(path, s)
+    assert read_local(path) == s
+    assert path.stat().st_mode & 0o777 == 0o600
+    path.write_bytes(b"not ours at all")
+    assert read_local(path) is None
+    remove_local(path)
+    assert not path.exists()
+
+
+NET = 4026531992  # a network namespace's inode
+
+
+def _file(
+    tick: int, flags: int = 0, pid: int = 100, job_start: int = JOB_START, net: int = NET
+) -> LocalSummary:
+    return LocalSummary(flags, pid, tick, job_start, net, b"")
+
+
+def _leader(me: int, files: dict[int, LocalSummary | None], tick: int = 10, dead=()) -> int | None:
+    lower = sorted(r for r in range(4, me))  # node 1 of 4-rank nodes
+    return choose_leader(me, lower, files.get, tick, JOB_START, NET, lambda pid: pid not in dead)
+
+
+def test_the_first_rank_that_can_leads() -> None:
+    assert _leader(4, {}) == 4  # the node's first rank
+    assert _leader(5, {4: _file(10)}) == 4
+    assert _leader(6, {4: _file(10), 5: _file(10)}) == 4
+    assert _leader(5, {4: _file(9)}) == 4  # one tick late: a loaded host, still leading
+
+
+@pytest.mark.parametrize(
+    "leader",
+    [
+        _file(8),  # two ticks behind: frozen, or its agent wedged
+        _file(10, flags=EXITED),  # left through the exit path
+        _file(10, flags=STORE_LOST),  # cannot publish
+        _file(10, pid=7),  # its process is gone
+    ],
+)
+def test_a_leader_that_cannot_lead_is_passed_over(leader: LocalSummary) -> None:
+    files = {4: leader, 5: _file(10)}
+    assert _leader(5, files, dead=(7,)) == 5  # it takes over
+    assert _leader(6, files, dead=(7,)) == 5  # the next rank, as every rank sees it
+    assert _leader(6, {**files, 5: _file(10, pid=7)}, dead=(7,)) == 6
+
+
+@pytest.mark.parametrize(
+    "unseen",
+    [
+        None,  # no file: not started, left, or another /dev/shm (a container per rank)
+        _file(10, job_start=1),  # a file of an earlier run of the job name
+        _file(10, net=NET + 1),  # another network namespace: another host to the network
+    ],
+)
+def test_a_node_that_is_not_as_configured_falls_back_to_own_keys(unseen) -> None:
+    files = {4: unseen, 5: _file(10)}
+    assert _leader(4, files) == 4  # nothing below it to see
+    assert _leader(5, files) is None  # it publishes its own key, and leads nothing
+    assert _leader(6, files) is None
+    assert _leader(6, {4: _file(10, pid=7), 5: unseen}, dead=(7,)) is None
+
+
+def test_a_process_that_cannot_be_looked_at_counts_as_alive() -> None:
+    files = {0: _file(10)}
+    assert choose_leader(1, [0], files.get, 10, JOB_START, NET, lambda pid: None) == 0
+
+
+def test_an_unknown_network_namespace_matches_any() -> None:
+    assert _file(10, net=0).of_node(JOB_START, NET) and _file(10).of_node(JOB_START, 0)
+
+
+@pytest.fixture
+def planes(monkeypatch: pytest.MonkeyPatch):
+    """A job's control plane (ranks 0 and 5 of 8, 4 ranks per node) over a real TCPStore,
+    and a reader outside the job that knows nothing of its nodes."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    cfg = ControlConfig(store="dedicated", port=free_port(), connect_timeout_s=10, chunk_keys=1)
+    host = ControlPlane(cfg, 0, 8, "nodes-test", 0, ranks_per_node=4)
+    other = ControlPlane(cfg, 5, 8, "nodes-test", 0, ranks_per_node=4)
+    outside = ControlPlane.client(cfg, "127.0.0.1", cfg.port, "nodes-test", 8)
+    return host, other, outside
+
+
+def test_the_plane_reads_node_keys_as_per_rank_summaries(planes) -> None:
+    host, other, outside = planes
+    assert host.read_summaries(range(8)) == {}
+    nodes = [_summaries(node_ranks(n, 4, 8)) for n in range(2)]
+    host.publish_node(0, encode_node(nodes[0].items()))
+    other.publish_node(1, encode_node(nodes[1].items()))
+    both = {**nodes[0], **nodes[1]}
+    assert host.read_summaries(range(8)) == both
+    assert outside.read_summaries(range(8)) == both  # it read the node size from the store
+    assert host.read_summaries([1, 6]) == {1: both[1], 6: both[6]}
+    assert not host.store.check(["s/1"])  # a node key, no per-rank keys
+
+
+def test_a_ranks_own_key_shadows_its_frame_until_withdrawn(planes) -> None:
+    host, other, _ = planes
+    node = _summaries(node_ranks(1, 4, 8))
+    other.publish_node(1, encode_node(node.items()))
+    last = encode_summary(rank_summary(5, step=99))
+    other.publish(5, last)  # e.g. its last summary, at exit
+    other.publish(5, last)  # listed once
+    assert host.read_summaries(range(8)) == {**node, 5: last}
+    assert bytes(host.store.get("s/listed")) == b"5\n"
+    other.withdraw(5)
+    assert host.read_summaries(range(8)) == node
+    assert bytes(host.store.get("s/5")) == b""  # emptied, not deleted
+
+
+def test_a_corrupt_frame_leaves_its_node_out_and_is_counted(planes) -> None:
+    from ccld_plugin import errors
+
+    host, other, _ = planes
+    node0 = _summaries(node_ranks(0, 4, 8))
+    host.publish_node(0, encode_node(node0.items()))
+    other.publish_node(1, encode_node([(0, b"rank 0 is not of node 1")]))
+    before = errors.contained_errors().get("control.node_summary", 0)
+    assert host.read_summaries(range(8)) == node0
+    assert errors.contained_errors()["control.node_summary"] == before + 1
+
+
+def test_ranks_alone_on_their_nodes_write_their_own_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    cfg = ControlConfig(store="dedicated", port=free_port(), connect_timeout_s=10)
+    host = ControlPlane(cfg, 0, 3, "alone-test", 0, ranks_per_node=1)
+    outside = ControlPlane.client(cfg, "127.0.0.1", cfg.port, "alone-test", 3)
+    per_rank = _summaries(range(3))
+    for r, data in per_rank.items():
+        host.publish(r, data)
+    assert host.read_summaries(range(3)) == per_rank
+    assert outside.read_summaries(range(3)) == per_rank  # no node size: the listed keys
+    assert not host.store.check(["n/0"])
