@@ -74,13 +74,13 @@ def _meta(name: str, pid: int, tid: int, value: object, key: str = "name") -> di
 def _steps(rank: int, b: RankBoard, start: int) -> list[dict[str, Any]]:
     """A slice per step, from its first collective's start to the next step's (the board
     keeps the step of each op, not the step boundaries; the current step starts where the
-    rank marked it)."""
+    rank marked it, also before its first op: a rank hung in compute)."""
     ops, h = b.snap.ops, b.snap.header
     if not len(ops):
         return []
     firsts = {int(s): int(ops["enter_ns"][ops["step"] == s].min()) for s in np.unique(ops["step"])}
-    if h.step in firsts and h.step_start_ns:
-        firsts[h.step] = min(firsts[h.step], h.step_start_ns)
+    if h.step_start_ns and (h.step in firsts or h.step > max(firsts)):
+        firsts[h.step] = min(firsts.get(h.step, h.step_start_ns), h.step_start_ns)
     end = b.last_seen_ns()
     steps = sorted(firsts.items())
     out = []

@@ -39,7 +39,9 @@ def run_diagnoser(
     ends (or ``stop`` is set); the exit status (0)."""
     stop = stop or _stop_on_signals()
     control = ControlPlane.client(cfg.control, host, port, job, world)
-    service = DiagnoserService(cfg, control, world, time.monotonic_ns(), build_sinks(cfg.sinks))
+    # the boards are where this host keeps them: the timeline needs the job on this host
+    sinks = build_sinks(cfg.sinks, cfg.board_root() / job)
+    service = DiagnoserService(cfg, control, world, time.monotonic_ns(), sinks)
     service.start()
     log.warning(
         "ccld diagnoser: job %r, %d ranks, store %s:%d; verdicts to %s",

@@ -81,7 +81,7 @@ def start(
             control.connect(),
             world,
             started_ns,
-            build_sinks(cfg.sinks),
+            build_sinks(cfg.sinks, board_path.parent),
             own_report=lambda: agent.latest,
         )
         diag.config_file = _write_job_config(cfg, board_path.parent)
@@ -101,7 +101,7 @@ def start(
                 control.connect(),
                 world,
                 clock.job_start_ns if clock else started_ns,
-                build_sinks(cfg.sinks),
+                build_sinks(cfg.sinks, board_path.parent),
                 own_report=lambda: agent.latest,
                 clock_ns=lambda: (
                     clock.to_diag(time.monotonic_ns()) if clock else time.monotonic_ns()

@@ -5,6 +5,7 @@ others."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 from ccld_plugin.config import SinksConfig
@@ -22,7 +23,7 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-def build_sinks(cfg: SinksConfig) -> list[Sink]:
+def build_sinks(cfg: SinksConfig, boards: Path | None = None) -> list[Sink]:
     """The configured sinks; one that cannot be opened is left out (the config checked its
     path at start, so this is a folder that went away since), the others run."""
     sinks: list[Sink] = []
@@ -40,7 +41,7 @@ def build_sinks(cfg: SinksConfig) -> list[Sink]:
             # optional and nothing about it may stop the job from starting.
             from ccld_plugin.sinks.wandb.sink import WandbSink
 
-            sinks.append(WandbSink(cfg.wandb))
+            sinks.append(WandbSink(cfg.wandb, boards=boards))
         except Exception as exc:  # noqa: BLE001
             report_error("sinks.wandb", exc)
     return sinks

@@ -1,9 +1,10 @@
 """The W&B diagnosis panels.
 
 Real jobs and a real wandb (offline): a hung demo job logs into a run of the sink's own,
-and the run file is read back with the plugin's own reader; the same job with wandb made
-unimportable still diagnoses; panels go into a user's existing run without disturbing its
-steps. The panel numbers themselves are checked on synthetic views.
+and the run file is read back with the plugin's own reader, its timeline file beside it;
+the same job with wandb made unimportable still diagnoses; panels go into a user's
+existing run without disturbing its steps. The panel numbers themselves are checked on
+synthetic views.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from job_runner import demo
+from trace_rules import check_trace
 from wandb_views import job_views, joined_samples, slow_link_verdict
 
 from ccld_plugin.config import DiagnoserConfig, load_config
@@ -90,6 +92,24 @@ def test_hung_job_logs_panels_verdict_and_alert_to_an_offline_run(tmp_path):
     (v,) = [x for x in read_verdicts(out / "verdicts.jsonl") if x["kind"] == "hang"]
     assert verdict_row(v) == table.rows[rows.index(hang)]
 
+    # The timeline, made from the boards the killed job left and saved with the run.
+    trace = run.run_dir / "files" / "ccld_trace.json"
+    by_ph = check_trace(json.loads(trace.read_text()))
+    tracks = {(e["pid"], e["args"]["name"]) for e in by_ph["M"] if e["name"] == "thread_name"}
+    assert {pid for pid, _ in tracks} == {0, 1, 2, 3}
+    assert all((pid, "steps") in tracks for pid in range(4))
+    assert all((pid, "dp[0, 1, 2, 3]") in tracks for pid in range(4))
+    # The run's verdict, on the hung rank's dp track, at the hung collective.
+    (mark,) = [e for e in by_ph["i"] if e["name"] == "hang (compute)"]
+    assert mark["pid"] == 2 and mark["args"]["trace_id"] == v["trace_id"]
+    hung = [e for e in by_ph["X"] if e["args"].get("trace_id") == v["trace_id"]]
+    assert sorted(e["pid"] for e in hung) == [0, 1, 3]  # rank 2 never entered it
+    assert {e["args"]["state"] for e in hung} == {"in_flight"}
+    # Rank 2 marked step 4 and hung in compute before its first op: the step still shows,
+    # reaching past the moment its peers entered the collective it never came to.
+    (stuck,) = [e for e in by_ph["X"] if e["pid"] == 2 and e["name"] == "step 4"]
+    assert stuck["ts"] + stuck["dur"] > max(e["ts"] for e in hung)
+
 
 BLOCKER = '''\
 """Makes wandb unimportable in every process of the job, as if it were not installed:
@@ -149,6 +169,26 @@ def test_broken_wandb_in_the_writer_process_is_contained(tmp_path, monkeypatch):
     assert contained_errors()["sinks.wandb"] == before + 1
     with pytest.raises(RuntimeError, match="broken wandb install"):
         writer.send([{"op": "log", "data": {}}])
+
+
+def test_a_timeline_that_cannot_be_made_is_contained(tmp_path):
+    """Boards that ``ccld trace`` cannot read (a torn file): the writer still finishes the
+    run, and the sink says why there is no timeline, once."""
+    boards = tmp_path / "boards"
+    boards.mkdir()
+    (boards / "rank0.board").write_bytes(b"not a board")
+    before = contained_errors().get("sinks.wandb.timeline", 0)
+    writer = WriterProcess(
+        {"project": "p", "mode": "offline", "dir": str(tmp_path / "wandb")}, sys.executable
+    )
+    writer.send([{"op": "timeline", "boards": str(boards), "python": sys.executable}])
+    writer.close(wait_s=60)
+    writer._status.join(timeout=10)
+    assert writer.proc.returncode == 0
+    assert contained_errors()["sinks.wandb.timeline"] == before + 1
+    run = wait_for_run(tmp_path / "wandb", timeout_s=30)
+    assert run is not None and run.finished
+    assert not (run.run_dir / "files" / "ccld_trace.json").exists()
 
 
 def test_panels_go_into_the_users_existing_run(tmp_path):

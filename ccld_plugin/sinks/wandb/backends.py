@@ -49,7 +49,11 @@ class AttachedRun:
                 report_error(f"sinks.wandb.{m.get('op')}", exc)
 
     def close(self, wait_s: float) -> None:
-        pass
+        """The run stays open (it is the user's); the job's timeline is saved into it."""
+        try:
+            self.applier.attach_timeline(wait_s)
+        except Exception as exc:  # noqa: BLE001 - the run goes on without it
+            report_error("sinks.wandb.timeline", exc)
 
 
 class WriterProcess:

@@ -13,7 +13,10 @@ turns them into panels under ``ccld/`` and writes them out:
   series per group;
 - ``ccld/ranks/*`` every ``log_interval_steps``: a per-rank table and a bar chart;
 - ``ccld/heatmap/compute``: a rank x step picture of compute time;
-- ``ccld/verdicts/*``: a table with every verdict field, and ``run.alert`` per verdict.
+- ``ccld/verdicts/*``: a table with every verdict field, and ``run.alert`` per verdict;
+- the file ``ccld_trace.json``: the job's timeline (what ``ccld trace`` writes from the
+  boards, with the run's verdicts on it), attached when the run ends, when the sink is
+  given the job's board directory (``boards``).
 
 Where it writes: into the process's existing run when there is one (``wandb.run``, which
 Megatron's and DeepSpeed's W&B writers also set), else into a run of its own, owned by a
@@ -32,6 +35,7 @@ import sys
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 from ccld_plugin.config import WandbConfig
@@ -71,9 +75,12 @@ def _top(rows: list, n: int, key: Any) -> list:
 
 
 class WandbSink:
-    def __init__(self, cfg: WandbConfig, python: str = sys.executable) -> None:
+    def __init__(
+        self, cfg: WandbConfig, python: str = sys.executable, boards: Path | None = None
+    ) -> None:
         self.cfg = cfg
         self.python = python
+        self.boards = boards  # the job's board directory: its timeline is attached at the end
         self.metrics = PanelMetrics()
         self.dropped = 0  # rounds dropped because the sink's thread fell behind
         self._queue: deque[tuple] = deque()
@@ -192,7 +199,7 @@ class WandbSink:
                 ) from None
             if self._backend is None:
                 return
-            msgs = [*self._define_msgs(), *self._early]
+            msgs = [*self._define_msgs(), *self._timeline_msgs(), *self._early]
             self._early.clear()
         if msgs and self._backend is not None:
             self._backend.send(msgs)
@@ -247,6 +254,11 @@ class WandbSink:
                 "summary": "max",
             },
         ]
+
+    def _timeline_msgs(self) -> list[dict]:
+        if self.boards is None:
+            return []
+        return [{"op": "timeline", "boards": str(self.boards), "python": self.python}]
 
     def _step_msgs(self, rows: list[StepRow]) -> list[dict]:
         msgs = []
@@ -349,4 +361,5 @@ class WandbSink:
             # when they next log, which a hung job never does.
             {"op": "summary", "data": {"ccld/verdicts/table": table}},
             alert_message(v),
+            {"op": "verdict", "record": v},  # marked on the timeline
         ]

@@ -13,6 +13,9 @@ argument): a child the training process forked may hold the pipe open, and end-o
 would then never come; once the training process is gone and the pipe is quiet, the
 writer finishes the run all the same.
 
+Before finishing, the writer attaches the job's timeline (``ccld_trace.json``, see
+:class:`Timeline`) when the sink told it where the boards are.
+
 Standard library and wandb only; wandb is imported when a run is opened, never at import.
 """
 
@@ -23,17 +26,21 @@ import json
 import os
 import select
 import struct
+import subprocess
 import sys
+import tempfile
 import threading
 import traceback
 from collections.abc import Iterator
 from typing import IO, Any
 
-__all__ = ["Applier", "encode_message", "main", "read_messages"]
+__all__ = ["Applier", "Timeline", "encode_message", "main", "read_messages"]
 
 _LEN = struct.Struct("<I")
 FINISH_TIMEOUT_S = 120.0  # an online finish that cannot reach the server gives up here
 QUIET_S = 1.0  # how long the pipe is read before the training process is checked on
+TIMELINE_FILE = "ccld_trace.json"
+TIMELINE_TIMEOUT_S = 60.0  # for ``ccld trace`` in the writer process
 
 
 def encode_message(msg: dict) -> bytes:
@@ -75,6 +82,57 @@ def _read(fh: IO[bytes], n: int, parent: int | None) -> bytes:
     return b"".join(parts)
 
 
+class Timeline:
+    """The job's timeline, attached to the run as a file (``ccld_trace.json``, Trace Event
+    JSON for Perfetto or chrome://tracing) when the run ends.
+
+    Made by ``ccld trace`` over the job's board directory, in a process of its own: the
+    sink does not read boards (the layout's one-way rule: the post-mortem reads boards and
+    hands out files, the sink only attaches one), and this file imports nothing of the
+    plugin. The verdicts marked on it are the ones the sink was given, so the timeline and
+    the run's verdict table agree. It runs when the messages end, which for a hung job is
+    when the job is killed: the boards are what the ranks left at their end."""
+
+    def __init__(self) -> None:
+        self.boards: str | None = None  # the job's board directory, from the sink
+        self.python = sys.executable  # the training process's interpreter, from the sink
+        self.verdicts: list[dict] = []
+
+    def boards_left(self) -> bool:
+        """Whether any board is still there: a job that ended normally with
+        ``board.cleanup`` on has removed them (nothing to draw, and nothing wrong)."""
+        try:
+            return self.boards is not None and any(
+                n.endswith(".board") for n in os.listdir(self.boards)
+            )
+        except OSError:
+            return False
+
+    def write(self, files_dir: str, timeout_s: float) -> str:
+        """Write the timeline into ``files_dir``; its path. Raises when ``ccld trace``
+        fails (its last line of output says why) or takes longer than ``timeout_s``."""
+        assert self.boards is not None
+        command = [self.python, "-m", "ccld_plugin.cli", "trace", self.boards]
+        path = os.path.join(files_dir, TIMELINE_FILE)
+        # Outside the run's files: an input of ``ccld trace`` only.
+        fd, marks = tempfile.mkstemp(prefix="ccld-verdicts-", suffix=".jsonl")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.writelines(json.dumps(v) + "\n" for v in self.verdicts)
+        try:
+            done = subprocess.run(
+                [*command, "-o", path, "--verdicts", marks],
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
+        finally:
+            os.unlink(marks)
+        if done.returncode != 0:
+            lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
+            raise RuntimeError(f"ccld trace exited with code {done.returncode}: {lines[-1]}")
+        return path
+
+
 class Applier:
     """Applies messages to one run. ``attached``: the run is someone else's, so history
     is merged into their current step (``commit=False``) and never advances it; their own
@@ -85,6 +143,7 @@ class Applier:
         self.wandb = wandb
         self.run = run
         self.attached = attached
+        self.timeline = Timeline()
 
     def value(self, v: Any) -> Any:
         """A tagged plain value as the wandb object it describes."""
@@ -132,8 +191,21 @@ class Applier:
             with open(path, "wb") as fh:
                 fh.write(base64.b64decode(msg["b64"]))
             run.save(path, base_path=run.dir, policy="end")
+        elif op == "timeline":
+            self.timeline.boards, self.timeline.python = msg["boards"], msg["python"]
+        elif op == "verdict":
+            self.timeline.verdicts.append(msg["record"])
         else:
             raise ValueError(f"unknown message {op!r}")
+
+    def attach_timeline(self, timeout_s: float) -> bool:
+        """Write the job's timeline and save it with the run; False when there is none to
+        write (the sink gave no board directory, or no board is left in it)."""
+        if not self.timeline.boards_left():
+            return False
+        path = self.timeline.write(self.run.dir, timeout_s)
+        self.run.save(path, base_path=self.run.dir, policy="now")
+        return True
 
 
 def _status(out: IO[bytes], **fields: Any) -> None:
@@ -200,6 +272,12 @@ def main() -> int:
                 failed.add(msg.get("op", "?"))
                 _status(out, failed=msg.get("op"), error=f"{type(exc).__name__}: {exc}")
                 traceback.print_exc()
+    try:
+        if applier.timeline.boards is not None and not applier.attach_timeline(TIMELINE_TIMEOUT_S):
+            print("[ccld] no timeline in the W&B run: no boards left", file=sys.stderr, flush=True)
+    except Exception as exc:  # noqa: BLE001 - the run is finished without it
+        _status(out, failed="timeline", error=f"{type(exc).__name__}: {exc}")
+        print(f"[ccld] no timeline in the W&B run: {exc}", file=sys.stderr, flush=True)
     # However finish goes (an online run with no network), this process must end.
     timer = threading.Timer(FINISH_TIMEOUT_S, os._exit, args=(3,))
     timer.daemon = True
