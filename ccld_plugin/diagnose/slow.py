@@ -39,6 +39,11 @@ MIN_ARRIVAL_SAMPLES = 4
 # 2-core TP2xPP2xDP2 job measured 33% last arrivals in a window).
 WAITED_FOR_SHARE = 0.5
 WAITED_FOR_SHARE_SMALL_COHORT = 0.6
+# Clear-cut: an injected straggler, slowed before every collective, had 80-100% of the
+# waiting in its streak; ranks of a healthy 8-rank job on 2 cores that the host's
+# scheduler held back for ~10 steps had 60-79%. Below this share a straggler is confirmed
+# one window later, which such an episode rarely lasts.
+CLEAR_WAITED_FOR_SHARE = 0.8
 MIN_STEP_SHARE = 0.05  # excess compute below 5% of the step time is noise, not a verdict
 # A group's transfer bandwidth must fall this far below its siblings' (and below its own
 # history, once it has one) to count: small transfers on a busy host vary by 2x.
@@ -195,6 +200,13 @@ class SlowDetector:
             mine = self._streak_samples(r, self._streak_t0[key], t1)
             balance = _wait_balance(r, mine)
             why_not = _not_waited_for(len(cohort), mine, balance.share)
+            if not why_not and (balance.share or 0.0) < CLEAR_WAITED_FOR_SHARE:
+                longer = self._straggler_windows(self.cfg.confirm_windows + 1)
+                if self.streak[key] < longer:
+                    why_not = (
+                        f"its peers waiting for it are {balance.share:.0%} of the waiting "
+                        f"(< {CLEAR_WAITED_FOR_SHARE:.0%}): one more window"
+                    )
             if why_not:
                 _not_a_straggler(lo, hi, r, x / med, cohort, why_not)
                 continue
@@ -216,10 +228,11 @@ class SlowDetector:
             if t0 <= j.time_ns <= t1 and j.group.size > 1 and bool((j.members == r).any())
         ]
 
-    def _straggler_windows(self) -> int:
+    def _straggler_windows(self, windows: int | None = None) -> int:
         """Consecutive straggler windows a straggler must be seen in: as many as span
-        ``confirm_windows`` windows of steps end to end."""
-        return (self.cfg.confirm_windows - 1) * self.cfg.window_steps // self._stride + 1
+        ``windows`` (default ``confirm_windows``) windows of steps end to end."""
+        windows = self.cfg.confirm_windows if windows is None else windows
+        return (windows - 1) * self.cfg.window_steps // self._stride + 1
 
     def _slower_than_cohort(
         self,
