@@ -6,19 +6,25 @@ step, eight arrival samples per group, a few channel entries) and is encoded to 
 bytes. Per round it times, separately:
 
 - read: the summaries from a real TCPStore on loopback, in the control plane's chunks;
-- decode: bytes -> RankSummary for every rank;
+- decode: every rank's bytes into one SummaryTable (columns; a rank's RankSummary is
+  decoded only when the analysis looks it up), as the diagnoser service does;
 - view: the JobView (topology of every rank's group table);
 - analyze: Diagnoser.round (hang, mismatch, unresponsive, slow windows).
 
 The ranks' steps advance one per round, so slow-detector windows close as in a live job.
-Prints the median of the rounds per stage and world size, and the slowest round. Usage:
+Prints the median of the rounds per stage and world size, the slowest round, and the peak
+resident memory of this process (the diagnoser and the synthetic ranks' encoding; the
+store runs in a process of its own). Usage:
     python benchmarks/diagnoser_scale.py [--worlds 512,2048,16384] [--rounds 12]
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
+import subprocess
+import sys
 import time
 from datetime import timedelta
 
@@ -35,9 +41,9 @@ from ccld_plugin.wire.summary import (
     GroupProgress,
     RankSummary,
     StepStat,
-    decode_summary,
     encode_summary,
 )
+from ccld_plugin.wire.summary_batch import SummaryTable
 from ccld_plugin.wire.topology import GroupInfo, group_id_of
 
 TP, PP = 8, 4
@@ -47,22 +53,25 @@ CHUNK = 256  # control.chunk_keys default
 
 
 def layout(world: int) -> dict[int, list[GroupInfo]]:
-    """Every rank's group table: world, tp, pp, dp (Megatron order: tp fastest)."""
+    """Every rank's group table: world, tp, pp, dp (Megatron order: tp fastest). A group is
+    one object in every member's table, as the diagnoser service keeps them."""
     dp = world // (TP * PP)
     world_g = GroupInfo(group_id_of(range(world)), "world", tuple(range(world)))
+    known: dict[tuple[str, tuple[int, ...]], GroupInfo] = {}
+
+    def group(role: str, ranks: list[int]) -> GroupInfo:
+        key = (role, tuple(ranks))
+        if key not in known:
+            known[key] = GroupInfo(group_id_of(ranks), role, key[1])
+        return known[key]
+
     tables = {}
     for r in range(world):
         t, p, d = r % TP, (r // TP) % PP, r // (TP * PP)
         tp = [d * TP * PP + p * TP + i for i in range(TP)]
         pp = [d * TP * PP + i * TP + t for i in range(PP)]
         dpg = [i * TP * PP + p * TP + t for i in range(dp)]
-        tables[r] = [
-            world_g,
-            *(
-                GroupInfo(group_id_of(g), role, tuple(g))
-                for role, g in (("tp", tp), ("pp", pp), ("dp", dpg))
-            ),
-        ]
+        tables[r] = [world_g, group("tp", tp), group("pp", pp), group("dp", dpg)]
     return tables
 
 
@@ -139,8 +148,9 @@ def bench(world: int, rounds: int, store: dist.Store) -> dict[str, float]:
                 raw[int(k[2:])] = bytes(v)
         t1 = time.perf_counter()
         with gc_paused():  # as the diagnoser service runs a round
-            summaries = {r: decode_summary(b) for r, b in raw.items()}
+            summaries, bad = SummaryTable.decode(raw)
             t2 = time.perf_counter()
+            assert not bad, bad
             # the diagnoser service rebuilds the topology only when a table changes
             view = JobView(
                 summaries=summaries,
@@ -160,7 +170,20 @@ def bench(world: int, rounds: int, store: dist.Store) -> dict[str, float]:
     rounds_ms = [sum(x) for x in zip(*times.values(), strict=True)][1:]
     out["round"], out["worst"] = statistics.median(rounds_ms), max(rounds_ms)
     out["bytes"] = size
+    out["peak_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
+
+
+# The store in a process of its own, as on a job's store host: its memory is not the
+# diagnoser's. It prints its port and serves until its stdin closes.
+_STORE = """
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30), wait_for_workers=False)
+print(store.port, flush=True)
+sys.stdin.read()
+"""
 
 
 def main() -> None:
@@ -168,23 +191,29 @@ def main() -> None:
     ap.add_argument("--worlds", default="512,2048,16384")
     ap.add_argument("--rounds", type=int, default=12)
     args = ap.parse_args()
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30), wait_for_workers=False)
+    server = subprocess.Popen(
+        [sys.executable, "-c", _STORE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert server.stdout is not None
+    port = int(server.stdout.readline())
+    store = dist.TCPStore("127.0.0.1", port, 1, False, timedelta(seconds=30))
     print(
         "medians over the rounds; 'worst' is the slowest round (one that closes a "
         "slow-detector window)"
     )
     print(
         f"{'ranks':>7} {'summary B':>9} {'read ms':>8} {'decode ms':>9} {'view ms':>8} "
-        f"{'analyze ms':>10} {'round ms':>9} {'worst ms':>9}"
+        f"{'analyze ms':>10} {'round ms':>9} {'worst ms':>9} {'peak MB':>8}"
     )
     for world in (int(w) for w in args.worlds.split(",")):
         r = bench(world, args.rounds, store)
         print(
             f"{world:>7} {r['bytes']:>9} {r['read']:>8.1f} {r['decode']:>9.1f} "
             f"{r['view']:>8.1f} {r['analyze']:>10.1f} {r['round']:>9.1f} "
-            f"{r['worst']:>9.1f}",
+            f"{r['worst']:>9.1f} {r['peak_mb']:>8.0f}",
             flush=True,
         )
+    server.communicate("")
 
 
 if __name__ == "__main__":

@@ -8,12 +8,12 @@ so the hang is not reported on its own.
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
 from collections.abc import Iterable
 
 import numpy as np
 
 from ccld_plugin.config import DiagnoserConfig
+from ccld_plugin.diagnose import tcp_evidence as chan
 from ccld_plugin.diagnose.hang import (
     ChannelEvidence,
     find_hangs,
@@ -25,10 +25,11 @@ from ccld_plugin.diagnose.nccl_evidence import nccl_evidence
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.slow import SlowDetector
 from ccld_plugin.diagnose.tcp_evidence import Located, channel_evidence
-from ccld_plugin.diagnose.view import JobView
+from ccld_plugin.diagnose.view import GroupIndex, JobView
+from ccld_plugin.wire.summary_batch import Summaries, SummaryTable
 from ccld_plugin.wire.topology import GroupInfo
 
-__all__ = ["Diagnoser", "located_by_channels"]
+__all__ = ["Diagnoser", "DurationHistory", "located_by_channels"]
 
 HISTORY = 300  # per-group max op durations kept (one per rank per round)
 FIRST_OP_FACTOR = 2.0
@@ -51,32 +52,26 @@ class Diagnoser:
         self.min_wait_s = 2 * interval_s
         self.channel_evidence = channel_evidence
         self.slow = SlowDetector(cfg)
-        self._durations: dict[int, deque[int]] = defaultdict(lambda: deque(maxlen=HISTORY))
+        self.durations = DurationHistory()
         self._reported: set[tuple] = set()
-        self._seen_ns: dict[int, int] = {}  # per rank: time of the summary last taken in
+        self._seen_ns = np.full(0, -1, np.int64)  # per rank: time of the summary last taken in
 
     def threshold_s(self, group_id: int) -> float:
         """max(hang_min_s, hang_k x p99 duration of ops on the group). Before any op of the
         group has completed, twice the floor: a group's first ops also set up its
         connections, and the first step is the slowest of a job."""
-        history = self._durations.get(group_id)
-        if not history:
+        history = self.durations.of(group_id)
+        if not len(history):
             return FIRST_OP_FACTOR * self.cfg.hang_min_s
         p99 = float(np.percentile(history, 99)) / 1e6
         return max(self.cfg.hang_min_s, self.cfg.hang_k * p99)
 
     def round(self, view: JobView) -> list[Verdict]:
-        # Rounds run about twice per agent tick: a summary read again holds nothing new,
-        # and its durations, steps and samples must be taken in once.
-        fresh = [s for rank, s in view.summaries.items() if self._seen_ns.get(rank, -1) < s.time_ns]
-        for s in fresh:
-            self._seen_ns[s.rank] = s.time_ns
-            for gp in s.groups:
-                g = view.group(s.rank, gp.slot)
-                if g is not None and gp.ops:
-                    self._durations[g.group_id].append(gp.max_dur_us)
+        fresh = self._fresh(view)
+        self.durations.add(view, fresh.table)
         self.slow.ingest(view, fresh)
-        isolated = observer_isolated(view)
+        interval = chan.interval_s(view)
+        isolated = observer_isolated(view) if _all_peers_silent(view, interval) else None
         if isolated is not None:
             # Every silent peer is an effect of the observer's own isolation: the peers'
             # stale summaries would name each of them, so only the observer is judged.
@@ -99,6 +94,20 @@ class Diagnoser:
             hangs = self._fold_into_mismatch(hangs, mismatches)
         slow = self.slow.evaluate(view) if not hangs else []
         return self._new([*unresponsive, *mismatches, *hangs, *slow])
+
+    def _fresh(self, view: JobView) -> Summaries:
+        """The summaries of ``view`` not taken in before (a round runs about twice per
+        agent tick: a summary read again holds nothing new)."""
+        t = view.columns
+        ranks, times = t.ranks, t.heads["time_ns"]
+        top = int(ranks.max(initial=-1)) + 1
+        if top > len(self._seen_ns):
+            grown = np.full(top, -1, np.int64)
+            grown[: len(self._seen_ns)] = self._seen_ns
+            self._seen_ns = grown
+        new = self._seen_ns[ranks] < times
+        self._seen_ns[ranks[new]] = times[new]
+        return Summaries(t if new.all() else t.select(new))
 
     def _new(self, verdicts: list[Verdict]) -> list[Verdict]:
         """The verdicts not reported before (each is reported once)."""
@@ -150,3 +159,73 @@ class Diagnoser:
 
     def reported(self, kind: Kind) -> bool:
         return any(k[0] == kind for k in self._reported)
+
+
+class DurationHistory:
+    """Per group: the longest op durations of the last HISTORY summaries that completed
+    ops on it, as one ring of HISTORY values per group (the hang threshold reads their
+    99th percentile, which does not depend on their order)."""
+
+    def __init__(self) -> None:
+        self.index = GroupIndex()
+        self._rings: dict[int, int] = {}  # group id -> its ring
+        self._ring_of = np.zeros(0, np.int64)  # index.groups -> its ring
+        self._values = np.zeros((0, HISTORY), np.int64)
+        self._next = np.zeros(0, np.int64)  # per ring: where its next value goes
+        self._filled = np.zeros(0, np.int64)
+
+    def of(self, group_id: int) -> np.ndarray:
+        i = self._rings.get(group_id)
+        return self._values[:0, 0] if i is None else self._values[i, : self._filled[i]]
+
+    def add(self, view: JobView, table: SummaryTable) -> None:
+        """Take in the longest durations of the groups with completed ops in ``table``."""
+        g = table.groups[table.groups["ops"] > 0]
+        group = self.index.lookup(view, table.ranks[g["row"]], g["slot"])
+        known = group >= 0
+        if known.any():
+            for gi in self.index.groups[len(self._ring_of) :]:
+                self._ring_of = np.append(self._ring_of, self._ring(gi.group_id))
+            self._append(self._ring_of[group[known]], g["max_dur_us"][known])
+
+    def extend(self, group_id: int, values: list[int]) -> None:
+        """Take in durations of one group, oldest first."""
+        ring = self._ring(group_id)
+        self._append(np.full(len(values), ring, np.int64), np.array(values, np.int64))
+
+    def _ring(self, group_id: int) -> int:
+        i = self._rings.get(group_id)
+        if i is None:
+            i = self._rings[group_id] = len(self._rings)
+            if i >= len(self._filled):
+                grow = max(64, len(self._filled))
+                self._values = np.concatenate([self._values, np.zeros((grow, HISTORY), np.int64)])
+                self._next = np.concatenate([self._next, np.zeros(grow, np.int64)])
+                self._filled = np.concatenate([self._filled, np.zeros(grow, np.int64)])
+        return i
+
+    def _append(self, ring: np.ndarray, values: np.ndarray) -> None:
+        """Append ``values`` to their rings, in order (a ring keeps its last HISTORY)."""
+        order = np.argsort(ring, kind="stable")
+        ring, values = ring[order], values[order]
+        count = np.bincount(ring, minlength=len(self._filled))
+        before = np.cumsum(count) - count
+        pos = np.arange(len(ring)) - before[ring]
+        taken = np.minimum(count, HISTORY)
+        skip = count - taken  # of more than HISTORY at once, the last HISTORY stay
+        last = pos >= skip[ring]
+        ring, values, pos = ring[last], values[last], pos[last] - skip[ring[last]]
+        self._values[ring, (self._next[ring] + pos) % HISTORY] = values
+        self._next = (self._next + taken) % HISTORY
+        self._filled = np.minimum(HISTORY, self._filled + count)
+
+
+def _all_peers_silent(view: JobView, interval_s: float) -> bool:
+    """Whether no rank but the observer speaks (every other one is silent or exited): what
+    ``observer_isolated`` needs to find anything, checked on the columns (it reads every
+    summary)."""
+    if view.observer is None:
+        return False
+    t = view.columns
+    fresh = (view.now_ns - t.heads["time_ns"]) / 1e9 < chan.SILENT_INTERVALS * interval_s
+    return not (fresh & (t.ranks != view.observer) & ~t.exited).any()

@@ -13,12 +13,15 @@ with the samples still waiting for a member from earlier rounds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from functools import partial
+from typing import NamedTuple
 
 import numpy as np
 
-from ccld_plugin.diagnose.view import JobView
-from ccld_plugin.wire.summary import SAMPLE_DTYPE, RankSummary, encoded_samples
+from ccld_plugin.diagnose.view import GroupIndex, JobView
+from ccld_plugin.wire.summary import RankSummary
+from ccld_plugin.wire.summary_batch import SummaryTable, table_of
 from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["ArrivalJoin", "Joined"]
@@ -26,23 +29,19 @@ __all__ = ["ArrivalJoin", "Joined"]
 PENDING_TTL_NS = 60_000_000_000  # a sample whose group never completes is dropped after this
 
 # One sample, placed: its group (index into ArrivalJoin.groups), seq, the member, its
-# times on the diagnoser's clock, and when the diagnoser first saw it.
-_ROW = np.dtype(
-    [
-        ("group", "<i8"),
-        ("seq", "<i8"),
-        ("rank", "<i8"),
-        ("enter_ns", "<i8"),
-        ("exit_ns", "<i8"),
-        ("bytes", "<i8"),
-        ("seen_ns", "<i8"),
-    ]
-)
+# times on the diagnoser's clock, and when the diagnoser first saw it; a column each (rows
+# are reordered a few times per round: gathering only the columns needed is cheaper).
+_COLUMNS = ("group", "seq", "rank", "enter_ns", "exit_ns", "bytes", "seen_ns")
+Rows = dict[str, np.ndarray]
 
 
-@dataclass(slots=True)
-class Joined:
-    """One sampled collective seen by all its members."""
+def _no_rows() -> Rows:
+    return {c: np.zeros(0, np.int64) for c in _COLUMNS}
+
+
+class Joined(NamedTuple):
+    """One sampled collective seen by all its members (a named tuple: tens of thousands
+    are made per round at scale, and a tuple is the cheapest object to make)."""
 
     group: GroupInfo
     seq: int
@@ -50,8 +49,8 @@ class Joined:
     last: int  # the last arriver
     transfer_ns: int
     bytes: int
-    members: np.ndarray = field(repr=False)  # ranks
-    enters_ns: np.ndarray = field(repr=False)  # per member, in the order of members
+    members: np.ndarray  # ranks
+    enters_ns: np.ndarray  # per member, in the order of members
 
     @property
     def waits_ns(self) -> dict[int, int]:
@@ -62,130 +61,138 @@ class Joined:
         )
 
 
+_new_joined = partial(tuple.__new__, Joined)  # Joined._make without its Python frame
+
+
 class ArrivalJoin:
     """The samples waiting for members, and the groups they belong to."""
 
     def __init__(self) -> None:
-        self.groups: list[GroupInfo] = []
-        self._index: dict[int, int] = {}  # group id -> index into groups
+        self.index = GroupIndex()
         self._sizes = np.zeros(0, np.int64)
-        self._pending = np.zeros(0, _ROW)
-        self._tables: dict[int, tuple[tuple[object, object], list[int]]] = {}
+        self._pending = _no_rows()
 
-    def _group_index(self, g: GroupInfo) -> int:
-        i = self._index.get(g.group_id)
-        if i is None:
-            i = self._index[g.group_id] = len(self.groups)
-            self.groups.append(g)
-        elif self.groups[i] is not g:
-            self.groups[i] = g  # the same ranks with a more specific role
-        return i
+    @property
+    def groups(self) -> list[GroupInfo]:
+        return self.index.groups
 
-    def _slot_groups(self, view: JobView, rank: int) -> list[int]:
-        """The rank's group table as indices into ``groups``; kept while neither the table
-        nor the topology that resolves its roles changes (both stay the same objects,
-        round after round, until some rank republishes its table)."""
-        source = (view.tables.get(rank), view.topology)
-        known = self._tables.get(rank)
-        if known is None or known[0][0] is not source[0] or known[0][1] is not source[1]:
-            known = self._tables[rank] = (
-                source,
-                [self._group_index(g) for g in view.groups_at(rank)],
-            )
-        return known[1]
-
-    def add(self, view: JobView, fresh: list[RankSummary]) -> list[Joined]:
-        """Take in the samples of ``fresh`` (summaries not seen before); the collectives
-        that are now joined, oldest first."""
-        rows = self._place(view, fresh)
-        if len(rows) == 0 and len(self._pending) == 0:
+    def add(self, view: JobView, fresh: Sequence[RankSummary]) -> list[Joined]:
+        """Take in the samples of ``fresh`` (summaries not seen before; their columns when
+        they come as ``Summaries``); the collectives that are now joined, oldest first."""
+        rows = self._place(view, table_of(fresh))
+        if len(self._pending["group"]):
+            rows = {c: np.concatenate([self._pending[c], rows[c]]) for c in _COLUMNS}
+        if not len(rows["group"]):
             return []
         if len(self._sizes) < len(self.groups):
             self._sizes = np.array([g.size for g in self.groups], np.int64)
-        rows = np.concatenate([self._pending, rows]) if len(self._pending) else rows
         # By collective (group, seq), then member; a member's duplicate keeps its first.
-        rows = rows[np.lexsort((rows["enter_ns"], rows["rank"], rows["seq"], rows["group"]))]
-        if len(rows) > 1:
-            same = (
-                (rows["group"][1:] == rows["group"][:-1])
-                & (rows["seq"][1:] == rows["seq"][:-1])
-                & (rows["rank"][1:] == rows["rank"][:-1])
-            )
-            rows = rows[np.concatenate([[True], ~same])]
-        new = np.ones(len(rows), bool)
-        new[1:] = (rows["group"][1:] != rows["group"][:-1]) | (rows["seq"][1:] != rows["seq"][:-1])
+        order = _collective_order(rows)
+        group, seq, rank = (rows[c][order] for c in ("group", "seq", "rank"))
+        same = (group[1:] == group[:-1]) & (seq[1:] == seq[:-1]) & (rank[1:] == rank[:-1])
+        if same.any():
+            first = np.concatenate([[True], ~same])
+            order, group, seq = order[first], group[first], seq[first]
+        new = np.ones(len(order), bool)
+        new[1:] = (group[1:] != group[:-1]) | (seq[1:] != seq[:-1])
         starts = np.flatnonzero(new)
-        counts = np.diff(np.append(starts, len(rows)))
-        complete = counts >= self._sizes[rows["group"][starts]]
-        first_seen = np.minimum.reduceat(rows["seen_ns"], starts)
+        counts = np.diff(np.append(starts, len(order)))
+        complete = counts >= self._sizes[group[starts]]
+        first_seen = np.minimum.reduceat(rows["seen_ns"][order], starts)
         keep = ~complete & (view.now_ns - first_seen < PENDING_TTL_NS)
-        self._pending = rows[np.repeat(keep, counts)]
-        return self._join(rows, complete, counts)
-
-    def _place(self, view: JobView, fresh: list[RankSummary]) -> np.ndarray:
-        """The fresh summaries' samples as placed rows (those of unknown groups dropped)."""
-        raws, owners, slot_group, slot_seq = [], [], [], []
-        base = 0
-        for s in fresh:
-            raw = encoded_samples(s)
-            if not raw:
-                continue
-            groups = self._slot_groups(view, s.rank)
-            completed = {gp.slot: gp.completed_seq for gp in s.groups}
-            raws.append(raw)
-            owners.append((s.rank, s.time_ns, len(raw) // SAMPLE_DTYPE.itemsize, len(groups), base))
-            slot_group += groups
-            slot_seq += [completed.get(i, 0) for i in range(len(groups))]
-            base += len(groups)
-        if not raws:
-            return np.zeros(0, _ROW)
-        samples = np.frombuffer(b"".join(raws), SAMPLE_DTYPE)
-        rank, time_ns, n, n_slots, first_slot = (
-            np.array(c, np.int64) for c in zip(*owners, strict=True)
-        )
-        owner = np.repeat(np.arange(len(owners)), n)
-        slot = samples["slot"].astype(np.int64)
-        known = slot < n_slots[owner]
-        samples, owner, slot = samples[known], owner[known], slot[known]
-        at = first_slot[owner] + slot
-        rows = np.zeros(len(samples), _ROW)
-        rows["group"] = np.array(slot_group, np.int64)[at]
-        rows["seq"] = np.array(slot_seq, np.int64)[at] - samples["back"]
-        rows["rank"] = rank[owner]
-        rows["enter_ns"] = time_ns[owner] + samples["rel_us"].astype(np.int64) * 1000
-        rows["exit_ns"] = rows["enter_ns"] + samples["dur_us"].astype(np.int64) * 1000
-        rows["bytes"] = samples["bytes"]
-        rows["seen_ns"] = view.now_ns
-        return rows
-
-    def _join(self, rows: np.ndarray, complete: np.ndarray, counts: np.ndarray) -> list[Joined]:
-        """The complete collectives (``complete`` per segment of ``rows``), oldest first."""
+        waiting = order[np.repeat(keep, counts)]
+        self._pending = {c: rows[c][waiting] for c in _COLUMNS}
         if not complete.any():
             return []
-        rows = rows[np.repeat(complete, counts)]
-        counts = counts[complete]
+        done = order[np.repeat(complete, counts)]
+        return self._join(
+            rows, done, group[starts][complete], seq[starts][complete], counts[complete]
+        )
+
+    def _place(self, view: JobView, table: SummaryTable) -> Rows:
+        """The samples of ``table`` as placed rows (those of unknown groups dropped)."""
+        samples, owner = table.samples, table.sample_rows
+        if len(samples) == 0:
+            return _no_rows()
+        rank = table.ranks[owner]
+        slot = samples["slot"].astype(np.int64)
+        group = self.index.lookup(view, rank, slot)
+        known = group >= 0
+        if not known.all():
+            samples, owner, rank, group, slot = (
+                x[known] for x in (samples, owner, rank, group, slot)
+            )
+        # a sample's seq counts back from its group's completed seq in the same summary
+        # (0 where the summary reports no such group)
+        g = table.groups
+        width = int(max(g["slot"].max(initial=0), slot.max(initial=0))) + 1
+        completed = np.zeros(len(table) * width, np.int64)
+        completed[g["row"] * width + g["slot"]] = g["completed_seq"]
+        enter = table.heads["time_ns"][owner] + samples["rel_us"].astype(np.int64) * 1000
+        return {
+            "group": group,
+            "seq": completed[owner * width + slot] - samples["back"],
+            "rank": rank,
+            "enter_ns": enter,
+            "exit_ns": enter + samples["dur_us"].astype(np.int64) * 1000,
+            "bytes": samples["bytes"].astype(np.int64),
+            "seen_ns": np.full(len(rank), view.now_ns, np.int64),
+        }
+
+    def _join(
+        self, rows: Rows, done: np.ndarray, group: np.ndarray, seq: np.ndarray, counts: np.ndarray
+    ) -> list[Joined]:
+        """The complete collectives: ``done`` indexes ``rows`` by collective (``group``,
+        ``seq``), then member, ``counts`` members each. Oldest first."""
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        enters = rows["enter_ns"]
+        enters = rows["enter_ns"][done]
+        ranks = rows["rank"][done]
         t_last = np.maximum.reduceat(enters, starts)
         at_last = np.flatnonzero(enters == np.repeat(t_last, counts))
         segment = np.repeat(np.arange(len(starts)), counts)[at_last]
-        last = rows["rank"][at_last[np.unique(segment, return_index=True)[1]]]
-        transfer = np.maximum(0, np.minimum.reduceat(rows["exit_ns"], starts) - t_last)
-        nbytes = np.maximum.reduceat(rows["bytes"], starts)
-        ranks = rows["rank"]
-        out = [
-            Joined(self.groups[g], q, t, r, x, b, ranks[i : i + n], enters[i : i + n])
-            for g, q, t, r, x, b, i, n in zip(
-                rows["group"][starts].tolist(),
-                rows["seq"][starts].tolist(),
-                t_last.tolist(),
-                last.tolist(),
-                transfer.tolist(),
-                nbytes.tolist(),
-                starts.tolist(),
-                counts.tolist(),
-                strict=True,
+        last = ranks[at_last[np.unique(segment, return_index=True)[1]]]
+        transfer = np.maximum(0, np.minimum.reduceat(rows["exit_ns"][done], starts) - t_last)
+        nbytes = np.maximum.reduceat(rows["bytes"][done], starts)
+        by_time = np.argsort(t_last, kind="stable")
+        groups = self.groups
+        q, t, r, x, b, i, n = (
+            a[by_time].tolist() for a in (seq, t_last, last, transfer, nbytes, starts, counts)
+        )
+        ends = [a + k for a, k in zip(i, n, strict=True)]
+        members = list(map(ranks.__getitem__, map(slice, i, ends)))
+        arrivals = list(map(enters.__getitem__, map(slice, i, ends)))
+        return list(
+            map(
+                _new_joined,
+                zip(
+                    [groups[g] for g in group[by_time].tolist()],
+                    q,
+                    t,
+                    r,
+                    x,
+                    b,
+                    members,
+                    arrivals,
+                    strict=True,
+                ),
             )
-        ]
-        out.sort(key=lambda j: j.time_ns)
-        return out
+        )
+
+
+def _collective_order(rows: Rows) -> np.ndarray:
+    """The order of ``rows`` by (group, seq, rank, enter_ns). One sort of a packed key
+    where the span of the values allows it (it does in steady state; four keys sorted
+    together cost several times more at hundreds of thousands of rows)."""
+    parts = [rows["group"], rows["seq"], rows["rank"]]
+    lows = [int(p.min()) for p in parts]
+    spans = [int(p.max()) - lo + 1 for p, lo in zip(parts, lows, strict=True)]
+    if spans[0] * spans[1] * spans[2] >= 2**62:
+        return np.lexsort((rows["enter_ns"], rows["rank"], rows["seq"], rows["group"]))
+    key = (parts[0] - lows[0]) * (spans[1] * spans[2])
+    key += (parts[1] - lows[1]) * spans[2]
+    key += parts[2] - lows[2]
+    order = np.argsort(key, kind="stable")
+    ordered = key[order]
+    if (ordered[1:] == ordered[:-1]).any():  # a member's duplicates: the earliest first
+        return np.lexsort((rows["enter_ns"], key))
+    return order

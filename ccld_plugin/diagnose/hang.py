@@ -117,12 +117,13 @@ def find_hangs(
     # A rank cut off from the network: its last summary predates the cut and says nothing
     # about what it does now (a stale "waits in recv" would make a false cycle). Left out
     # of the graph, it is a root, reported as a communication hang by _root_hang.
-    cut_off = chan.cut_off_ranks(view)
+    interval = chan.interval_s(view)
+    silent = view.silent(chan.SILENT_INTERVALS * interval)  # chan.is_silent, all at once
+    cut_off = [r for r in sorted(silent) if chan.cut_off_rank(view, r, view.summaries) is not None]
     # A rank whose summaries stopped otherwise (frozen, wedged, or late): its last summary
     # may show it in an op it has long left, or outside one it is in. It is a root of
     # unknown state, which find_unresponsive names once its heartbeat is old enough.
-    interval = chan.interval_s(view)
-    unknown = {r for r in view.summaries if r not in cut_off and chan.is_silent(view, r, interval)}
+    unknown = silent - set(cut_off)
     for r in (*cut_off, *unknown):
         blocked.pop(r, None)
     stuck = [
@@ -392,7 +393,8 @@ def find_mismatches(view: JobView) -> list[Verdict]:
     """Members that entered the same trace id with different ops (or sizes)."""
     seen: dict[tuple[int, int], dict[int, tuple[str, int, int]]] = {}
     groups: dict[int, GroupInfo] = {}
-    for rank in view.summaries:
+    in_ops = view.in_ops()
+    for rank in [r for r in view.summaries if r in in_ops] if in_ops else []:
         for op, g in view.ops_of(rank):
             if op.flags & FLAG_P2P:
                 continue
@@ -487,7 +489,13 @@ def find_unresponsive(view: JobView, unresponsive_s: float) -> list[Verdict]:
     """Ranks whose process is gone without leaving through our exit path, or whose agent
     heartbeat stopped (process wedged, e.g. holding the GIL)."""
     verdicts = []
-    for rank, s in sorted(view.summaries.items()):
+    t = view.columns
+    # the ranks that may be unresponsive, from the columns: not exited, and gone or with
+    # an old heartbeat
+    old = (view.now_ns - t.heads["heartbeat_ns"]) / 1e9 >= unresponsive_s
+    maybe = t.ranks[~t.exited & old].tolist()
+    for rank in sorted({*maybe, *(r for r in view.gone if r in view.summaries)}):
+        s = view.summaries[rank]
         if s.exited:
             continue
         age = (view.now_ns - s.heartbeat_ns) / 1e9

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict, deque
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from ccld_plugin.config import DiagnoserConfig
@@ -21,9 +22,10 @@ from ccld_plugin.diagnose.arrivals import ArrivalJoin, Joined
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.robust import RankedValues
 from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkFinding
+from ccld_plugin.diagnose.step_table import StepTable
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.errors import log
-from ccld_plugin.wire.summary import RankSummary, StepStat
+from ccld_plugin.wire.summary import RankSummary
 from ccld_plugin.wire.topology import GroupInfo, Topology
 
 __all__ = ["Joined", "SlowDetector"]
@@ -61,7 +63,7 @@ MIN_TRANSFER_NS = 10_000
 class SlowDetector:
     def __init__(self, cfg: DiagnoserConfig) -> None:
         self.cfg = cfg
-        self.steps: dict[int, dict[int, StepStat]] = defaultdict(dict)
+        self.steps = StepTable()
         self.arrivals = ArrivalJoin()
         self.joined: deque[Joined] = deque(maxlen=MAX_JOINED)
         self.next_end = FIRST_STEP + cfg.window_steps  # the step after the next window
@@ -78,17 +80,10 @@ class SlowDetector:
         self._cohort_cache: dict[int, list[int]] = {}
 
     # ------------------------------------------------------------------ ingest
-    def ingest(self, view: JobView, fresh: list[RankSummary]) -> None:
+    def ingest(self, view: JobView, fresh: Sequence[RankSummary]) -> None:
         """Take in ``fresh``: the summaries of the view not taken in before."""
         self.channels.ingest(fresh)
-        horizon = self.next_window_start() - 4 * self.cfg.window_steps
-        for s in fresh:
-            mine = self.steps[s.rank]
-            for st in s.steps:
-                mine[st.step] = st
-            if mine and min(mine) < horizon:
-                for old in [k for k in mine if k < horizon]:
-                    del mine[old]
+        self.steps.ingest(fresh, self.next_window_start() - 4 * self.cfg.window_steps)
         self.joined.extend(self.arrivals.add(view, fresh))
 
     def next_window_start(self) -> int:
@@ -107,31 +102,20 @@ class SlowDetector:
         w = self.cfg.window_steps
         while True:
             lo, hi = self.next_end - w, self.next_end
-            ranks = [r for r, steps in self.steps.items() if steps]
-            if not ranks or any(max(self.steps[r]) < hi - 1 for r in ranks):
+            if not self.steps.all_reached(hi - 1):
                 return verdicts
-            self._stride = 1 if len(ranks) <= SLIDE_MAX_RANKS else w
+            self._stride = 1 if len(self.steps.ranks()) <= SLIDE_MAX_RANKS else w
             self.next_end += self._stride
-            verdicts += self._window(view, lo, hi, ranks, links=(hi - FIRST_STEP) % w == 0)
+            verdicts += self._window(view, lo, hi, links=(hi - FIRST_STEP) % w == 0)
 
-    def _window(
-        self, view: JobView, lo: int, hi: int, ranks: list[int], links: bool
-    ) -> list[Verdict]:
-        compute: dict[int, float] = {}  # median compute time per step over the window
-        step_us: dict[int, float] = {}
-        t0, t1 = None, None
-        for r in ranks:
-            stats = [self.steps[r][s] for s in range(lo, hi) if s in self.steps[r]]
-            if len(stats) * 2 < hi - lo:
-                continue
-            compute[r] = statistics.median(st.compute_us for st in stats)
-            step_us[r] = statistics.median(st.step_us for st in stats)
-            start = min(st.start_ns for st in stats)
-            end = max(st.start_ns + st.step_us * 1000 for st in stats)
-            t0 = start if t0 is None else min(t0, start)
-            t1 = end if t1 is None else max(t1, end)
-        if t0 is None or t1 is None:  # both are set together
+    def _window(self, view: JobView, lo: int, hi: int, links: bool) -> list[Verdict]:
+        window = self.steps.window(lo, hi)
+        if window is None:
             return []
+        # median compute and step time per step over the window
+        compute = dict(zip(window.ranks, window.compute_us, strict=True))
+        step_us = dict(zip(window.ranks, window.step_us, strict=True))
+        t0, t1 = window.t0, window.t1
         # Windows go forward only; a straggler's streak keeps its samples since it began.
         keep_from = min(t0, *self._streak_t0.values()) if self._streak_t0 else t0
         while self.joined and self.joined[0].time_ns < keep_from:
@@ -295,7 +279,7 @@ class SlowDetector:
                 or view.topology.group_of(r, "world")
             )
         first = self.first_seen.get(key, lo)
-        onset_step = self.steps[r].get(first)
+        onset_ns = self.steps.start_ns(r, first)
         evidence = [
             Evidence.of(
                 "compute_excess",
@@ -330,7 +314,7 @@ class SlowDetector:
             ranks=[r],
             group=group.to_dict() if group else None,
             step=hi - 1,
-            onset_s=view.seconds(onset_step.start_ns) if onset_step else None,
+            onset_s=view.seconds(onset_ns) if onset_ns is not None else None,
             detected_s=view.seconds(view.now_ns),
             severity=round(x / med, 2),
             evidence=evidence,
@@ -524,9 +508,9 @@ class SlowDetector:
         """Start of the first window in which the finding was seen."""
         first = self.first_seen.get(key)
         starts = [
-            self.steps[r][first].start_ns
+            start
             for r in ranks
-            if first is not None and first in self.steps.get(r, {})
+            if first is not None and (start := self.steps.start_ns(r, first)) is not None
         ]
         return view.seconds(min(starts)) if starts else None
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -24,8 +24,9 @@ from ccld_plugin.diagnose.robust import RankedValues
 from ccld_plugin.diagnose.tcp_evidence import common_culprit
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.wire.codes import DIRECTION_SEND, SOURCE_NCCL, SOURCE_TCP
-from ccld_plugin.wire.peer_channels import ChannelRows, channel_rows
+from ccld_plugin.wire.peer_channels import ChannelRows
 from ccld_plugin.wire.summary import RankSummary
+from ccld_plugin.wire.summary_batch import table_of
 from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["ChannelHistory", "LinkFinding", "LinkJudgement", "LinkStats", "link_role"]
@@ -220,9 +221,9 @@ class ChannelHistory:
         self.roles = _LinkRoles()
         self.last = LinkJudgement(None, True)
 
-    def ingest(self, fresh: Iterable[RankSummary]) -> None:
+    def ingest(self, fresh: Sequence[RankSummary]) -> None:
         """Keep the channel evidence of ``fresh``, the summaries not seen before."""
-        rows = channel_rows(fresh)
+        rows = table_of(fresh).channel_rows()
         if len(rows.reports):
             self.batches.append(rows)
             newest = int(rows.reports["mid_ns"].max())

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ccld_plugin.wire.codes import FLAG_P2P, FLAG_SEND, OP_NAMES
+import numpy as np
+
+from ccld_plugin.wire.codes import FLAG_P2P, FLAG_SEND, OP_NAMES, STATE_IN_FLIGHT
 from ccld_plugin.wire.summary import InFlightOp, RankSummary
+from ccld_plugin.wire.summary_batch import SummaryTable
 from ccld_plugin.wire.topology import GroupInfo, Topology
 
-__all__ = ["Blocked", "JobView", "topology_of"]
+__all__ = ["Blocked", "GroupIndex", "JobView", "topology_of"]
 
 
 def topology_of(tables: dict[int, list[GroupInfo]]) -> Topology:
@@ -48,7 +52,9 @@ class Blocked:
 
 @dataclass
 class JobView:
-    summaries: dict[int, RankSummary]
+    # by rank: a SummaryTable (the live diagnoser's: columns, each summary decoded when
+    # looked up) or summary objects (a post-mortem's, a test's)
+    summaries: Mapping[int, RankSummary]
     tables: dict[int, list[GroupInfo]]  # per rank: its group table, by slot
     now_ns: int
     job_start_ns: int
@@ -64,10 +70,31 @@ class JobView:
     # last round passes the last one (at 16 k ranks it takes ~0.1 s to build).
     topology: Topology = None  # type: ignore[assignment]
     _resolved: dict[int, list[GroupInfo]] = field(init=False, default_factory=dict, repr=False)
+    _columns: tuple[tuple[object, ...], SummaryTable] | None = field(
+        init=False, default=None, repr=False
+    )
 
     def __post_init__(self) -> None:
         if self.topology is None:
             self.topology = topology_of(self.tables)
+
+    @property
+    def columns(self) -> SummaryTable:
+        """The summaries as columns: the table itself, or one made of the objects (again
+        when they were replaced since)."""
+        if isinstance(self.summaries, SummaryTable):
+            return self.summaries
+        objs = tuple(self.summaries.values())
+        if self._columns is None or not _same(self._columns[0], objs):
+            self._columns = (objs, SummaryTable.of(self.summaries))
+        return self._columns[1]
+
+    def silent(self, min_silent_s: float) -> set[int]:
+        """The ranks whose last summary is ``min_silent_s`` old or older (those known gone
+        left out: their silence is explained)."""
+        t = self.columns
+        old = (self.now_ns - t.heads["time_ns"]) / 1e9 >= min_silent_s
+        return set(t.ranks[old].tolist()) - self.gone
 
     def seconds(self, ns: int) -> float:
         """A diagnoser-clock time as seconds since job start."""
@@ -107,10 +134,19 @@ class JobView:
                 out.append((op, g))
         return out
 
+    def in_ops(self, state: int | None = None) -> set[int]:
+        """The ranks with an op in their summary (of ``state``, when given)."""
+        t = self.columns
+        rows = t.flights["row"]
+        if state is not None:
+            rows = rows[t.flights["state"] == state]
+        return set(t.ranks[rows].tolist())
+
     def blocked(self) -> dict[int, Blocked]:
         """Each rank's oldest op still in flight (ranks in no op are absent)."""
         out = {}
-        for rank in self.summaries:
+        candidates = self.in_ops(STATE_IN_FLIGHT)
+        for rank in [r for r in self.summaries if r in candidates] if candidates else []:
             flights = self.ops_of(rank, state=1)
             if flights:
                 op, g = min(flights, key=lambda x: x[0].enter_ns)
@@ -121,3 +157,52 @@ class JobView:
         """Seconds since the rank last made progress (an op completed or a step began)."""
         s = self.summaries[rank]
         return max(0.0, (self.now_ns - s.last_progress_ns) / 1e9)
+
+
+def _same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
+class GroupIndex:
+    """Every rank's group table as one array, ``slots[rank, slot]``: the group's index
+    into ``groups`` (-1: no such slot), for looking up the groups of many records at once.
+    Rebuilt only when the view's tables or topology are other objects than last time (the
+    live diagnoser keeps both while no table changes); a group keeps its index for good."""
+
+    def __init__(self) -> None:
+        self.groups: list[GroupInfo] = []
+        self.index: dict[int, int] = {}  # group id -> index into groups
+        self.slots = np.full((0, 0), -1, np.int64)
+        self._source: tuple[object, object] = (None, None)
+
+    def of(self, view: JobView) -> np.ndarray:
+        """``slots`` for ``view``."""
+        source = (view.tables, view.topology)
+        if source[0] is self._source[0] and source[1] is self._source[1]:
+            return self.slots
+        self._source = source
+        tables = {r: view.groups_at(r) for r in view.tables}
+        width = max((len(t) for t in tables.values()), default=0)
+        slots = np.full((max(tables, default=-1) + 1, width), -1, np.int64)
+        for r, table in tables.items():
+            if r >= 0:
+                slots[r, : len(table)] = [self._group_index(g) for g in table]
+        self.slots = slots
+        return slots
+
+    def lookup(self, view: JobView, ranks: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Per record (its rank and slot): its group's index, or -1."""
+        table = self.of(view)
+        known = (ranks >= 0) & (ranks < table.shape[0]) & (slots >= 0) & (slots < table.shape[1])
+        out = np.full(len(ranks), -1, np.int64)
+        out[known] = table[ranks[known], slots[known]]
+        return out
+
+    def _group_index(self, g: GroupInfo) -> int:
+        i = self.index.get(g.group_id)
+        if i is None:
+            i = self.index[g.group_id] = len(self.groups)
+            self.groups.append(g)
+        elif self.groups[i] is not g:
+            self.groups[i] = g  # the same ranks with a more specific role
+        return i

@@ -13,8 +13,10 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
+
 from ccld_plugin.agent.agent import LocalReport
-from ccld_plugin.board.process import process_alive
+from ccld_plugin.board.process import HOST_BYTES, process_alive
 from ccld_plugin.config import CcldConfig
 from ccld_plugin.control import ControlPlane, owner_record, request_timeout_s, resync_epoch
 from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
@@ -22,8 +24,8 @@ from ccld_plugin.diagnose.analyzer import located_by_channels
 from ccld_plugin.diagnose.view import topology_of
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.sinks import Sink
-from ccld_plugin.wire.peer_channels import channel_rows
-from ccld_plugin.wire.summary import RankSummary, decode_summary
+from ccld_plugin.wire.summary import HEAD_DTYPE
+from ccld_plugin.wire.summary_batch import SummaryTable
 from ccld_plugin.wire.topology import GroupInfo, Topology, role_index
 
 __all__ = ["DiagnoserService"]
@@ -89,9 +91,15 @@ class DiagnoserService:
         self.verdicts: list[Verdict] = []
         self.config_file: Path | None = None  # removed at exit with the boards
         self._tables: dict[int, tuple[int, list[GroupInfo]]] = {}
-        self._last_good: dict[int, RankSummary] = {}  # of each rank, as decoded
-        self._topology: Topology | None = None  # of the tables, until one of them changes
-        self._topology_ranks = 0
+        # Of each rank, its last summary that decoded, and all of them as a table (decoded
+        # again only when some value changed).
+        self._last_good: dict[int, bytes] = {}
+        self._good_table = SummaryTable.of({})
+        # of the tables, until one of them changes (kept as the same objects till then: the
+        # analysis keeps what it derives from them while they stay)
+        self._topology: Topology | None = None
+        self._view_tables: dict[int, list[GroupInfo]] = {}
+        self._groups: dict[GroupInfo, GroupInfo] = {}  # each group read, once
         # the last clock re-sync epoch posted: the current one counts as done
         self._clock_epoch = resync_epoch(clock_ns(), cfg.agent.clock_resync_s)
         self._host = socket.gethostname()
@@ -128,9 +136,7 @@ class DiagnoserService:
 
     def job_ended(self) -> bool:
         """Whether every rank of the job left through its exit path."""
-        return len(self._last_good) == self.world and all(
-            s.exited for s in self._last_good.values()
-        )
+        return len(self._last_good) == self.world and bool(self._good_table.exited.all())
 
     def _hold_lease(self) -> None:
         """Renew the diagnosis lease every agent interval (on a connection of its own: a
@@ -270,60 +276,87 @@ class DiagnoserService:
                 self._tables[self.rank] = (own.groups_version, own.groups)
                 self._topology = None
         summaries = self._summaries(raw)
-        for rank, s in list(summaries.items()):
-            known = self._tables.get(rank)
-            if known is None or known[0] != s.groups_version:
+        versions = summaries.heads["groups_version"].tolist()
+        unknown = [
+            i
+            for i, (rank, version) in enumerate(
+                zip(summaries.ranks.tolist(), versions, strict=True)
+            )
+            if self._tables.get(rank, (None,))[0] != version
+        ]
+        if unknown:
+            keep = np.ones(len(summaries), bool)
+            for i in unknown:
+                rank = int(summaries.ranks[i])
                 table = None if store_failed else self._read_table(rank)
                 if table is None:
-                    del summaries[rank]
+                    keep[i] = False
                     continue
                 self._tables[rank] = table
                 self._topology = None
-        tables = {r: t for r, (_, t) in self._tables.items() if r in summaries}
-        if self._topology is None or self._topology_ranks != len(tables):
-            self._topology, self._topology_ranks = topology_of(tables), len(tables)
-        gone = {
-            r
-            for r, s in summaries.items()
-            if not s.exited and process_alive(s.pid, s.host) is False
-        }
+            if not keep.all():
+                summaries = summaries.select(keep)
+        if self._topology is None or len(self._view_tables) != len(summaries):
+            tables = {r: self._tables[r][1] for r in summaries.ranks.tolist()}
+            self._topology, self._view_tables = topology_of(tables), tables
         return JobView(
             summaries=summaries,
-            tables=tables,
+            tables=self._view_tables,
             now_ns=self.clock_ns(),
             job_start_ns=self.job_start_ns,
             world=self.world,
-            gone=gone,
+            gone=self._gone(summaries),
             topology=self._topology,
             observer=self.rank if self.rank >= 0 else None,
             store_local=self.control.store_local,
             store_failed=store_failed,
         )
 
-    def _summaries(self, raw: dict[int, bytes]) -> dict[int, RankSummary]:
+    def _summaries(self, raw: dict[int, bytes]) -> SummaryTable:
         """The summaries that decode and fit this job. A corrupt one is counted (contained
         error ``diagnoser.decode``) and the rank's last good summary stands in, so that a
         rank whose reports stay unreadable ages into an unresponsive one; channel evidence
-        naming a rank outside the job is dropped the same way."""
-        fresh: dict[int, RankSummary] = {}
-        for rank, data in raw.items():
-            try:
-                s = decode_summary(data)
-                _fits_job(s, rank, self.world)
-            except ValueError as exc:
-                report_error("diagnoser.decode", exc)
-                continue
-            fresh[rank] = s
-        rows = channel_rows(fresh.values()).entries
-        for rank in set(rows["rank"][rows["peer"] >= self.world].tolist()):
-            fresh[rank].channels = b""
+        naming a rank outside the job is dropped the same way. Every rank ever heard from
+        is in: one that is heard from no more (its key unreadable, the store gone) ages in
+        the view into a silent or unresponsive rank."""
+        values = {**self._last_good, **raw}
+        if values == self._last_good:  # nothing new: the last table stands
+            return self._good_table
+        table, bad = SummaryTable.decode(values)
+        bad.update(_not_of_job(table, self.world))
+        if bad:
+            for rank, why in sorted(bad.items()):
+                report_error("diagnoser.decode", ValueError(why))
+                if rank in self._last_good:
+                    values[rank] = self._last_good[rank]
+                else:
+                    del values[rank]
+            table, bad = SummaryTable.decode(values)  # the last good values decode
+        rows = table.channel_rows().entries
+        outside = set(rows["rank"][rows["peer"] >= self.world].tolist())
+        for rank in sorted(outside):
             report_error(
                 "diagnoser.decode", ValueError(f"rank {rank}: a channel peer not in the job")
             )
-        self._last_good.update(fresh)
-        # Every rank ever heard from: one that is heard from no more (its key unreadable,
-        # the store gone) ages in the view into a silent or unresponsive rank.
-        return dict(self._last_good)
+            values[rank] = _without_channels(values[rank])
+        if outside:
+            table.without_channels(outside)
+        self._last_good, self._good_table = values, table
+        return table
+
+    def _gone(self, summaries: SummaryTable) -> set[int]:
+        """The ranks whose process is seen gone without leaving through the exit path (only
+        a process of this host can be looked at)."""
+        here = os.uname().nodename[:HOST_BYTES]
+        exited = summaries.exited.tolist()
+        pids = summaries.heads["pid"].tolist()
+        return {
+            rank
+            for i, rank in enumerate(summaries.ranks.tolist())
+            if not exited[i]
+            and (not summaries.hosts[i] or summaries.hosts[i][:HOST_BYTES] == here)
+            and process_alive(pids[i], summaries.hosts[i]) is False
+        }
 
     def _read_table(self, rank: int) -> tuple[int, list[GroupInfo]] | None:
         """A rank's group table from the store, or None (counted) when it is corrupt."""
@@ -334,16 +367,32 @@ class DiagnoserService:
         except (ValueError, KeyError, TypeError) as exc:
             report_error("diagnoser.groups", ValueError(f"rank {rank}'s group table: {exc}"))
             return None
-        return version, groups
+        # Every member's table names the group: one object for all of them (a DP group of
+        # 2,048 ranks in each of its members' tables would be ~1 GB at 65,536 ranks).
+        return version, [self._groups.setdefault(g, g) for g in groups]
 
 
-def _fits_job(s: RankSummary, rank: int, world: int) -> None:
-    """Raise ValueError when a decoded summary does not fit the job (its own checks passed
-    in decode_summary): another rank's key, a peer outside the job."""
-    if s.rank != rank:
-        raise ValueError(f"the summary under rank {rank}'s key is rank {s.rank}'s")
-    if any(op.peer >= world for op in s.in_flight):
-        raise ValueError(f"rank {rank}: an in-flight op with a peer outside the job")
+def _not_of_job(table: SummaryTable, world: int) -> dict[int, str]:
+    """By rank, why a decoded summary does not fit the job (its own checks passed in
+    decoding): another rank's key, a peer outside the job."""
+    out = {}
+    keys = table.ranks.tolist()
+    for key, rank in zip(keys, table.heads["rank"].tolist(), strict=True):
+        if key != rank:
+            out[key] = f"the summary under rank {key}'s key is rank {rank}'s"
+    f = table.flights
+    for row in f["row"][f["peer"] >= world].tolist():
+        key = keys[row]
+        out.setdefault(key, f"rank {key}: an in-flight op with a peer outside the job")
+    return out
+
+
+def _without_channels(value: bytes) -> bytes:
+    """A summary's value with its channel evidence left out (the last field: its length,
+    the header's last four bytes, and its bytes, the value's last)."""
+    n = int.from_bytes(value[HEAD_DTYPE.itemsize - 4 : HEAD_DTYPE.itemsize], "little")
+    head = value[: HEAD_DTYPE.itemsize - 4] + bytes(4)
+    return head + value[HEAD_DTYPE.itemsize : len(value) - n]
 
 
 def _fits_group(g: GroupInfo, rank: int, world: int) -> None:

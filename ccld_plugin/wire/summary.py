@@ -28,7 +28,11 @@ from ccld_plugin.wire.codes import (
 )
 
 __all__ = [
+    "FLIGHT_DTYPE",
+    "GROUP_DTYPE",
+    "HEAD_DTYPE",
     "SAMPLE_DTYPE",
+    "STEP_DTYPE",
     "ArrivalSample",
     "GroupProgress",
     "InFlightOp",
@@ -133,7 +137,62 @@ _FRAME_LEN = struct.Struct("<H")
 SAMPLE_DTYPE = np.dtype(
     [("slot", "<u2"), ("back", "<u4"), ("rel_us", "<i4"), ("dur_us", "<u4"), ("bytes", "<u4")]
 )  # _SAMPLE's rows, packed
-assert SAMPLE_DTYPE.itemsize == _SAMPLE.size
+# The other records as numpy rows, for decoding many summaries at once (summary_batch).
+HEAD_DTYPE = np.dtype(
+    [
+        ("version", "u1"),
+        ("flags", "u1"),
+        ("rank", "<i4"),
+        ("pid", "<i4"),
+        ("time_ns", "<i8"),
+        ("heartbeat_ns", "<i8"),
+        ("last_progress_ns", "<i8"),
+        ("step", "<i4"),
+        ("groups_version", "<u2"),
+        ("errors", "<u4"),
+        ("n_groups", "<u2"),
+        ("n_flights", "<u2"),
+        ("n_steps", "<u2"),
+        ("n_samples", "<u2"),
+        ("n_frames", "<u2"),
+        ("n_host", "<u2"),
+        ("n_channels", "<u4"),
+    ]
+)
+GROUP_DTYPE = np.dtype(
+    [
+        ("slot", "<u2"),
+        ("entered_seq", "<u8"),
+        ("completed_seq", "<u8"),
+        ("ops", "<u4"),
+        ("blocked_us", "<u4"),
+        ("bytes", "<u8"),
+        ("max_dur_us", "<u4"),
+    ]
+)
+FLIGHT_DTYPE = np.dtype(
+    [
+        ("slot", "<u2"),
+        ("op", "u1"),
+        ("flags", "u1"),
+        ("peer", "<i4"),
+        ("seq", "<u8"),
+        ("bytes", "<u8"),
+        ("enter_ns", "<i8"),
+        ("state", "u1"),
+    ]
+)
+STEP_DTYPE = np.dtype(
+    [("step", "<i4"), ("rel_us", "<i4"), ("step_us", "<u4"), ("compute_us", "<u4")]
+)
+for _dtype, _struct in (
+    (SAMPLE_DTYPE, _SAMPLE),
+    (HEAD_DTYPE, _HEAD),
+    (GROUP_DTYPE, _GROUP),
+    (FLIGHT_DTYPE, _FLIGHT),
+    (STEP_DTYPE, _STEP),
+):
+    assert _dtype.itemsize == _struct.size
 
 
 def _clip32(v: int) -> int:

@@ -105,9 +105,9 @@ def test_no_hang_below_the_threshold_and_adaptive_threshold():
     assert find_hangs(v, lambda gid: 10.0, 1.0) == []
     d = Diagnoser(DiagnoserConfig(hang_min_s=3), interval_s=0.5)
     assert d.threshold_s(dp.group_id) == 6  # no op completed yet: twice the floor
-    d._durations[dp.group_id].append(100_000)  # one op of 0.1 s
+    d.durations.extend(dp.group_id, [100_000])  # one op of 0.1 s
     assert d.threshold_s(dp.group_id) == 3
-    d._durations[dp.group_id].extend([2_000_000] * 50)  # ops of 2 s on this group
+    d.durations.extend(dp.group_id, [2_000_000] * 50)  # ops of 2 s on this group
     assert d.threshold_s(dp.group_id) == 10.0  # hang_k (5) x p99
 
 

@@ -1,0 +1,493 @@
+"""Many rank summaries at once, as columns: what a diagnoser round reads.
+
+At tens of thousands of ranks, one object per rank (and one per group, step and sample of
+each) costs more than the whole analysis: :meth:`SummaryTable.decode` checks and decodes
+every summary of a round with a few numpy gathers over their joined bytes, into one
+array per record kind (header, group progress, in-flight ops, steps, arrival samples),
+each row carrying the index of its summary (``row``). The table is also a mapping from
+rank to :class:`RankSummary`; a rank's object is decoded only when it is looked up (the
+few ranks a verdict is about), so code that needs one summary reads it as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+
+import numpy as np
+
+from ccld_plugin.wire import peer_channels as pc
+from ccld_plugin.wire.codes import (
+    FLAG_P2P,
+    FLAG_SEND,
+    OP_NAMES,
+    STATE_ERROR,
+    STATE_IN_FLIGHT,
+)
+from ccld_plugin.wire.peer_channels import ChannelRows, channel_rows
+from ccld_plugin.wire.summary import (
+    _FRAME_LEN,
+    _OP_FLAGS,
+    FLAG_ERRORED,
+    FLAG_EXITED,
+    FLIGHT_DTYPE,
+    GROUP_DTYPE,
+    HEAD_DTYPE,
+    LATE_NS,
+    MAX_FRAME,
+    MAX_FRAMES,
+    MAX_HOST,
+    SAMPLE_DTYPE,
+    STEP_DTYPE,
+    SUMMARY_VERSION,
+    RankSummary,
+    _decode,
+    encoded_samples,
+)
+
+__all__ = ["Summaries", "SummaryTable", "table_of"]
+
+_HEAD_FIELDS = ("rank", "pid", "flags", "step", "time_ns", "heartbeat_ns", "last_progress_ns")
+# Columns of the per-record arrays: the record's fields as the diagnoser uses them (times
+# absolute on the diagnoser's clock), and ``row``, the index of its summary in the table.
+_HEADS = np.dtype([(f, "<i8") for f in (*_HEAD_FIELDS, "groups_version")])
+_GROUPS = np.dtype(
+    [("row", "<i8"), ("slot", "<i8"), ("entered_seq", "<i8"), ("completed_seq", "<i8")]
+    + [(f, "<i8") for f in ("ops", "max_dur_us")]
+)
+_FLIGHTS = np.dtype(
+    [("row", "<i8")]
+    + [(f, "<i8") for f in ("slot", "op", "flags", "peer", "seq", "enter_ns")]
+    + [("state", "<i8")]
+)
+_STEPS = np.dtype(
+    [
+        ("row", "<i8"),
+        ("step", "<i8"),
+        ("start_ns", "<i8"),
+        ("step_us", "<i8"),
+        ("compute_us", "<i8"),
+    ]
+)
+_OP_CODES = np.array(sorted(OP_NAMES), np.int64)
+# a channel evidence value's head and NCCL waits (wire.peer_channels)
+_CHANNEL_HEAD = np.dtype(
+    [("version", "u1"), ("n", "u1"), ("k", "u1"), ("interval_ms", "<u2"), ("conns", "<u2")]
+)
+_WAITS = np.dtype([(w, "<u4") for w in pc._WAIT_FIELDS])
+assert _CHANNEL_HEAD.itemsize == pc._HEAD.size and _WAITS.itemsize == pc._NCCL_WAITS.size
+
+
+class SummaryTable(Mapping[int, RankSummary]):
+    """The summaries of a round by rank, in rank order, as columns (see the module doc)."""
+
+    def __init__(
+        self,
+        ranks: np.ndarray,
+        heads: np.ndarray,
+        groups: np.ndarray,
+        flights: np.ndarray,
+        steps: np.ndarray,
+        samples: np.ndarray,
+        sample_rows: np.ndarray,
+        hosts: list[str],
+        values: list[bytes] | list[RankSummary],
+        channel_spans: np.ndarray,
+        blob: bytes = b"",
+        starts: np.ndarray | None = None,
+    ) -> None:
+        self.heads = heads  # _HEADS, one per summary
+        self.groups = groups  # _GROUPS
+        self.flights = flights  # _FLIGHTS
+        self.steps = steps  # _STEPS
+        self.samples = samples  # SAMPLE_DTYPE rows, encoded as sent ...
+        self.sample_rows = sample_rows  # ... and the row of each
+        self.hosts = hosts
+        self.ranks = ranks  # the key each summary was read under (heads["rank"]: its own)
+        # per row: its encoded value (decoded when looked up) or its summary object, and
+        # where its channel evidence lies in the value ([start, end), or -1: the object's)
+        self._values = values
+        self._channel_spans = channel_spans
+        self._blob = blob  # the values side by side (a decoded table's), ...
+        self._starts = starts  # ... and where each begins in it
+        self._index: dict[int, int] | None = None
+        self._decoded: dict[int, RankSummary] = {}
+        self._channel_rows: ChannelRows | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def decode(cls, raw: Mapping[int, bytes]) -> tuple[SummaryTable, dict[int, str]]:
+        """The values of ``raw`` (by rank) that decode; and, by rank, why each other one
+        does not (what :func:`decode_summary` would raise for it)."""
+        ranks = sorted(raw)
+        values = [bytes(raw[r]) for r in ranks]
+        n = len(values)
+        lens = np.fromiter(map(len, values), np.int64, n)
+        blob = b"".join(values)
+        starts = np.cumsum(lens) - lens
+        bad: dict[int, str] = {}
+        ok = lens >= HEAD_DTYPE.itemsize
+        head = _gather(blob, np.where(ok, starts, 0), HEAD_DTYPE)
+        ok &= head["version"] == SUMMARY_VERSION
+        for i in np.flatnonzero(~ok).tolist():
+            bad[ranks[i]] = "corrupt ccld summary: not a ccld summary of this version"
+        ok &= _flagged(
+            bad,
+            ranks,
+            (head["n_host"] > MAX_HOST) | (head["n_frames"] > MAX_FRAMES),
+            ok,
+            "corrupt ccld summary (host or stack longer than encoded)",
+        )
+        counts = {
+            k: np.where(ok, head[k].astype(np.int64), 0)
+            for k in ("n_groups", "n_flights", "n_steps", "n_samples", "n_frames", "n_host")
+        }
+        host_at = starts + HEAD_DTYPE.itemsize
+        groups_at = host_at + counts["n_host"]
+        flights_at = groups_at + GROUP_DTYPE.itemsize * counts["n_groups"]
+        steps_at = flights_at + FLIGHT_DTYPE.itemsize * counts["n_flights"]
+        samples_at = steps_at + STEP_DTYPE.itemsize * counts["n_steps"]
+        frames_at = samples_at + SAMPLE_DTYPE.itemsize * counts["n_samples"]
+        n_channels = head["n_channels"].astype(np.int64)
+        short = frames_at + 2 * counts["n_frames"] + n_channels > starts + lens
+        ok &= _flagged(bad, ranks, short, ok, "corrupt ccld summary (shorter than its counts)")
+        for k in counts:
+            counts[k] = np.where(ok, counts[k], 0)
+        channels_at = frames_at.copy()
+        hosts = [""] * n
+        for i in np.flatnonzero(ok).tolist():
+            v, rel = values[i], int(host_at[i] - starts[i])
+            try:
+                hosts[i] = v[rel : rel + int(counts["n_host"][i])].decode()
+                if counts["n_frames"][i]:
+                    channels_at[i] = starts[i] + _frames_end(
+                        v, int(frames_at[i] - starts[i]), int(counts["n_frames"][i])
+                    )
+            except (ValueError, UnicodeDecodeError) as exc:
+                bad[ranks[i]] = f"corrupt ccld summary ({exc})"
+                ok[i] = False
+        mismatch = ok & (channels_at + n_channels != starts + lens)
+        ok &= _flagged(bad, ranks, mismatch, ok, "corrupt ccld summary (length mismatch)")
+        for k in counts:
+            counts[k] = np.where(ok, counts[k], 0)
+        heads = np.zeros(n, _HEADS)
+        for f in (*_HEAD_FIELDS, "groups_version"):
+            heads[f] = head[f]
+        g_raw, g_row = _records(blob, groups_at, counts["n_groups"], GROUP_DTYPE)
+        f_raw, f_row = _records(blob, flights_at, counts["n_flights"], FLIGHT_DTYPE)
+        s_raw, s_row = _records(blob, steps_at, counts["n_steps"], STEP_DTYPE)
+        samples, sample_rows = _records(blob, samples_at, counts["n_samples"], SAMPLE_DTYPE)
+        groups = _columns(g_raw, g_row, _GROUPS)
+        flights = _columns(f_raw, f_row, _FLIGHTS)
+        steps = np.zeros(len(s_raw), _STEPS)
+        steps["row"] = s_row
+        steps["step"] = s_raw["step"]
+        steps["start_ns"] = heads["time_ns"][s_row] + s_raw["rel_us"].astype(np.int64) * 1000
+        steps["step_us"] = s_raw["step_us"]
+        steps["compute_us"] = s_raw["compute_us"]
+        spans = np.stack([channels_at - starts, lens], axis=1)
+        keys = np.array(ranks, np.int64)
+        table = cls(
+            keys,
+            heads,
+            groups,
+            flights,
+            steps,
+            samples,
+            sample_rows,
+            hosts,
+            values,
+            spans,
+            blob,
+            starts,
+        )
+        for i, why in table._problems(ok).items():
+            bad[ranks[i]] = f"corrupt ccld summary of rank {int(heads['rank'][i])}: {why}"
+            ok[i] = False
+        return (table if ok.all() else table.select(ok)), bad
+
+    @classmethod
+    def of(cls, summaries: Mapping[int, RankSummary]) -> SummaryTable:
+        """The table of summary objects (a post-mortem's, a test's): looked up, a rank
+        gives its own object back."""
+        ranks = sorted(summaries)
+        objs = [summaries[r] for r in ranks]
+        heads = np.zeros(len(objs), _HEADS)
+        for f in (*_HEAD_FIELDS, "groups_version"):
+            heads[f] = [getattr(s, f) for s in objs]
+        groups = _rows(
+            _GROUPS,
+            ((i, *g[:3], g.ops, g.max_dur_us) for i, s in enumerate(objs) for g in s.groups),
+        )
+        flights = _rows(
+            _FLIGHTS,
+            (
+                (i, o.slot, o.op, o.flags, o.peer, o.seq, o.enter_ns, o.state)
+                for i, s in enumerate(objs)
+                for o in s.in_flight
+            ),
+        )
+        steps = _rows(_STEPS, ((i, *t) for i, s in enumerate(objs) for t in s.steps))
+        encoded = [encoded_samples(s) for s in objs]
+        samples = np.frombuffer(b"".join(encoded), SAMPLE_DTYPE)
+        sizes = [len(e) // SAMPLE_DTYPE.itemsize for e in encoded]
+        sample_rows = np.repeat(np.arange(len(objs), dtype=np.int64), sizes)
+        spans = np.full((len(objs), 2), -1, np.int64)
+        hosts = [s.host for s in objs]
+        keys = np.array(ranks, np.int64)
+        return cls(keys, heads, groups, flights, steps, samples, sample_rows, hosts, objs, spans)
+
+    def select(self, keep: np.ndarray) -> SummaryTable:
+        """The table of the rows where ``keep`` (a bool per row) is set."""
+        renumber = np.cumsum(keep) - 1
+
+        def part(a: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            mine = keep[rows]
+            return a[mine], renumber[rows[mine]]
+
+        picked = np.flatnonzero(keep).tolist()
+
+        def records(a: np.ndarray) -> np.ndarray:
+            a, rows = part(a, a["row"])
+            a = a.copy()
+            a["row"] = rows
+            return a
+
+        samples, sample_rows = part(self.samples, self.sample_rows)
+        values: list = [self._values[i] for i in picked]
+        table = SummaryTable(
+            self.ranks[keep],
+            self.heads[keep],
+            records(self.groups),
+            records(self.flights),
+            records(self.steps),
+            samples,
+            sample_rows,
+            [self.hosts[i] for i in picked],
+            values,
+            self._channel_spans[keep],
+            self._blob,
+            None if self._starts is None else self._starts[keep],
+        )
+        table._decoded = self._decoded  # the same rank, the same value: one object
+        return table
+
+    # ------------------------------------------------------------------ lookups
+    def row_of(self, rank: int) -> int | None:
+        if self._index is None:
+            self._index = {r: i for i, r in enumerate(self.ranks.tolist())}
+        return self._index.get(rank)
+
+    def __getitem__(self, rank: int) -> RankSummary:
+        i = self.row_of(rank)
+        if i is None:
+            raise KeyError(rank)
+        value = self._values[i]
+        if isinstance(value, RankSummary):
+            return value
+        s = self._decoded.get(rank)
+        if s is None:
+            s = self._decoded[rank] = _decode(value)
+            start, end = self._channel_spans[i].tolist()
+            s.channels = value[start:end]
+        return s
+
+    def __contains__(self, rank: object) -> bool:
+        return isinstance(rank, int) and self.row_of(rank) is not None
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.ranks.tolist())
+
+    def __len__(self) -> int:
+        return len(self.heads)
+
+    @property
+    def exited(self) -> np.ndarray:
+        """Per row: whether the rank left through the plugin's exit path."""
+        return (self.heads["flags"] & FLAG_EXITED) != 0
+
+    def without_channels(self, ranks: set[int]) -> None:
+        """Leave the channel evidence of ``ranks`` out (a value that names a peer outside
+        the job), in the table's rows and in their summaries."""
+        for r in ranks:
+            i = self.row_of(r)
+            if i is None:
+                continue
+            self._channel_spans[i] = (0, 0)
+            self._decoded.pop(r, None)
+            if isinstance(self._values[i], RankSummary):
+                self._values[i].channels = b""  # type: ignore[union-attr]
+        self._channel_rows = None
+
+    def channel_rows(self) -> ChannelRows:
+        """The channel evidence of every row (built once per table)."""
+        if self._channel_rows is None:
+            self._channel_rows = (
+                channel_rows(v for v in self._values if isinstance(v, RankSummary))
+                if self._starts is None
+                else self._decoded_channel_rows(self._starts)
+            )
+        return self._channel_rows
+
+    def _decoded_channel_rows(self, starts: np.ndarray) -> ChannelRows:
+        """``channel_rows`` of a decoded table's values, read from its blob in a few
+        gathers (what ``channel_rows`` does value by value)."""
+        spans = self._channel_spans
+        at, size = starts + spans[:, 0], spans[:, 1] - spans[:, 0]
+        head = _gather(self._blob, np.where(size >= _CHANNEL_HEAD.itemsize, at, 0), _CHANNEL_HEAD)
+        n, k = head["n"].astype(np.int64), head["k"].astype(np.int64)
+        ok = (
+            (size >= _CHANNEL_HEAD.itemsize)
+            & (head["version"] == pc.CHANNELS_VERSION)
+            & (k <= n)
+            & (n <= pc.MAX_ENTRIES)
+            & (size == _CHANNEL_HEAD.itemsize + n * pc.ENTRY_DTYPE.itemsize + k * _WAITS.itemsize)
+        )
+        n, k = np.where(ok, n, 0), np.where(ok, k, 0)
+        entries_at = at + _CHANNEL_HEAD.itemsize
+        raw, which = _records(self._blob, entries_at, n, pc.ENTRY_DTYPE)
+        waits, _ = _records(self._blob, entries_at + n * pc.ENTRY_DTYPE.itemsize, k, _WAITS)
+        nccl = raw["source"] == pc.SOURCE_NCCL
+        bad = np.bincount(which, weights=~pc._entries_ok(raw), minlength=len(ok))
+        ok &= (np.bincount(which, weights=nccl, minlength=len(ok)) == k) & (bad == 0)
+        keep = ok[which]
+        raw, which, nccl = raw[keep], which[keep], nccl[keep]
+        waits = waits[np.repeat(ok, k)]
+        interval_s = head["interval_ms"][ok] / 1000
+        reports = np.zeros(int(ok.sum()), pc._REPORT_DTYPE)
+        reports["rank"] = self.ranks[ok]
+        reports["mid_ns"] = self.heads["time_ns"][ok] - (interval_s * 5e8).astype(np.int64)
+        reports["interval_s"] = interval_s
+        which = (np.cumsum(ok) - 1)[which]  # renumbered among the reports kept
+        rows = np.zeros(len(raw), pc.ROW_DTYPE)
+        assert pc.ENTRY_DTYPE.names is not None and pc._REPORT_DTYPE.names is not None
+        for name in pc.ENTRY_DTYPE.names:
+            rows[name] = raw[name]
+        for name in pc._REPORT_DTYPE.names:
+            rows[name] = reports[name][which]
+        for name in _WAITS.names or ():
+            rows[name][nccl] = waits[name]
+        return ChannelRows(reports, rows)
+
+    # ------------------------------------------------------------------ checks
+    def _problems(self, ok: np.ndarray) -> dict[int, str]:
+        """Per row still ``ok``: what is impossible in it (as ``summary._problem`` says)."""
+        h = self.heads
+        late = h["time_ns"] + LATE_NS
+        found: dict[int, str] = {}
+
+        def flag(mask: np.ndarray, why: str) -> None:
+            for i in np.flatnonzero(mask & ok).tolist():
+                found.setdefault(i, why)
+
+        flag((h["rank"] < 0) | (h["pid"] <= 0), "rank or pid out of range")
+        flag(((h["flags"] & ~(FLAG_EXITED | FLAG_ERRORED)) != 0) | (h["step"] < 0), "flags or step")
+        flag(
+            (h["heartbeat_ns"] > late) | (h["last_progress_ns"] > late),
+            "a time after the summary's own",
+        )
+        g = self.groups
+        order = np.lexsort((g["slot"], g["row"]))
+        rows, slots = g["row"][order], g["slot"][order]
+        twice = (rows[1:] == rows[:-1]) & (slots[1:] == slots[:-1])
+        flag(_any_per_row(rows[1:][twice], len(h)), "a group reported twice")
+        f = self.flights
+        p2p = (f["flags"] & FLAG_P2P) != 0
+        op_ok = (
+            np.isin(f["op"], _OP_CODES)
+            & ((f["flags"] & ~_OP_FLAGS) == 0)
+            & (p2p | ((f["flags"] & FLAG_SEND) == 0))
+            & ((f["state"] == STATE_IN_FLIGHT) | (f["state"] == STATE_ERROR))
+            & np.where(p2p, f["peer"] >= -1, f["peer"] == -1)
+            & (f["seq"] >= 1)
+            & (f["enter_ns"] <= late[f["row"]])
+        )
+        flag(_any_per_row(f["row"][~op_ok], len(h)), "an in-flight op with impossible fields")
+        st = self.steps
+        step_ok = (st["step"] >= 0) & (st["compute_us"] <= st["step_us"])
+        flag(_any_per_row(st["row"][~step_ok], len(h)), "a step with more compute than time")
+        return found
+
+
+class Summaries(Sequence[RankSummary]):
+    """The summaries of a table in rank order, as a sequence (each decoded when reached),
+    with the table for code that reads the columns."""
+
+    def __init__(self, table: SummaryTable) -> None:
+        self.table = table
+        self._ranks = table.ranks.tolist()
+
+    def __len__(self) -> int:
+        return len(self._ranks)
+
+    def __getitem__(self, i: int) -> RankSummary:  # type: ignore[override]
+        return self.table[self._ranks[i]]
+
+    def __iter__(self) -> Iterator[RankSummary]:
+        return (self.table[r] for r in self._ranks)
+
+
+def table_of(summaries: Sequence[RankSummary]) -> SummaryTable:
+    """The columns of ``summaries``: their table, or one made of the objects."""
+    if isinstance(summaries, Summaries):
+        return summaries.table
+    return SummaryTable.of({s.rank: s for s in summaries})
+
+
+def _flagged(
+    bad: dict[int, str], ranks: list[int], mask: np.ndarray, ok: np.ndarray, why: str
+) -> np.ndarray:
+    """Record ``why`` for the rows of ``mask`` still ``ok``; the rows not flagged."""
+    for i in np.flatnonzero(mask & ok).tolist():
+        bad[ranks[i]] = why
+    return ~mask
+
+
+def _frames_end(value: bytes, at: int, count: int) -> int:
+    """Where a value's stack frames, from ``at``, end (they are checked as decoded)."""
+    for _ in range(count):
+        (n,) = _FRAME_LEN.unpack_from(value, at)
+        if n > MAX_FRAME:
+            raise ValueError("a stack frame longer than encoded")
+        value[at + 2 : at + 2 + n].decode()
+        at += 2 + n
+    return at
+
+
+def _gather(blob: bytes, at: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """The records of ``dtype`` that start at the byte offsets ``at`` of ``blob``: one
+    fancy index over a view of the bytes with a record at every offset."""
+    if len(at) == 0 or len(blob) < dtype.itemsize:
+        return np.zeros(len(at), dtype)
+    every = np.ndarray((len(blob) - dtype.itemsize + 1,), dtype, blob, 0, (1,))
+    return every[at]
+
+
+def _records(
+    blob: bytes, first: np.ndarray, counts: np.ndarray, dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's ``counts`` records of ``dtype``, side by side from ``first``, and the
+    row of each."""
+    rows = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    before = np.cumsum(counts) - counts
+    at = first[rows] + (np.arange(len(rows), dtype=np.int64) - before[rows]) * dtype.itemsize
+    return _gather(blob, at, dtype), rows
+
+
+def _columns(raw: np.ndarray, rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    out = np.zeros(len(raw), dtype)
+    out["row"] = rows
+    assert dtype.names is not None
+    for f in dtype.names[1:]:
+        out[f] = raw[f]
+    return out
+
+
+def _rows(dtype: np.dtype, values: Iterator[tuple]) -> np.ndarray:
+    items = list(values)
+    return np.array(items, dtype) if items else np.zeros(0, dtype)
+
+
+def _any_per_row(rows: np.ndarray, n: int) -> np.ndarray:
+    out = np.zeros(n, bool)
+    out[rows] = True
+    return out
