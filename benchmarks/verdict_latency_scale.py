@@ -39,9 +39,9 @@ from ccld_plugin.wire.summary import (
     InFlightOp,
     RankSummary,
     StepStat,
-    decode_summary,
     encode_summary,
 )
+from ccld_plugin.wire.summary_batch import SummaryTable
 
 INTERVAL_S = 1.0
 TP_SLOT = 1  # layout(): world, tp, pp, dp
@@ -110,7 +110,7 @@ def run(world: int, where: str, fault: str, rank: int, onset: int, ticks: int) -
             encoded_tick = tick
         t0 = time.perf_counter()
         with gc_paused():
-            summaries = {r: decode_summary(b) for r, b in raw.items()}
+            summaries, _ = SummaryTable.decode(raw)  # as the diagnoser service does
             view = JobView(
                 summaries=summaries,
                 tables=tables,
