@@ -120,16 +120,16 @@ class SlowDetector:
         keep_from = min(t0, *self._streak_t0.values()) if self._streak_t0 else t0
         while self.joined and self.joined[0].time_ns < keep_from:
             self.joined.popleft()
-        joined = [j for j in self.joined if t0 <= j.time_ns <= t1]
         log.debug(
-            "ccld window %d-%d: compute us %s, %d joined samples",
+            "ccld window %d-%d: compute us %s, %d joined samples kept",
             lo,
             hi - 1,
             {r: round(x) for r, x in sorted(compute.items())},
-            len(joined),
+            len(self.joined),
         )
         verdicts = self._stragglers(view, compute, step_us, lo, hi, t0, t1)
-        if links:
+        if links:  # only these windows read the window's joined samples as a list
+            joined = [j for j in self.joined if t0 <= j.time_ns <= t1]
             verdicts += self._slow_links(view, joined, lo, hi, t0, t1)
         return verdicts
 
@@ -183,14 +183,10 @@ class SlowDetector:
                 continue
             mine = self._streak_samples(r, self._streak_t0[key], t1)
             balance = _wait_balance(r, mine)
-            why_not = _not_waited_for(len(cohort), mine, balance.share)
-            if not why_not and (balance.share or 0.0) < CLEAR_WAITED_FOR_SHARE:
-                longer = self._straggler_windows(self.cfg.confirm_windows + 1)
-                if self.streak[key] < longer:
-                    why_not = (
-                        f"its peers waiting for it are {balance.share:.0%} of the waiting "
-                        f"(< {CLEAR_WAITED_FOR_SHARE:.0%}): one more window"
-                    )
+            lasted_longer = self.streak[key] >= self._straggler_windows(
+                self.cfg.confirm_windows + 1
+            )
+            why_not = _not_waited_for(len(cohort), mine, balance.share, lasted_longer)
             if why_not:
                 _not_a_straggler(lo, hi, r, x / med, cohort, why_not)
                 continue
@@ -546,15 +542,18 @@ def _wait_balance(r: int, mine: list[Joined]) -> _WaitBalance:
     return _WaitBalance(for_r, by_r, last_n)
 
 
-def _not_waited_for(cohort_size: int, mine: list[Joined], waited_for: float | None) -> str:
+def _not_waited_for(
+    cohort_size: int, mine: list[Joined], waited_for: float | None, lasted_longer: bool
+) -> str:
     """Why the collectives ``mine`` of a rank slower than its cohort do not show its peers
-    waiting for it (empty when they do). With a cohort too small for statistics the
-    arrival order has to decide, so it must have more samples and be clearer."""
+    waiting for it (yet; empty when they do). With a cohort too small for statistics the
+    arrival order has to decide, so it must have more samples and be clearer; an order
+    that is not clear-cut counts once the streak ``lasted_longer`` by a window."""
     small = cohort_size < 3
     need_n = MIN_ARRIVAL_SAMPLES * (2 if small else 1)
     need = WAITED_FOR_SHARE_SMALL_COHORT if small else WAITED_FOR_SHARE
-    if not mine and not small:
-        return ""  # no samples at all (none taken): the cohort's statistics decide alone
+    if not mine and not small:  # none taken: the cohort's statistics decide, a window later
+        return "" if lasted_longer else "no arrival samples: one more window"
     if len(mine) < need_n:  # a few: more come while the streak lasts
         return f"{len(mine)} arrival samples in its streak (< {need_n})"
     if waited_for is None or waited_for < need:
@@ -562,6 +561,11 @@ def _not_waited_for(cohort_size: int, mine: list[Joined], waited_for: float | No
         return (
             f"its peers waiting for it are {share} of the waiting in {len(mine)} samples "
             f"(< {need:.0%})"
+        )
+    if waited_for < CLEAR_WAITED_FOR_SHARE and not lasted_longer:
+        return (
+            f"its peers waiting for it are {waited_for:.0%} of the waiting "
+            f"(< {CLEAR_WAITED_FOR_SHARE:.0%}): one more window"
         )
     return ""
 
