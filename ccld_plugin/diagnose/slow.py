@@ -73,7 +73,9 @@ class SlowDetector:
         self.bw_history: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=20))
         self.channels = ChannelHistory()  # per-peer TCP evidence: names the slow link's rank
         self._streak_t0: dict[tuple, int] = {}  # a straggler streak's first window's start
-        self._straggler_told: set[tuple] = set()  # straggler streaks with a verdict
+        # Stragglers with a verdict: told once per job, as the analyzer tells any finding
+        # once; a streak broken by one noisy window and resumed is the same straggler.
+        self._straggler_told: set[tuple] = set()
         self._channel_found: LinkFinding | None = None  # of the current streak
         self._comm_reported: set[tuple] = set()  # communication streaks with a verdict
         self._cohort_key = -1
@@ -197,7 +199,6 @@ class SlowDetector:
                 self.streak.pop(key)
                 self.first_seen.pop(key, None)
                 self._streak_t0.pop(key, None)
-                self._straggler_told.discard(key)
         return out
 
     def _streak_samples(self, r: int, t0: int, t1: int) -> list[Joined]:

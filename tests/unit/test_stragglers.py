@@ -148,3 +148,17 @@ def test_a_rank_that_computes_longer_but_is_not_waited_for_is_no_straggler() -> 
 
     for tables in (dp(4), tp2pp2()):
         assert run(tables, compute_ms, steps=40, unseen_ms={1: 30.0}) == []
+
+
+def test_a_straggler_whose_streak_breaks_for_a_window_is_named_once() -> None:
+    # Rank 2 is 2x from step 10 on, except for steps 26-28 (its streak breaks, then
+    # resumes): one verdict for it, not one per streak (its group may differ between
+    # them, so the analyzer's de-duplication would not catch the second).
+    base = straggler(2, 2.0, 10, noise=0.02)
+
+    def compute_ms(r: int, step: int) -> float:
+        x = base(r, step)
+        return x / 2.0 if r == 2 and 26 <= step < 29 else x
+
+    got = run(dp(4), compute_ms, steps=60)
+    assert [(v.cause, v.ranks) for v in got] == [(Cause.COMPUTE, [2])]
