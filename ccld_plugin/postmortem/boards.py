@@ -4,7 +4,7 @@ board's clock offset)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +12,7 @@ import numpy as np
 from ccld_plugin.agent.board_summary import BoardSnapshot
 from ccld_plugin.board.job_files import read_stack
 from ccld_plugin.board.reader import BoardError, BoardReader, board_files
-from ccld_plugin.wire.codes import STATE_ERROR
+from ccld_plugin.wire.codes import FLAG_P2P, STATE_DONE, STATE_ERROR, STATE_IN_FLIGHT
 from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["JobBoards", "PostmortemError", "RankBoard", "load_boards"]
@@ -51,10 +51,44 @@ class RankBoard:
         return max(h.heartbeat_ns, h.step_start_ns, h.start_mono_ns, last_op)
 
     def failed_ns(self) -> int | None:
-        """When the rank's last collective raised (its clock), if one did."""
+        """When the rank's first collective raised (its clock), if one did."""
         ops = self.snap.ops
         failed = ops[ops["state"] == STATE_ERROR]
-        return int(failed["exit_ns"].max()) if len(failed) else None
+        return int(failed["exit_ns"].min()) if len(failed) else None
+
+    def as_of(self, cut_ns: int) -> RankBoard:
+        """The board as it stood at ``cut_ns`` (diagnoser's clock): ops entered later are
+        not there yet, ops that ended later (or raised) are still in flight, the group
+        counters and the heartbeat go back with them. A job whose collectives timed out is
+        judged at its first timeout, when every rank still waited where it was stuck; what
+        the timeouts set off afterwards (ranks raising, exiting, being killed) is not the
+        fault."""
+        cut = cut_ns + self.offset_ns  # on this rank's clock
+        h, every = self.snap.header, self.snap.ops
+        entered = every["enter_ns"] <= cut
+        done = (every["state"] == STATE_DONE) & (every["exit_ns"] <= cut)
+        ops = every[entered].copy()
+        ops["state"][~done[entered]] = STATE_IN_FLIGHT
+        ops["exit_ns"][~done[entered]] = 0
+        # each group's counters go back to its first collective not entered, or not done,
+        # by the cut (point-to-point ops keep counters of their own)
+        table = self.snap.table.copy()
+        collective = (every["flags"] & FLAG_P2P) == 0
+        for slot in range(len(table)):
+            mine = collective & (every["group_slot"] == slot)
+            for counter, by_cut in (("entered_seq", entered), ("completed_seq", done)):
+                later = every["seq"][mine & ~by_cut]
+                if len(later):
+                    table[counter][slot] = min(int(table[counter][slot]), int(later.min()) - 1)
+        seen = self.last_seen_ns()
+        header = replace(
+            h,
+            heartbeat_ns=min(h.heartbeat_ns, cut),
+            step_start_ns=min(h.step_start_ns, cut),
+            closed=h.closed and seen <= cut,
+        )
+        snap = BoardSnapshot(header, ops, table)
+        return replace(self, snap=snap)
 
 
 @dataclass

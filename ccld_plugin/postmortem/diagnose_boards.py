@@ -57,40 +57,42 @@ def _summary(b: RankBoard, interval_s: float) -> RankSummary:
 
 def job_view(boards: JobBoards, cfg: CcldConfig) -> JobView:
     interval_s = cfg.agent.interval_s
-    summaries = {r: _summary(b, interval_s) for r, b in boards.ranks.items()}
-    now = max(s.heartbeat_ns for s in summaries.values())
     failures = {r: b.diag(t) for r, b in boards.ranks.items() if (t := b.failed_ns()) is not None}
+    ranks = boards.ranks
+    if failures:  # judged at the first failure: see RankBoard.as_of
+        ranks = {r: b.as_of(min(failures.values())) for r, b in ranks.items()}
+    summaries = {r: _summary(b, interval_s) for r, b in ranks.items()}
+    now = max(s.heartbeat_ns for s in summaries.values())
     return JobView(
         summaries=summaries,
-        tables={r: b.groups for r, b in boards.ranks.items()},
+        tables={r: b.groups for r, b in ranks.items()},
         now_ns=now,
-        job_start_ns=min(b.diag(b.snap.header.start_mono_ns) for b in boards.ranks.values()),
+        job_start_ns=min(b.diag(b.snap.header.start_mono_ns) for b in ranks.values()),
         world=boards.world,
         gone={
             r
             for r, s in summaries.items()
-            if _died_first(
-                s,
-                boards.ranks[r],
-                now,
-                max((t for q, t in failures.items() if q != r), default=None),
-                interval_s,
-            )
+            if _died_first(s, ranks[r], now, r in failures, failures != {}, interval_s)
         },
     )
 
 
 def _died_first(
-    s: RankSummary, b: RankBoard, now_ns: int, failed_ns: int | None, interval_s: float
+    s: RankSummary,
+    b: RankBoard,
+    now_ns: int,
+    raised: bool,
+    job_failed: bool,
+    interval_s: float,
 ) -> bool:
     """A rank whose process ended without our exit path before the job did: its last sign
-    of life is ticks before the others' (they ran on, then waited for it), or before
-    ``failed_ns``, when a collective of another rank raised (gloo raises when a peer's
-    connection closes)."""
+    of life is ticks before the others' (they ran on, then waited for it), or, in a job
+    where collectives raised (gloo raises when a peer's connection closes), before the
+    first of them while none of its own did."""
     if s.exited or process_alive(s.pid, b.snap.header.host) is True:
         return False
     stale = now_ns - s.heartbeat_ns > STALE_TICKS * interval_s * 1e9
-    return stale or (failed_ns is not None and failed_ns > s.heartbeat_ns)
+    return stale or (job_failed and not raised and s.heartbeat_ns < now_ns)
 
 
 def diagnose_boards(boards: JobBoards, cfg: CcldConfig) -> list[Verdict]:

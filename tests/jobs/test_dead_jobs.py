@@ -10,6 +10,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 from job_runner import FAST_UNRESPONSIVE, demo, only
 from trace_rules import check_trace
 
@@ -79,6 +80,36 @@ def test_rank_killed_first(tmp_path):
     (v,) = verdicts
     assert (v["kind"], v["ranks"]) == ("unresponsive", [2])
     assert v["evidence"][0]["fact"] == "process_gone"
+
+
+@pytest.mark.parametrize(
+    ("fault", "kind", "cause"),
+    [("compute-hang@2:step=4", "hang", "compute"), ("kill@2:step=4", "unresponsive", "unknown")],
+)
+def test_job_ended_by_its_collective_timeouts(tmp_path, fault, kind, cause):
+    """The job ends itself as jobs do: the peers' collectives time out (or raise when rank
+    2's connection closes), they leave, the scheduler kills what is left. The boards at the
+    end show three exited ranks and rank 2 in no collective; the verdict comes from the
+    moment the first collective raised."""
+    out = tmp_path / "out"
+    sets = [*KEEP, f"board.dir={out}", "job=t"]
+    argv = ["-m", "ccld_plugin.harness.workload", "--steps", "40", "--timeout-s", "8"]
+    env = {"CCLD_FAULTS": fault, "OMP_NUM_THREADS": "1"}
+    job = LocalJob(4, [*argv, *sum((["--ccld-set", s] for s in sets), [])], out / "logs", env)
+    job.start()
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and any(job.procs[r].poll() is None for r in (0, 1, 3)):
+            time.sleep(0.5)
+        codes = [job.procs[r].poll() for r in (0, 1, 3)]
+        assert None not in codes and 0 not in codes, (codes, _log(out, 0))  # raised, or aborted
+    finally:
+        job.stop()
+    (v,) = _postmortem(out / "t", tmp_path / "pm.jsonl")
+    assert (v["kind"], v["cause"], v["ranks"], v["step"]) == (kind, cause, [2], 4), v
+    if kind == "hang":
+        assert v["group"]["role"] == "dp" and v["op"] == "all_reduce"
+        assert v["stack"] and any("inject.py" in f for f in v["stack"])
 
 
 def _log(out: Path, rank: int) -> str:

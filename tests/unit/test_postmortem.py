@@ -172,3 +172,49 @@ def test_rank_whose_peers_failed_after_it_went_silent_died_first():
     # The same boards without the failed collectives: nobody is known to have died first.
     calm = [rank_board(r, 4, [DP], _history(5, 99), heartbeat_ns=int(99.7 * S)) for r in (0, 2, 3)]
     assert job_view(_job(*calm, dead), CFG).gone == set()
+
+
+def test_collectives_that_timed_out_are_judged_at_the_first_timeout():
+    # Rank 2 stopped in compute at 80 s; its peers' all-reduce seq 6 timed out at 90 s (one
+    # after another), they raised and left through the exit path; the scheduler killed rank
+    # 2 at 120 s. At the end only rank 2 is left and it is in no collective: the hang shows
+    # at the first timeout, when the others still waited in seq 6.
+    boards = [
+        rank_board(
+            r,
+            4,
+            [DP],
+            [*_history(5, 80), _op(6, 80.1 + r / 100, 90 + r / 10, state=STATE_ERROR)],
+            heartbeat_ns=int((90.2 + r / 10) * S),
+            closed=True,
+        )
+        for r in (0, 1, 3)
+    ]
+    hung = rank_board(2, 4, [DP], _history(5, 80), heartbeat_ns=120 * S, host="elsewhere")
+    view = job_view(_job(*boards, hung), CFG)
+    assert view.now_ns == 90 * S and view.gone == set()
+    assert not any(s.exited for s in view.summaries.values())
+    (v,) = [x.to_dict() for x in diagnose_boards(_job(*boards, hung), CFG)]
+    assert (v["kind"], v["cause"], v["ranks"], v["group"]["role"]) == ("hang", "compute", [2], "dp")
+    assert v["trace_id"].endswith(":6") and (v["onset_s"], v["detected_s"]) == (80.0, 90.0)
+
+
+def test_peers_raising_one_after_another_are_not_taken_for_the_dead_rank():
+    # Rank 2 was killed at 80 s; its peers' collectives raised within 0.3 s of each other
+    # and they died without the exit path (as torchrun's SIGTERM ends them): each raised,
+    # so each was alive when the first did; only rank 2 had gone silent before.
+    boards = [
+        rank_board(
+            r,
+            4,
+            [DP],
+            [*_history(5, 79.9), _op(6, 79.95, 80.05 + r / 10, state=STATE_ERROR)],
+            heartbeat_ns=int((80.05 + r / 10) * S),
+            host="elsewhere",
+        )
+        for r in (0, 1, 3)
+    ]
+    dead = rank_board(2, 4, [DP], _history(5, 79.9), heartbeat_ns=int(79.9 * S), host="elsewhere")
+    assert job_view(_job(*boards, dead), CFG).gone == {2}
+    (v,) = [x.to_dict() for x in diagnose_boards(_job(*boards, dead), CFG)]
+    assert (v["kind"], v["ranks"]) == ("unresponsive", [2])
