@@ -34,6 +34,12 @@ MAX_ROUND_SHARE = 0.2  # of the diagnoser rank's time spent in diagnoser rounds
 # Renewals a standby waits for before it takes the lease over (a loaded host can delay one
 # or two); the diagnoser in charge counts its lease lost one interval earlier.
 LEASE_INTERVALS = 4
+# A rank that leaves because its collective raised may get there before the evidence of
+# why: a peer killed by a signal closes its connections before the kernel shows it gone
+# (files are closed before the process becomes a zombie). Its last round then looks again,
+# every FAILING_RETRY_S, for up to FAILING_GRACE_S.
+FAILING_GRACE_S = 1.5
+FAILING_RETRY_S = 0.1
 
 
 @contextlib.contextmanager
@@ -113,14 +119,17 @@ class DiagnoserService:
         self._lease.start()
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, failing: bool = False) -> None:
         """One last round (the exit and exception paths), so the verdict that explains a
-        failing job is written before this process ends."""
+        failing job is written before this process ends; on a ``failing`` rank's way out,
+        a few more while none comes (see FAILING_GRACE_S)."""
         self._stop.set()
         for thread in (self._thread, self._lease):
             if thread.ident is not None:  # a standby taking over at exit started neither
                 thread.join(timeout=self.cfg.agent.interval_s + 5)
-        self._round()
+        deadline = time.monotonic() + (FAILING_GRACE_S if failing else 0.0)
+        while not self._round() and time.monotonic() < deadline and not self.job_ended():
+            time.sleep(FAILING_RETRY_S)
         if self.in_charge:
             try:  # a normal end: the standby, on its own way out, must not take over
                 self.control.release_diagnosis(self._owner)
@@ -221,7 +230,8 @@ class DiagnoserService:
         except Exception as exc:  # noqa: BLE001
             report_error("diagnoser.clock_resync", exc)
 
-    def _round(self) -> None:
+    def _round(self) -> int:
+        """One diagnoser round; the number of verdicts it emitted."""
         with self._lock:
             try:
                 with gc_paused():
@@ -229,9 +239,9 @@ class DiagnoserService:
                     verdicts = self.diagnoser.round(view) if view.summaries else []
             except Exception as exc:  # noqa: BLE001
                 report_error("diagnoser.round", exc)
-                return
+                return 0
             if verdicts and not self._still_in_charge():
-                return
+                return 0
             for v in verdicts:
                 self.verdicts.append(v)
                 try:  # a standby that takes over does not report it again
@@ -250,6 +260,7 @@ class DiagnoserService:
                         sink.observe(view, self.diagnoser)
                     except Exception as exc:  # noqa: BLE001
                         report_error(f"diagnoser.{type(sink).__name__}", exc)
+        return len(verdicts)
 
     def _read_store(self) -> tuple[dict[int, bytes], str | None]:
         """Every rank's latest summary from the store, or ({}, why) when the store does not

@@ -32,14 +32,19 @@ class Services:
     diagnoser: DiagnoserService | None = None
     standby: Standby | None = None
 
-    def stop(self) -> None:
+    def stop(self, failing: bool = False) -> None:
         """The agent first, then the diagnoser or standby (a last round sees the agent's
-        last summary); each failure contained."""
-        for svc in (self.agent, self.diagnoser, self.standby):
+        last summary; on a ``failing`` rank's way out it waits a moment for the evidence);
+        each failure contained."""
+        try:
+            self.agent.stop()
+        except Exception as exc:  # noqa: BLE001
+            report_error("services.stop", exc)
+        for svc in (self.diagnoser, self.standby):
             if svc is None:
                 continue
             try:
-                svc.stop()
+                svc.stop(failing)
             except Exception as exc:  # noqa: BLE001
                 report_error("services.stop", exc)
 

@@ -229,7 +229,7 @@ def _watch_uncaught_exceptions() -> None:
 
 
 def _at_exit() -> None:
-    disable(keep_board=_abnormal_exit)
+    disable(keep_board=_abnormal_exit, failing=_abnormal_exit)
 
 
 def _defer_until_init(cfg: CcldConfig) -> None:
@@ -310,11 +310,13 @@ def _checked_step(step: Any) -> int:
     return value
 
 
-def disable(keep_board: bool = False) -> None:
+def disable(keep_board: bool = False, failing: bool = False) -> None:
     """Stop the services, restore every wrapped function and close the board. The board is
     removed unless ``board.cleanup`` is off or ``keep_board`` is set (the exit path of a
     crashed rank keeps it for the post-mortem), or the store stopped answering this rank
-    (the board is then the only record). Safe to call more than once."""
+    (the board is then the only record). ``failing``: the rank is leaving on an uncaught
+    exception, and the diagnoser's last round waits a moment for the evidence of why. Safe
+    to call more than once."""
     global _session
     with _lock:
         _restore_init()
@@ -322,7 +324,7 @@ def disable(keep_board: bool = False) -> None:
         if s is None:
             return
         if s.services is not None:
-            s.services.stop()
+            s.services.stop(failing)
             keep_board = keep_board or s.services.store_lost
         try:
             s.tracer.uninstall()

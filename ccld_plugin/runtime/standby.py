@@ -25,7 +25,12 @@ from ccld_plugin.board.process import process_alive
 from ccld_plugin.config import CcldConfig
 from ccld_plugin.control import ControlPlane, request_timeout_s
 from ccld_plugin.errors import log, report_error
-from ccld_plugin.runtime.diagnoser import LEASE_INTERVALS, DiagnoserService
+from ccld_plugin.runtime.diagnoser import (
+    FAILING_GRACE_S,
+    FAILING_RETRY_S,
+    LEASE_INTERVALS,
+    DiagnoserService,
+)
 
 __all__ = ["Standby", "standby_rank"]
 
@@ -67,19 +72,28 @@ class Standby:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop watching. A diagnoser that stopped renewing within the last interval is
-        taken over now, for one last round: the job may be ending because of its loss."""
+    def stop(self, failing: bool = False) -> None:
+        """Stop watching. A diagnoser that stopped renewing within the last interval (or,
+        ``failing``, is seen gone within FAILING_GRACE_S) is taken over now, for one last
+        round: the job may be ending because of its loss."""
         self._stop.set()
         self._thread.join(timeout=self.cfg.agent.interval_s + 5)
-        if self.diagnoser is None:
+        # failing: the diagnoser rank may have been killed a moment ago, its process not
+        # yet seen gone (see FAILING_GRACE_S); look again for a moment
+        deadline = time.monotonic() + (FAILING_GRACE_S if failing else 0.0)
+        while self.diagnoser is None:
             try:
                 if self._lost(min_stale_s=self.cfg.agent.interval_s):
                     self._take_over(start=False)
+                    break
             except Exception as exc:  # noqa: BLE001
                 report_error("standby.lease", exc)
+                break
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(FAILING_RETRY_S)
         if self.diagnoser is not None:
-            self.diagnoser.stop()
+            self.diagnoser.stop(failing)
 
     def _run(self) -> None:
         interval = self.cfg.agent.interval_s

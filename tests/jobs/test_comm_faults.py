@@ -35,6 +35,24 @@ def test_comm_slow_on_one_rank_of_dp4(tmp_path: Path) -> None:
     assert summary["latency_s"][0]["steps_to_verdict"] <= 10
 
 
+@pytest.mark.parametrize("diagnoser", [0, 2])
+def test_comm_slow_at_the_diagnoser_rank(tmp_path: Path, diagnoser: int) -> None:
+    # The diagnoser's own summaries cross its shaped link only at rank 2 (at rank 0 it
+    # hosts the store); either way its ring links are the slow ones and it names itself.
+    code, summary = netns_demo(
+        tmp_path,
+        1,
+        1,
+        14,
+        f"comm-slow@{diagnoser}:rate=50mbit,step=3",
+        extra=(*NO_SHORT_HANGS, f"diagnoser.rank={diagnoser}"),
+    )
+    v = only(summary, "slow", "communication")
+    assert (v["ranks"], v["link"], v["group"]["role"]) == ([diagnoser], None, "dp")
+    assert [e["data"] for e in facts(v["evidence"])["common_rank"]] == [{"rank": diagnoser}]
+    assert len(summary["verdicts"]) == 1 and code == 0
+
+
 def test_comm_slow_on_one_rank_of_tp2_pp2_megatron(tmp_path: Path) -> None:
     # Megatron GPT (the demo's default), rank 1: TP peer 0, PP peer 3. Both of its links
     # are slow, its TP sibling 2<->3 and PP sibling 0<->2 are not. (At 50 Mbit/s on a busy

@@ -1,8 +1,10 @@
 """The faults of the unchanged test scripts (they know nothing of ccld, nor of its fault
-specs): FAULT in the environment is ``hang@R:S`` (rank R blocks at step S) or
-``slow@R:X`` (rank R's compute takes X seconds more every step)."""
+specs): FAULT in the environment is ``hang@R:S`` (rank R blocks at step S), ``kill@R:S``
+(rank R's process ends by SIGKILL at step S) or ``slow@R:X`` (rank R's compute takes X
+seconds more every step)."""
 
 import os
+import signal
 import time
 
 
@@ -15,5 +17,7 @@ def fault(rank: int, step: int) -> None:
         return
     if kind == "hang" and step == int(arg):
         time.sleep(3600)
+    if kind == "kill" and step == int(arg):
+        os.kill(os.getpid(), signal.SIGKILL)
     if kind == "slow":
         time.sleep(float(arg))
