@@ -3,7 +3,9 @@
 Keeps what must persist across rounds (op duration history for the adaptive hang
 threshold, the slow detector's windows, what was already reported) and decides which
 finding explains which: a mismatch or an unresponsive rank explains the hang it causes,
-so the hang is not reported on its own.
+so the hang is not reported on its own; a reported stall (hang, deadlock, mismatch)
+explains the ranks that vanish after it while stuck in it (the job's timeouts, the
+scheduler's kill), so they are not reported as unresponsive.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.slow import SlowDetector
 from ccld_plugin.diagnose.tcp_evidence import Located, channel_evidence
 from ccld_plugin.diagnose.view import GroupIndex, JobView
+from ccld_plugin.wire.codes import STATE_IN_FLIGHT
 from ccld_plugin.wire.summary_batch import Summaries, SummaryTable
 from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["Diagnoser", "DurationHistory", "located_by_channels"]
 
 HISTORY = 300  # per-group max op durations kept (one per rank per round)
+STALLS = (Kind.HANG, Kind.DEADLOCK, Kind.MISMATCH)
 FIRST_OP_FACTOR = 2.0
 
 
@@ -55,6 +59,9 @@ class Diagnoser:
         self.durations = DurationHistory()
         self._reported: set[tuple] = set()
         self._seen_ns = np.full(0, -1, np.int64)  # per rank: time of the summary last taken in
+        # when the first stall was reported (None: none yet), and the ranks stalls named
+        self._stalled_ns: int | None = None
+        self._stalled_ranks: set[int] = set()
 
     def threshold_s(self, group_id: int) -> float:
         """max(hang_min_s, hang_k x p99 duration of ops on the group). Before any op of the
@@ -77,9 +84,10 @@ class Diagnoser:
             # stale summaries would name each of them, so only the observer is judged.
             v = isolation_hang(view, isolated, self.threshold_s)
             return self._new([v] if v is not None else [])
-        unresponsive = find_unresponsive(view, self.cfg.unresponsive_s)
+        lost = find_unresponsive(view, self.cfg.unresponsive_s)
+        unresponsive = [v for v in lost if not self._fallout_of_stall(view, v.ranks[0])]
         mismatches = find_mismatches(view)
-        explained = {r for v in unresponsive for r in v.ranks}
+        explained = {r for v in lost for r in v.ranks}
         explained_groups = {v.group["group_id"] for v in mismatches if v.group}
         hangs = [
             v
@@ -93,7 +101,25 @@ class Diagnoser:
         if mismatches or self.reported(Kind.MISMATCH):
             hangs = self._fold_into_mismatch(hangs, mismatches)
         slow = self.slow.evaluate(view) if not hangs else []
-        return self._new([*unresponsive, *mismatches, *hangs, *slow])
+        new = self._new([*unresponsive, *mismatches, *hangs, *slow])
+        for v in new:
+            if v.kind in STALLS:
+                self._stalled_ns = self._stalled_ns or view.now_ns
+                self._stalled_ranks.update(v.ranks)
+        return new
+
+    def _fallout_of_stall(self, view: JobView, rank: int) -> bool:
+        """Whether ``rank``, found gone or silent, went down with a stall reported before:
+        one the stall named, or one stuck since before it was reported (its oldest op in
+        flight entered earlier). Its end is the stall's consequence, not news."""
+        if self._stalled_ns is None:
+            return False
+        if rank in self._stalled_ranks:
+            return True
+        s = view.summaries[rank]
+        return any(
+            op.state == STATE_IN_FLIGHT and op.enter_ns < self._stalled_ns for op in s.in_flight
+        )
 
     def _fresh(self, view: JobView) -> Summaries:
         """The summaries of ``view`` not taken in before (a round runs about twice per

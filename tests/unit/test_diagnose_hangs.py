@@ -92,6 +92,33 @@ def test_a_frozen_root_is_unresponsive_not_a_compute_hang():
     assert (h.cause.value, h.ranks) == ("compute", [1])
 
 
+def test_ranks_that_go_down_with_a_reported_stall_are_not_news():
+    # Rank 1 hangs in compute; ranks 0, 2, 3 wait for it in all_reduce seq 9 on dp, rank 4
+    # (outside dp) runs on. Once the hang is reported, the job's timeout makes the waiters
+    # leave, the scheduler kills rank 1: their processes are gone, but it is the hang's
+    # fallout. Rank 4, gone too but never stuck in the stall, is named.
+    dp, other = group("dp", [0, 1, 2, 3]), group("tp", [4, 5])
+    tables = {**{r: [dp] for r in range(4)}, 4: [other], 5: [other]}
+    waiting = [(0, "all_reduce", 9, 12, 0, -1)]
+    ranks = [
+        *(summary(r, {0: 9}, waiting, idle_s=12) for r in (0, 2, 3)),
+        summary(1, {0: 8}, idle_s=12),
+        summary(4, {0: 30}, [(0, "all_reduce", 30, 0.1, 0, -1)]),
+        summary(5, {0: 30}, [(0, "all_reduce", 30, 0.1, 0, -1)]),
+    ]
+    d = Diagnoser(DiagnoserConfig(hang_min_s=5, unresponsive_s=10), interval_s=0.5)
+    (h,) = d.round(job_view(ranks, tables))
+    assert (h.kind.value, h.cause.value, h.ranks) == ("hang", "compute", [1])
+    ranks[4] = summary(4, {0: 80}, [(0, "all_reduce", 80, -4.9, 0, -1)])  # 4.9 s later
+    later = job_view(ranks, tables, now_ns=NOW + 5 * S, gone={0, 1, 2, 3, 4})
+    (u,) = d.round(later)  # and no new hang of the waiters, explained by the lost ranks
+    assert (u.kind.value, u.ranks) == ("unresponsive", [4])
+    # Without the stall reported first, each gone rank is named.
+    fresh = Diagnoser(DiagnoserConfig(hang_min_s=5, unresponsive_s=10), interval_s=0.5)
+    named = [v.ranks for v in fresh.round(later) if v.kind.value == "unresponsive"]
+    assert named == [[0], [1], [2], [3], [4]]
+
+
 def test_no_hang_below_the_threshold_and_adaptive_threshold():
     dp = group("dp", [0, 1])
     tables = {0: [dp], 1: [dp]}
