@@ -43,7 +43,7 @@ def test_comm_slow_at_the_diagnoser_rank(tmp_path: Path, diagnoser: int) -> None
         tmp_path,
         1,
         1,
-        14,
+        24,
         f"comm-slow@{diagnoser}:rate=50mbit,step=3",
         extra=(*NO_SHORT_HANGS, f"diagnoser.rank={diagnoser}"),
     )
