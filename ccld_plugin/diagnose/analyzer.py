@@ -104,7 +104,8 @@ class Diagnoser:
         new = self._new([*unresponsive, *mismatches, *hangs, *slow])
         for v in new:
             if v.kind in STALLS:
-                self._stalled_ns = self._stalled_ns or view.now_ns
+                if self._stalled_ns is None:
+                    self._stalled_ns = view.now_ns
                 self._stalled_ranks.update(v.ranks)
         return new
 
