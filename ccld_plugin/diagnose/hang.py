@@ -415,9 +415,11 @@ def find_mismatches(view: JobView) -> list[Verdict]:
         counts = Counter(sig.values())
         if len(counts) < 2:
             continue
-        top, top_n = counts.most_common(1)[0]
-        tie = list(counts.values()).count(top_n) > 1
         g = groups[gid]
+        top, top_n = counts.most_common(1)[0]
+        if not _settled(view, g, entries, top_n):
+            continue
+        tie = list(counts.values()).count(top_n) > 1
         evidence = [
             Evidence.of(
                 "entered_op",
@@ -470,6 +472,25 @@ def find_mismatches(view: JobView) -> list[Verdict]:
             )
         )
     return verdicts
+
+
+def _settled(
+    view: JobView, g: GroupInfo, entries: dict[int, tuple[str, int, int]], top_n: int
+) -> bool:
+    """Whether the members seen in a seq are enough to judge it. A member not seen in it
+    may only not have reported yet (its summary predates the dissent), and its op can still
+    turn a tie into a majority: judge once the ops seen hold a majority of the whole group,
+    or every member not seen in it has reported since the last of them entered."""
+    if 2 * top_n > len(g.ranks):
+        return True
+    latest = max(e for _, _, e in entries.values())
+    for r in g.ranks:
+        if r in entries:
+            continue
+        s = view.summaries.get(r)
+        if s is not None and s.time_ns < latest and r not in view.gone:
+            return False
+    return True
 
 
 def _unanimous_ops(

@@ -182,6 +182,30 @@ def test_mismatch_names_the_minority_and_a_tie_names_both():
     assert find_mismatches(v)[0].ranks == [0, 1]
 
 
+def test_mismatch_waits_for_members_that_have_not_reported_since():
+    # Ranks 1 and 3 of a DP4 group entered seq 5 with different ops; ranks 0 and 2 have not
+    # reported since (their summaries are older than both entries). One against one is no
+    # majority yet: nothing is judged until they report.
+    dp = group("dp", [0, 1, 2, 3])
+    tables = {r: [dp] for r in range(4)}
+
+    def at(rank, op=None, age_s=0.2):
+        if op is None:  # last reported a second ago, before the seq was entered
+            return dataclasses.replace(summary(rank, {0: 4}), time_ns=NOW - S)
+        return summary(rank, {0: 5}, [(0, op, 5, age_s, 0, -1)])
+
+    early = [at(0), at(1, "all_reduce"), at(2), at(3, "all_gather_into_tensor")]
+    assert find_mismatches(view(early, tables)) == []
+    # Once they report, their ops make the majority and only rank 3 is named.
+    late = [at(0, "all_reduce"), at(1, "all_reduce"), at(2, "all_reduce"), early[3]]
+    (m,) = find_mismatches(view(late, tables))
+    assert m.ranks == [3]
+    # Reported since, and still not in the seq: the two seen are judged as they are.
+    idle = [rank_summary(0), early[1], rank_summary(2), early[3]]
+    (m,) = find_mismatches(view(idle, tables))
+    assert m.ranks == [1, 3]
+
+
 def test_mismatch_tie_in_a_pair_is_broken_by_the_sibling_groups():
     # Two DP pairs, [0, 2] and [1, 3]: rank 2 runs the odd collective as seq 5. Inside its
     # pair that is a tie; the sibling pair ran all_reduce as seq 5, so rank 2 is named.
