@@ -270,6 +270,9 @@ def one_run(
     framework: str, lay: Layout, steps: int, sets: list[str], out: Path, wandb: bool, cfg
 ) -> tuple[dict, list[Judged], dict, float]:
     overrides = list(sets) if wandb else ["sinks.wandb.enabled=false", *sets]
+    # The diagnoser's rounds, for benchmarks/replay_runs.py (with --keep)
+    out.mkdir(parents=True, exist_ok=True)
+    overrides.append(f"diagnoser.record={out / 'rounds.rec'}")
     opts = DemoOptions(
         framework=framework,
         world=lay.world,
@@ -291,6 +294,7 @@ def one_run(
     elapsed = time.monotonic() - t0
     summary = json.loads((out / "summary.json").read_text())
     compute = sampler.compute_us()
+    (out / "compute.json").write_text(json.dumps(compute))
     judged = []
     for v in summary["verdicts"]:
         ok, why = judge(v, compute, cfg)

@@ -107,6 +107,9 @@ def main() -> int:
                 spec = f"{kind}@{rank}:{param},step={onset}"
                 out = root / f"{kind}-{param.split('=')[1]}-{lname}-{i}"
                 overrides = [*([] if args.wandb else ["sinks.wandb.enabled=false"]), *args.sets]
+                # the diagnoser's rounds, for benchmarks/replay_runs.py (with --keep)
+                out.mkdir(parents=True, exist_ok=True)
+                overrides.append(f"diagnoser.record={out / 'rounds.rec'}")
                 opts = DemoOptions(
                     framework="torch",
                     world=world,

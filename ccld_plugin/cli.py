@@ -96,6 +96,14 @@ def _parser() -> argparse.ArgumentParser:
     dia.add_argument("--config", type=Path, help="a YAML config (default: the job's own)")
     dia.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
 
+    rp = sub.add_parser(
+        "replay", help="diagnose a recorded job again (diagnoser.record), e.g. with --set"
+    )
+    rp.add_argument("path", type=Path, help="the recording (diagnoser.record)")
+    rp.add_argument("--jsonl", type=Path, help="also write the verdict records to this file")
+    rp.add_argument("--config", type=Path, help="a YAML config (default: the job's own)")
+    rp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
+
     tr = sub.add_parser(
         "trace", help="write a job's timeline from its boards (Perfetto, chrome://tracing)"
     )
@@ -213,6 +221,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from ccld_plugin.postmortem.commands import diagnose
 
             return diagnose(args.path, args.config, args.overrides, args.jsonl, console)
+        if args.command == "replay":
+            from ccld_plugin.postmortem.commands import replay_recording
+
+            return replay_recording(args.path, args.config, args.overrides, args.jsonl, console)
         if args.command == "trace":
             from ccld_plugin.postmortem.commands import trace
 

@@ -191,6 +191,9 @@ class DiagnoserConfig:
     """A rank is a straggler when its compute time is this many times its cohort's median."""
     mad_k: float = 5.0
     """...and above the cohort median by this many MADs."""
+    record: str | None = None
+    """A file to record every round's input in (each rank's summary as received), for
+    ``ccld replay``: the same diagnosis again, later, with another config or version."""
 
     def __post_init__(self) -> None:
         _check(self.rank >= -1, "diagnoser.rank", self.rank, ">= 0, or -1 (ccld diagnoser)")
@@ -444,6 +447,9 @@ def check_paths(cfg: CcldConfig) -> None:
     jsonl = cfg.sinks.jsonl_file()
     if jsonl is not None:
         _check_writable("sinks.jsonl", cfg.sinks.jsonl, jsonl, directory=False)
+    if cfg.diagnoser.record:
+        record = cfg.diagnoser.record
+        _check_writable("diagnoser.record", record, Path(record), directory=False)
     wandb = cfg.sinks.wandb
     if wandb.enabled and wandb.dir:
         _check_writable("sinks.wandb.dir", wandb.dir, Path(wandb.dir), directory=True)

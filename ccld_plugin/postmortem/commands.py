@@ -6,13 +6,15 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ccld_plugin.postmortem.boards import JobBoards, load_boards
+from ccld_plugin.diagnose import Verdict
+from ccld_plugin.postmortem.boards import JobBoards, PostmortemError, load_boards
 from ccld_plugin.postmortem.diagnose_boards import diagnose_boards, job_config
+from ccld_plugin.postmortem.replay import replay
 from ccld_plugin.postmortem.timeline import write_trace
 from ccld_plugin.sinks import JsonlSink, render_verdict
 from ccld_plugin.sinks.jsonl import read_verdicts
 
-__all__ = ["diagnose", "trace"]
+__all__ = ["diagnose", "replay_recording", "trace"]
 
 
 def _header(boards: JobBoards, path: Path, console: Console) -> None:
@@ -24,13 +26,7 @@ def _header(boards: JobBoards, path: Path, console: Console) -> None:
         console.print(f"[yellow]note: {note}[/]")
 
 
-def diagnose(
-    path: Path, config: Path | None, overrides: list[str], jsonl: Path | None, console: Console
-) -> int:
-    cfg = job_config(path, config, overrides)
-    boards = load_boards(path)
-    _header(boards, path, console)
-    verdicts = diagnose_boards(boards, cfg)
+def _emit(verdicts: list[Verdict], jsonl: Path | None, console: Console) -> None:
     sink = JsonlSink(jsonl) if jsonl else None
     for v in verdicts:
         console.print(render_verdict(v.to_dict()))
@@ -38,8 +34,31 @@ def diagnose(
             sink.emit(v)
     if sink:
         sink.close()
+
+
+def diagnose(
+    path: Path, config: Path | None, overrides: list[str], jsonl: Path | None, console: Console
+) -> int:
+    cfg = job_config(path, config, overrides)
+    boards = load_boards(path)
+    _header(boards, path, console)
+    verdicts = diagnose_boards(boards, cfg)
+    _emit(verdicts, jsonl, console)
     if not verdicts:
         console.print("no verdict: no rank was hung, stuck, gone or mismatched at the end")
+    return 0
+
+
+def replay_recording(
+    path: Path, config: Path | None, overrides: list[str], jsonl: Path | None, console: Console
+) -> int:
+    try:
+        _, verdicts = replay(path, config, overrides)
+    except (OSError, ValueError) as exc:
+        raise PostmortemError(f"{path}: {exc}") from None
+    _emit(verdicts, jsonl, console)
+    if not verdicts:
+        console.print("no verdict in the recorded rounds")
     return 0
 
 

@@ -17,13 +17,14 @@ import numpy as np
 
 from ccld_plugin.agent.agent import LocalReport
 from ccld_plugin.board.process import HOST_BYTES, process_alive
-from ccld_plugin.config import CcldConfig
+from ccld_plugin.config import CcldConfig, to_yaml
 from ccld_plugin.control import ControlPlane, owner_record, request_timeout_s, resync_epoch
 from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
 from ccld_plugin.diagnose.analyzer import located_by_channels
 from ccld_plugin.diagnose.view import topology_of
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.sinks import Sink
+from ccld_plugin.wire.round_record import RecordedRound, RoundRecorder
 from ccld_plugin.wire.summary import HEAD_DTYPE
 from ccld_plugin.wire.summary_batch import SummaryTable
 from ccld_plugin.wire.topology import GroupInfo, Topology, role_index
@@ -112,6 +113,12 @@ class DiagnoserService:
         self._owner = owner_record(self.rank, self._host, os.getpid())
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._recorder: RoundRecorder | None = None
+        if cfg.diagnoser.record:
+            try:
+                self._recorder = RoundRecorder(Path(cfg.diagnoser.record), to_yaml(cfg))
+            except OSError as exc:
+                report_error("diagnoser.record", exc)
         self._thread = threading.Thread(target=self._run, name="ccld-diagnoser", daemon=True)
         self._lease = threading.Thread(target=self._hold_lease, name="ccld-lease", daemon=True)
 
@@ -140,6 +147,8 @@ class DiagnoserService:
                 sink.close()
             except Exception as exc:  # noqa: BLE001
                 report_error("diagnoser.sink", exc)
+        if self._recorder is not None:
+            self._recorder.close()
         if self.config_file is not None and self.cfg.board.cleanup:
             self.config_file.unlink(missing_ok=True)  # else the board directory stays
 
@@ -236,6 +245,7 @@ class DiagnoserService:
             try:
                 with gc_paused():
                     view = self._view()
+                    self._record(view)
                     verdicts = self.diagnoser.round(view) if view.summaries else []
             except Exception as exc:  # noqa: BLE001
                 report_error("diagnoser.round", exc)
@@ -261,6 +271,28 @@ class DiagnoserService:
                     except Exception as exc:  # noqa: BLE001
                         report_error(f"diagnoser.{type(sink).__name__}", exc)
         return len(verdicts)
+
+    def _record(self, view: JobView) -> None:
+        """Append the round's input to the recording (diagnoser.record)."""
+        if self._recorder is None:
+            return
+        try:
+            self._recorder.write(
+                RecordedRound(
+                    now_ns=view.now_ns,
+                    job_start_ns=view.job_start_ns,
+                    world=view.world,
+                    values=self._last_good,
+                    tables=view.tables,
+                    gone=view.gone,
+                    observer=view.observer,
+                    store_local=view.store_local,
+                    store_failed=view.store_failed,
+                )
+            )
+        except Exception as exc:  # noqa: BLE001
+            report_error("diagnoser.record", exc)
+            self._recorder = None
 
     def _read_store(self) -> tuple[dict[int, bytes], str | None]:
         """Every rank's latest summary from the store, or ({}, why) when the store does not

@@ -1,0 +1,55 @@
+"""``ccld replay``: a recorded job's diagnosis again (``diagnoser.record``): a fresh analyzer
+through the recorded rounds, with the job's config or another, and the verdicts it gives."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from ccld_plugin.config import CcldConfig, load_config
+from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
+from ccld_plugin.diagnose.analyzer import located_by_channels
+from ccld_plugin.diagnose.view import topology_of
+from ccld_plugin.wire.round_record import read_recording
+from ccld_plugin.wire.summary_batch import SummaryTable
+from ccld_plugin.wire.topology import GroupInfo, Topology
+
+__all__ = ["replay"]
+
+
+def replay(
+    path: Path, config: Path | None = None, overrides: Iterable[str] = ()
+) -> tuple[CcldConfig, list[Verdict]]:
+    """The config the replay ran with (the recording's, else ``config``; ``overrides`` on
+    top) and every verdict of the recorded rounds, in order."""
+    recorded, rounds = read_recording(path)
+    source = config if config is not None else yaml.safe_load(recorded)
+    cfg = load_config(source, overrides, writing=False)
+    diagnoser = Diagnoser(cfg.diagnoser, cfg.agent.interval_s, located_by_channels)
+    verdicts: list[Verdict] = []
+    tables: dict[int, list[GroupInfo]] | None = None
+    topology = Topology()
+    for r in rounds:
+        table, _ = SummaryTable.decode(r.values)  # recorded as they decoded live
+        known = np.isin(table.ranks, list(r.tables))
+        if not known.all():  # as live: a rank is in once its group table is read
+            table = table.select(known)
+        if r.tables is not tables:
+            tables, topology = r.tables, topology_of(r.tables)
+        view = JobView(
+            summaries=table,
+            tables=r.tables,
+            now_ns=r.now_ns,
+            job_start_ns=r.job_start_ns,
+            world=r.world,
+            gone=r.gone,
+            topology=topology,
+            observer=r.observer,
+            store_local=r.store_local,
+            store_failed=r.store_failed,
+        )
+        verdicts += diagnoser.round(view)
+    return cfg, verdicts
