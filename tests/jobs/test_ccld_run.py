@@ -28,20 +28,36 @@ def _torchrun(world: int) -> list[str]:
     return [*launch, "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
 
 
+def _deepspeed(world: int) -> list[str]:
+    """The deepspeed launcher (its runner, then one launch process that starts the ranks)."""
+    runner = Path(sys.executable).parent / "deepspeed"
+    return [str(runner), "--num_gpus", str(world), "--master_port", str(free_port())]
+
+
 def _env(fault: str, steps: int) -> dict[str, str]:
     return {**os.environ, "FAULT": fault, "STEPS": str(steps), "OMP_NUM_THREADS": "1"}
 
 
 def ccld_run(
-    tmp: Path, script: str, fault: str, steps: int, timeout_s: float = 180, world: int = 4
+    tmp: Path,
+    script: str,
+    fault: str,
+    steps: int,
+    timeout_s: float = 180,
+    world: int = 4,
+    launcher=_torchrun,
 ) -> list[dict]:
-    """Run ``script`` on ``world`` ranks under ``ccld run -- python -m
-    torch.distributed.run``; a hung job is ended once a verdict says it will not recover.
-    Its verdicts."""
+    """Run ``script`` on ``world`` ranks under ``ccld run -- <launcher>`` (default
+    ``python -m torch.distributed.run``); a hung job is ended once a verdict says it will
+    not recover. Its verdicts."""
     sets = [*FAST, f"board.dir={tmp}", "job=j", "board.cleanup=false"]
     sets += [f"sinks.jsonl={tmp / 'verdicts.jsonl'}", "sinks.console=false"]
-    cmd = [*CCLD, "run", *sum((["--set", s] for s in sets), []), "--", *_torchrun(world)]
+    cmd = [*CCLD, "run", *sum((["--set", s] for s in sets), []), "--", *launcher(world)]
     env = _env(fault, steps)
+    # DeepSpeed on this machine's CPU: its CPU accelerator, and no torch.compile import
+    env.update(DS_ACCELERATOR="cpu", TORCHDYNAMO_DISABLE="1")
+    # the deepspeed runner finds the Python that runs the ranks on PATH
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     log = open(tmp / "job.log", "wb")  # noqa: SIM115 - the job's
     proc = subprocess.Popen(
         [*cmd, str(SCRIPTS / script)],
@@ -154,6 +170,18 @@ def test_device_mesh_straggler(tmp_path):
         _log(tmp_path),
     )
     assert slow[0]["group"]["role"] in ("tp", "dp")
+
+
+def test_deepspeed_launcher_compute_hang(tmp_path):
+    """An unchanged DeepSpeed script under the deepspeed launcher: its groups get their roles
+    at deepspeed.initialize, its steps come from the optimizer step hook."""
+    verdicts = ccld_run(tmp_path, "ds_plain.py", "hang@1:6", 60, timeout_s=240, launcher=_deepspeed)
+    assert len(verdicts) == 1, (verdicts, _log(tmp_path))
+    (v,) = verdicts
+    assert (v["kind"], v["cause"], v["ranks"]) == ("hang", "compute", [1])
+    assert v["group"] == {**v["group"], "role": "dp", "ranks": [0, 1, 2, 3]}
+    assert v["step"] == 6
+    assert any("ds_plain.py" in f and "in main" in f for f in v["stack"] or []), v["stack"]
 
 
 PROBE = (
