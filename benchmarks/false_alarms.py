@@ -11,11 +11,11 @@ twice a second and keeps each completed op, so the benchmark has its own per-ran
 compute time for every step: the span from the step's first op to the next step's first
 op, minus the time blocked in synchronous ops (the agent measures from ``mark_step``; the
 shift is the same for every rank of a cohort). A ``slow``/``compute`` verdict counts as
-*true* only when these times show the named rank slower than the median of its cohort by
-``diagnoser.slow_ratio`` in each of the ``confirm_windows`` windows of steps, end to end,
-that the detector's sliding windows spanned before it; every other verdict on a healthy
-run is *false*. Every false
-verdict is printed with its evidence facts.
+*true* only when these times show the named rank slower than its cohort by
+``diagnoser.slow_ratio`` over the steps the verdict judged (the median over those steps of
+its compute over the median of its cohort's others in the same step); every other
+verdict on a healthy run is *false*. Every false verdict is printed with its evidence
+facts.
 
 ``--loaded`` runs as many busy processes as there are cores during every run (other work
 competing for the CPUs). ``--set`` is passed to the demo (``diagnoser.hang_min_s=3``).
@@ -47,8 +47,6 @@ from ccld_plugin.board.reader import BoardError, BoardReader, board_files
 from ccld_plugin.config import load_config
 from ccld_plugin.harness.demo import DemoOptions, run_demo
 from ccld_plugin.wire.codes import FLAG_ASYNC, STATE_DONE, STATE_IN_FLIGHT
-
-FIRST_STEP = 1  # the slow detector's first window starts here (step 0 is warm-up)
 
 
 @dataclass(frozen=True)
@@ -212,7 +210,9 @@ class Judged:
 
 def judge(v: dict, compute: dict, cfg) -> tuple[bool | None, str]:
     """Whether a verdict on a healthy run is true: the rank's own compute times show it
-    slower than its cohort by slow_ratio in every confirming window."""
+    slower than its cohort by slow_ratio over the steps the verdict judged (the median,
+    over those steps, of its compute over the median of its cohort's others that step:
+    the detector's own measure, on the benchmark's times)."""
     if (v["kind"], v["cause"]) != ("slow", "compute"):
         return False, f"{v['kind']}/{v['cause']} on a healthy run"
     ev = next((e for e in v["evidence"] if e["fact"] == "compute_excess"), None)
@@ -220,40 +220,24 @@ def judge(v: dict, compute: dict, cfg) -> tuple[bool | None, str]:
         return False, "no compute_excess evidence"
     r, d = v["ranks"][0], ev["data"]
     cohort = [c for c in d["cohort"] if c != r]
-    needed = cfg.confirm_windows  # the span the sliding windows covered, end to end
-    w = cfg.window_steps
-    last = int(d["last_step"])
-    ratios, ratios_all = [], []
-    for k in range(needed):
-        hi = last - k * w
-        lo = hi - w + 1
-        if lo < FIRST_STEP:
-            return None, f"window {lo}-{hi} before the first window"
-        mine = _window_median(compute, r, 0, lo, hi)
-        others = [m for c in cohort if (m := _window_median(compute, c, 0, lo, hi)) is not None]
-        if mine is None or not others:
-            return None, f"no own times for steps {lo}-{hi}"
-        ratios.append((lo, hi, mine / statistics.median(others)))
-        mine_all = _window_median(compute, r, 1, lo, hi)
-        others_all = [m for c in cohort if (m := _window_median(compute, c, 1, lo, hi)) is not None]
-        if mine_all is not None and others_all and statistics.median(others_all) > 0:
-            ratios_all.append(mine_all / statistics.median(others_all))
-    shown = ", ".join(f"{lo}-{hi}: {x:.2f}x" for lo, hi, x in reversed(ratios))
-    if ratios_all:
-        shown += (
-            " (excluding async ops too: "
-            + ", ".join(f"{x:.2f}x" for x in reversed(ratios_all))
-            + ")"
-        )
-    ok = all(x >= cfg.slow_ratio for _, _, x in ratios)
-    return ok, f"own compute ratio to cohort {cohort}: {shown}; needs >= {cfg.slow_ratio}"
-
-
-def _window_median(compute: dict, rank: int, which: int, lo: int, hi: int) -> float | None:
-    """Median over steps lo..hi of a rank's own compute times (None: under half known)."""
-    mine = compute.get(rank, {})
-    vals = [mine[s][which] for s in range(lo, hi + 1) if s in mine]
-    return statistics.median(vals) if len(vals) * 2 >= hi - lo + 1 else None
+    lo, hi = int(d["first_step"]), int(d["last_step"])
+    shown = []
+    for which, label in ((0, ""), (1, " excluding async ops too")):
+        ratios = []
+        for s in range(lo, hi + 1):
+            mine = compute.get(r, {}).get(s)
+            others = [compute[c][s][which] for c in cohort if s in compute.get(c, {})]
+            if mine is not None and others and statistics.median(others) > 0:
+                ratios.append(mine[which] / statistics.median(others))
+        if len(ratios) * 2 < hi - lo + 1:
+            return None, f"own times for {len(ratios)} of steps {lo}-{hi}"
+        shown.append((label, statistics.median(ratios)))
+    x = shown[0][1]
+    text = ", ".join(f"{y:.2f}x{label}" for label, y in shown)
+    return x >= cfg.slow_ratio, (
+        f"own median per-step compute ratio to cohort {cohort} over steps {lo}-{hi}: "
+        f"{text}; needs >= {cfg.slow_ratio}"
+    )
 
 
 # --------------------------------------------------------------------- runs

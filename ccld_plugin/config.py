@@ -187,10 +187,12 @@ class DiagnoserConfig:
     """Steps per slow-detection window."""
     confirm_windows: int = 2
     """Consecutive windows that must agree before a slow verdict."""
-    slow_ratio: float = 1.3
-    """A rank is a straggler when its compute time is this many times its cohort's median."""
-    mad_k: float = 5.0
-    """...and above the cohort median by this many MADs."""
+    slow_ratio: float = 1.2
+    """A rank is a straggler when its compute time, step by step, is this many times its
+    cohort's median (the median of its per-step ratios over the windows judged)..."""
+    excess_z: float = 4.0
+    """...and that median stands this many standard errors above 1 (robust: from the MAD
+    of the per-step ratios), so that a host's noise does not make one."""
     record: str | None = None
     """A file to record every round's input in (each rank's summary as received), for
     ``ccld replay``: the same diagnosis again, later, with another config or version."""
@@ -225,9 +227,9 @@ class DiagnoserConfig:
             "> 1 and <= 1000",
         )
         _check(
-            math.isfinite(self.mad_k) and 0 < self.mad_k <= 1000,
-            "diagnoser.mad_k",
-            self.mad_k,
+            math.isfinite(self.excess_z) and 0 < self.excess_z <= 1000,
+            "diagnoser.excess_z",
+            self.excess_z,
             "> 0 and <= 1000",
         )
 

@@ -2,9 +2,9 @@
 early members waited for the last arriver) and *transfer* (from the last arrival to the
 first exit), then name
 
-- a compute-bound straggler: a rank whose compute time per step is above its cohort by a
-  robust margin and that its peers wait for (it arrives last), in ``confirm_windows``
-  consecutive windows;
+- a compute-bound straggler: a rank whose compute time, step by step, stays above its
+  cohort's by ``slow_ratio`` and by ``excess_z`` standard errors over whole windows
+  (``compute_excess``), and that its peers wait for (it arrives last);
 - communication-bound slowness: a group whose transfer bandwidth is an outlier against its
   sibling groups of the same role or against its own history; slow groups of different
   roles are intersected to find the common rank.
@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose.arrivals import ArrivalJoin, Joined
+from ccld_plugin.diagnose.compute_excess import Excess, compute_excess
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.robust import RankedValues
 from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkFinding
@@ -44,7 +45,7 @@ WAITED_FOR_SHARE_SMALL_COHORT = 0.6
 # Clear-cut: an injected straggler, slowed before every collective, had 80-100% of the
 # waiting in its streak; ranks of a healthy 8-rank job on 2 cores that the host's
 # scheduler held back for ~10 steps had 60-79%. Below this share a straggler is confirmed
-# one window later, which such an episode rarely lasts.
+# over the longer span only, which such an episode rarely lasts.
 CLEAR_WAITED_FOR_SHARE = 0.8
 MIN_STEP_SHARE = 0.05  # excess compute below 5% of the step time is noise, not a verdict
 # A group's transfer bandwidth must fall this far below its siblings' (and below its own
@@ -67,15 +68,18 @@ class SlowDetector:
         self.arrivals = ArrivalJoin()
         self.joined: deque[Joined] = deque(maxlen=MAX_JOINED)
         self.next_end = FIRST_STEP + cfg.window_steps  # the step after the next window
-        self._stride = 1  # steps from one straggler window to the next
+        # Steps a straggler's excess is judged over: the confirming windows end to end, and
+        # twice as many for a weak one (compute_excess).
+        span = cfg.confirm_windows * cfg.window_steps
+        self.spans = (span, 2 * span)
         self.streak: dict[tuple, int] = defaultdict(int)
         self.first_seen: dict[tuple, int] = {}
         self.bw_history: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=20))
         self.channels = ChannelHistory()  # per-peer TCP evidence: names the slow link's rank
-        self._streak_t0: dict[tuple, int] = {}  # a straggler streak's first window's start
+        self.slower: set[int] = set()  # ranks computing slower than their cohort just now
         # Stragglers with a verdict: told once per job, as the analyzer tells any finding
-        # once; a streak broken by one noisy window and resumed is the same straggler.
-        self._straggler_told: set[tuple] = set()
+        # once; one slow again after a pause is the same straggler.
+        self._straggler_told: set[int] = set()
         self._channel_found: LinkFinding | None = None  # of the current streak
         self._comm_reported: set[tuple] = set()  # communication streaks with a verdict
         self._cohort_key = -1
@@ -85,7 +89,7 @@ class SlowDetector:
     def ingest(self, view: JobView, fresh: Sequence[RankSummary]) -> None:
         """Take in ``fresh``: the summaries of the view not taken in before."""
         self.channels.ingest(fresh)
-        self.steps.ingest(fresh, self.next_window_start() - 4 * self.cfg.window_steps)
+        self.steps.ingest(fresh, self.next_end - max(self.spans) - self.cfg.window_steps)
         self.joined.extend(self.arrivals.add(view, fresh))
 
     def next_window_start(self) -> int:
@@ -93,112 +97,80 @@ class SlowDetector:
 
     # ------------------------------------------------------------------ windows
     def evaluate(self, view: JobView) -> list[Verdict]:
-        """Judge every window of ``window_steps`` steps that all ranks have finished. The
-        straggler window slides one step at a time (a straggler is confirmed as soon as
-        it has stayed slow for ``confirm_windows`` windows' worth of steps, wherever its
-        onset falls); the bandwidth and link windows follow each other end to end, as
-        the channel evidence needs whole agent intervals. Above SLIDE_MAX_RANKS ranks the
-        straggler window moves a whole window at a time too: a window costs a pass over
-        every rank's steps (~45 ms at 2,048 ranks), and a round must stay within budget."""
+        """Judge every step that all ranks have finished. Stragglers are judged at every
+        step (over the spans ending there: a straggler is named as soon as its excess shows,
+        wherever its onset falls); the bandwidth and link windows follow each other end to
+        end, as the channel evidence needs whole agent intervals. Above SLIDE_MAX_RANKS
+        ranks stragglers are judged once per window too: a judgement costs a pass over
+        every rank's steps, and a round must stay within budget."""
         verdicts: list[Verdict] = []
         w = self.cfg.window_steps
         while True:
             lo, hi = self.next_end - w, self.next_end
             if not self.steps.all_reached(hi - 1):
                 return verdicts
-            self._stride = 1 if len(self.steps.ranks()) <= SLIDE_MAX_RANKS else w
-            self.next_end += self._stride
+            self.next_end += 1 if len(self.steps.ranks()) <= SLIDE_MAX_RANKS else w
             verdicts += self._window(view, lo, hi, links=(hi - FIRST_STEP) % w == 0)
 
     def _window(self, view: JobView, lo: int, hi: int, links: bool) -> list[Verdict]:
         window = self.steps.window(lo, hi)
         if window is None:
             return []
-        # median compute and step time per step over the window
-        compute = dict(zip(window.ranks, window.compute_us, strict=True))
-        step_us = dict(zip(window.ranks, window.step_us, strict=True))
         t0, t1 = window.t0, window.t1
-        # Windows go forward only; a straggler's streak keeps its samples since it began.
-        keep_from = min(t0, *self._streak_t0.values()) if self._streak_t0 else t0
+        # Windows go forward only; the samples of the longest straggler span are kept.
+        keep_from = self.steps.first_start_ns(hi - max(self.spans))
+        keep_from = t0 if keep_from is None else min(t0, keep_from)
         while self.joined and self.joined[0].time_ns < keep_from:
             self.joined.popleft()
-        log.debug(
-            "ccld window %d-%d: compute us %s, %d joined samples kept",
-            lo,
-            hi - 1,
-            {r: round(x) for r, x in sorted(compute.items())},
-            len(self.joined),
-        )
-        verdicts = self._stragglers(view, compute, step_us, lo, hi, t0, t1)
+        step_us = dict(zip(window.ranks, window.step_us, strict=True))
+        verdicts = self._stragglers(view, step_us, hi - 1, t1)
         if links:  # only these windows read the window's joined samples as a list
             joined = [j for j in self.joined if t0 <= j.time_ns <= t1]
             verdicts += self._slow_links(view, joined, lo, hi, t0, t1)
         return verdicts
 
     def _stragglers(
-        self,
-        view: JobView,
-        compute: dict[int, float],
-        step_us: dict[int, float],
-        lo: int,
-        hi: int,
-        t0: int,
-        t1: int,
+        self, view: JobView, step_us: dict[int, float], last: int, t1: int
     ) -> list[Verdict]:
-        """Stragglers of the window [lo, hi) (steps), spanning [t0, t1] in time. Compute
-        time is judged in every window; the arrival order, once a rank has stayed slow
-        for the windows a verdict needs, over all the samples of its streak (one window
-        holds too few to be sure of, in a two-rank cohort above all)."""
-        out = []
-        candidates = set()
+        """Stragglers as of step ``last`` (ending at ``t1``): ranks whose compute exceeds
+        their cohort's over a span of steps (compute_excess), by enough of the step time
+        to matter, and whose peers waited for them over that span (the arrival order)."""
         cohorts = self._cohorts(view.topology)
-        # Per cohort, once: its members in this window, their compute times sorted (each
-        # member is judged against the median of the others) and the median step time.
-        per_cohort: dict[tuple[int, ...], tuple[list[int], RankedValues, float]] = {}
-        for r, x in compute.items():
-            ck = tuple(cohorts.get(r, (r,)))
-            entry = per_cohort.get(ck)
-            if entry is None:
-                members = [c for c in ck if c in compute]
-                entry = per_cohort[ck] = (
-                    members,
-                    RankedValues({c: compute[c] for c in members}),
-                    statistics.median(step_us[c] for c in members) if members else 0.0,
-                )
-            cohort, ranked, cohort_step_us = entry
-            me = [r] if r in ranked.pos else []
-            if len(ranked) - len(me) == 0:
+        found = compute_excess(
+            self.steps,
+            cohorts,
+            last,
+            self.spans,
+            self.cfg.slow_ratio,
+            self.cfg.excess_z,
+        )
+        self.slower = {e.rank for e in found}
+        out = []
+        for e in found:
+            if e.rank in self._straggler_told:
                 continue
-            med = ranked.median_without(me)
-            if med <= 0 or x < self.cfg.slow_ratio * med:
-                continue
-            why_not = self._slower_than_cohort(r, x, med, cohort, compute, cohort_step_us)
-            if why_not:
-                _not_a_straggler(lo, hi, r, x / med, cohort, why_not)
-                continue
-            key = (Kind.SLOW, Cause.COMPUTE, r)
-            candidates.add(key)
-            self.streak[key] += 1
-            self.first_seen.setdefault(key, lo)
-            self._streak_t0.setdefault(key, t0)
-            if self.streak[key] < self._straggler_windows() or key in self._straggler_told:
-                continue
-            mine = self._streak_samples(r, self._streak_t0[key], t1)
-            balance = _wait_balance(r, mine)
-            lasted_longer = self.streak[key] >= self._straggler_windows(
-                self.cfg.confirm_windows + 1
+            cohort = cohorts.get(e.rank, [e.rank])
+            cohort_step_us = statistics.median(
+                [step_us[c] for c in cohort if c in step_us] or [0.0]
             )
-            why_not = _not_waited_for(len(cohort), mine, balance.share, lasted_longer)
-            if why_not:
-                _not_a_straggler(lo, hi, r, x / med, cohort, why_not)
+            # A straggler worth a verdict costs the job a real share of its step time.
+            if e.compute_us - e.cohort_us < MIN_STEP_SHARE * cohort_step_us:
+                why = (
+                    f"excess {(e.compute_us - e.cohort_us) / 1000:.1f} ms < "
+                    f"{MIN_STEP_SHARE:.0%} of the step"
+                )
+                _not_a_straggler(e, cohort, why)
                 continue
-            self._straggler_told.add(key)
-            out.append(self._straggler_verdict(view, r, x, med, cohort, mine, balance, lo, hi, key))
-        for key in list(self.streak):
-            if key[:2] == (Kind.SLOW, Cause.COMPUTE) and key not in candidates:
-                self.streak.pop(key)
-                self.first_seen.pop(key, None)
-                self._streak_t0.pop(key, None)
+            start = self.steps.start_ns(e.rank, e.first)
+            mine = self._streak_samples(e.rank, t1 if start is None else start, t1)
+            balance = _wait_balance(e.rank, mine)
+            longest = e.last - e.first + 1 >= max(self.spans)
+            why = _not_waited_for(len(cohort), mine, balance.share, longest)
+            if why:
+                _not_a_straggler(e, cohort, why)
+                continue
+            self._straggler_told.add(e.rank)
+            out.append(self._straggler_verdict(view, e, cohort, mine, balance))
         return out
 
     def _streak_samples(self, r: int, t0: int, t1: int) -> list[Joined]:
@@ -208,33 +180,6 @@ class SlowDetector:
             for j in self.joined
             if t0 <= j.time_ns <= t1 and j.group.size > 1 and bool((j.members == r).any())
         ]
-
-    def _straggler_windows(self, windows: int | None = None) -> int:
-        """Consecutive straggler windows a straggler must be seen in: as many as span
-        ``windows`` (default ``confirm_windows``) windows of steps end to end."""
-        windows = self.cfg.confirm_windows if windows is None else windows
-        return (windows - 1) * self.cfg.window_steps // self._stride + 1
-
-    def _slower_than_cohort(
-        self,
-        r: int,
-        x: float,
-        med: float,
-        cohort: list[int],
-        compute: dict[int, float],
-        cohort_step_us: float,
-    ) -> str:
-        """Why rank r, computing x against its cohort's median med, is not slower than its
-        cohort by enough to matter (empty when it is)."""
-        # A straggler worth a verdict costs the job a real share of its step time.
-        if x - med < MIN_STEP_SHARE * cohort_step_us:
-            return f"excess {(x - med) / 1000:.1f} ms < {MIN_STEP_SHARE:.0%} of the step"
-        if len(cohort) >= 3:  # robust margin against the spread of the others
-            others = [compute[c] for c in cohort if c != r]
-            mad = statistics.median(abs(v - med) for v in others)
-            if x - med < self.cfg.mad_k * max(mad, 0.01 * med):
-                return f"within {self.cfg.mad_k} MAD of the others ({mad / 1000:.1f} ms)"
-        return ""
 
     def _cohorts(self, topo: Topology) -> dict[int, list[int]]:
         """Statistics cohort of every rank, recomputed only when the topology changes."""
@@ -250,16 +195,12 @@ class SlowDetector:
     def _straggler_verdict(
         self,
         view: JobView,
-        r: int,
-        x: float,
-        med: float,
+        e: Excess,
         cohort: list[int],
         mine: list[Joined],
         balance: _WaitBalance,
-        lo: int,
-        hi: int,
-        key: tuple,
     ) -> Verdict:
+        r = e.rank
         imposed: dict[int, float] = defaultdict(float)
         groups: dict[int, GroupInfo] = {}
         group: GroupInfo | None  # None for a rank in no dp, tp or world group
@@ -275,19 +216,20 @@ class SlowDetector:
                 or view.topology.group_of(r, "tp")
                 or view.topology.group_of(r, "world")
             )
-        first = self.first_seen.get(key, lo)
-        onset_ns = self.steps.start_ns(r, first)
+        onset_ns = self.steps.start_ns(r, e.first)
         evidence = [
             Evidence.of(
                 "compute_excess",
                 "compute {compute_ms:.1f} ms/step vs {median_ms:.1f} ms median of its cohort "
-                "{cohort} ({ratio:.2f}x) over steps {first_step}-{last_step}",
-                compute_ms=x / 1000,
-                median_ms=med / 1000,
+                "{cohort} ({ratio:.2f}x, step by step, {z:.1f} standard errors above its "
+                "cohort) over steps {first_step}-{last_step}",
+                compute_ms=e.compute_us / 1000,
+                median_ms=e.cohort_us / 1000,
                 cohort=cohort,
-                ratio=x / med,
-                first_step=lo,
-                last_step=hi - 1,
+                ratio=e.ratio,
+                z=e.z,
+                first_step=e.first,
+                last_step=e.last,
             )
         ]
         if balance.share is not None and mine:
@@ -310,10 +252,10 @@ class SlowDetector:
             cause=Cause.COMPUTE,
             ranks=[r],
             group=group.to_dict() if group else None,
-            step=hi - 1,
+            step=e.last,
             onset_s=view.seconds(onset_ns) if onset_ns is not None else None,
             detected_s=view.seconds(view.now_ns),
-            severity=round(x / med, 2),
+            severity=round(e.ratio, 2),
             evidence=evidence,
         )
 
@@ -335,7 +277,7 @@ class SlowDetector:
         for gid, b in bw.items():
             by_role[groups[gid].role][gid] = b
         ranked = {role: RankedValues(v) for role, v in by_role.items()}
-        stragglers = {k[2] for k in self.streak if k[:2] == (Kind.SLOW, Cause.COMPUTE)}
+        stragglers = self.slower
         slow: list[tuple[GroupInfo, float, float]] = []
         for gid, b in bw.items():
             g = groups[gid]
@@ -544,42 +486,43 @@ def _wait_balance(r: int, mine: list[Joined]) -> _WaitBalance:
 
 
 def _not_waited_for(
-    cohort_size: int, mine: list[Joined], waited_for: float | None, lasted_longer: bool
+    cohort_size: int, mine: list[Joined], waited_for: float | None, longest: bool
 ) -> str:
     """Why the collectives ``mine`` of a rank slower than its cohort do not show its peers
     waiting for it (yet; empty when they do). With a cohort too small for statistics the
     arrival order has to decide, so it must have more samples and be clearer; an order
-    that is not clear-cut counts once the streak ``lasted_longer`` by a window."""
+    that is not clear-cut counts only over the ``longest`` span."""
     small = cohort_size < 3
     need_n = MIN_ARRIVAL_SAMPLES * (2 if small else 1)
     need = WAITED_FOR_SHARE_SMALL_COHORT if small else WAITED_FOR_SHARE
-    if not mine and not small:  # none taken: the cohort's statistics decide, a window later
-        return "" if lasted_longer else "no arrival samples: one more window"
-    if len(mine) < need_n:  # a few: more come while the streak lasts
-        return f"{len(mine)} arrival samples in its streak (< {need_n})"
+    if not mine and not small:  # none taken: the cohort's statistics decide, over more steps
+        return "" if longest else "no arrival samples: the longer span decides"
+    if len(mine) < need_n:  # a few: more come while it stays slow
+        return f"{len(mine)} arrival samples in its span (< {need_n})"
     if waited_for is None or waited_for < need:
         share = "none" if waited_for is None else f"{waited_for:.0%}"
         return (
             f"its peers waiting for it are {share} of the waiting in {len(mine)} samples "
             f"(< {need:.0%})"
         )
-    if waited_for < CLEAR_WAITED_FOR_SHARE and not lasted_longer:
+    if waited_for < CLEAR_WAITED_FOR_SHARE and not longest:
         return (
             f"its peers waiting for it are {waited_for:.0%} of the waiting "
-            f"(< {CLEAR_WAITED_FOR_SHARE:.0%}): one more window"
+            f"(< {CLEAR_WAITED_FOR_SHARE:.0%}): the longer span decides"
         )
     return ""
 
 
-def _not_a_straggler(lo: int, hi: int, r: int, ratio: float, cohort: list[int], why: str) -> None:
+def _not_a_straggler(e: Excess, cohort: list[int], why: str) -> None:
     """Log a rank slower than its cohort that is no straggler (yet), and why."""
     log.debug(
-        "ccld window %d-%d: rank %d computes %.2fx its cohort %s, not a straggler: %s",
-        lo,
-        hi - 1,
-        r,
-        ratio,
+        "ccld steps %d-%d: rank %d computes %.2fx its cohort %s (z %.1f), not a straggler: %s",
+        e.first,
+        e.last,
+        e.rank,
+        e.ratio,
         cohort,
+        e.z,
         why,
     )
 

@@ -96,6 +96,26 @@ class StepTable:
         t1 = int(np.where(has, start + step_us * 1000, np.iinfo(np.int64).min).max())
         return StepWindow(rows.tolist(), med_compute.tolist(), med_step.tolist(), t0, t1)
 
+    def first_start_ns(self, step: int) -> int | None:
+        """When the first rank began ``step`` (None: no rank has it)."""
+        col = step - self.base
+        if not 0 <= col < self.has.shape[1] or not self.has[:, col].any():
+            return None
+        return int(self.cols["start_ns"][self.has[:, col], col].min())
+
+    def compute_matrix(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ranks with steps, and their compute time (us) in steps [lo, hi) as a ranks x
+        steps float array, NaN where a rank has no record of the step."""
+        ranks = np.flatnonzero(self.last >= 0)
+        out = np.full((len(ranks), hi - lo), np.nan)
+        a, b = max(0, lo - self.base), max(0, min(hi - self.base, self.has.shape[1]))
+        if b > a:
+            at = a + self.base - lo
+            cols = self.cols["compute_us"][ranks, a:b].astype(float)
+            cols[~self.has[ranks, a:b]] = np.nan
+            out[:, at : at + b - a] = cols
+        return ranks, out
+
     def _fit(self, n_ranks: int, width: int) -> None:
         """Grow the arrays to hold ``n_ranks`` ranks and ``width`` steps from the base."""
         old_n, old_w = self.has.shape

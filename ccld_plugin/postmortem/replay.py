@@ -3,6 +3,7 @@ through the recorded rounds, with the job's config or another, and the verdicts 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -20,23 +21,35 @@ from ccld_plugin.wire.topology import GroupInfo, Topology
 __all__ = ["replay"]
 
 
+def _known(values: dict, schema: dict) -> dict:
+    """``values`` without the keys ``schema`` does not have (at every level)."""
+    return {
+        k: _known(v, schema[k]) if isinstance(v, dict) and isinstance(schema[k], dict) else v
+        for k, v in values.items()
+        if k in schema
+    }
+
+
 def replay(
     path: Path, config: Path | None = None, overrides: Iterable[str] = ()
 ) -> tuple[CcldConfig, list[Verdict]]:
     """The config the replay ran with (the recording's, else ``config``; ``overrides`` on
     top) and every verdict of the recorded rounds, in order."""
     recorded, rounds = read_recording(path)
-    source = config if config is not None else yaml.safe_load(recorded)
-    cfg = load_config(source, overrides, writing=False)
+    if config is not None:
+        cfg = load_config(config, overrides, writing=False)
+    else:  # recorded by another version: its keys that this one does not know are left out
+        schema = dataclasses.asdict(CcldConfig())
+        cfg = load_config(_known(yaml.safe_load(recorded) or {}, schema), overrides, writing=False)
     diagnoser = Diagnoser(cfg.diagnoser, cfg.agent.interval_s, located_by_channels)
     verdicts: list[Verdict] = []
     tables: dict[int, list[GroupInfo]] | None = None
     topology = Topology()
     for r in rounds:
         table, _ = SummaryTable.decode(r.values)  # recorded as they decoded live
-        known = np.isin(table.ranks, list(r.tables))
-        if not known.all():  # as live: a rank is in once its group table is read
-            table = table.select(known)
+        listed = np.isin(table.ranks, list(r.tables))
+        if not listed.all():  # as live: a rank is in once its group table is read
+            table = table.select(listed)
         if r.tables is not tables:
             tables, topology = r.tables, topology_of(r.tables)
         view = JobView(

@@ -1,0 +1,160 @@
+"""How much slower each rank computes than its cohort, step by step, and how sure that is.
+
+Compute times on a busy host swing by tens of percent from one step to the next, and they
+swing together: whatever slows the host slows every rank of that step. So a rank is
+compared with its cohort *within each step* (its compute over the median of the others'
+in that same step), and the comparison is judged over a span of steps as a robust test:
+the median of the per-step log ratios over the span, in units of its standard error
+(1.2533 x the spread / sqrt(steps), the spread 1.4826 x the MAD of the rank's own
+per-step ratios, or the job's typical spread when that is larger). A straggler's
+per-step ratios sit consistently above 1; a rank that was slow in a few steps only (a
+garbage collection, a checkpoint) or that merely swings more than the others does not
+reach the bar. Spans are whole windows (``confirm_windows`` x ``window_steps`` steps, and
+twice that), so a strong straggler is named over the shorter span and a weak one once
+the longer span has gathered enough steps.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from ccld_plugin.diagnose.step_table import StepTable
+
+__all__ = ["Excess", "compute_excess"]
+
+MAD_TO_SIGMA = 1.4826  # the MAD of normal noise times this is its standard deviation
+MEDIAN_SE = 1.2533  # the standard error of a median is this times the mean's
+SPREAD_FLOOR = 0.02  # log ratio: below 2% step-to-step spread, measurement resolution
+MIN_COVER = 0.8  # of a span's steps, the share a rank (and its cohort) must have
+
+
+class Excess(NamedTuple):
+    """A rank slower than its cohort over ``steps`` steps ending at ``last``: its median
+    compute per step and the median of its cohort's others (us), the median per-step
+    ratio and how many standard errors it stands above 1."""
+
+    rank: int
+    first: int
+    last: int
+    steps: int
+    compute_us: float
+    cohort_us: float
+    ratio: float
+    z: float
+
+
+def compute_excess(
+    table: StepTable,
+    cohorts: Mapping[int, Sequence[int]],
+    last: int,
+    spans: Sequence[int],
+    min_ratio: float,
+    min_z: float,
+) -> list[Excess]:
+    """Ranks whose compute exceeds their cohort's by ``min_ratio`` (median per-step ratio)
+    and by ``min_z`` standard errors, over one of ``spans`` steps ending at step ``last``
+    (the shortest span that shows it)."""
+    widest = max(spans)
+    ranks, compute = table.compute_matrix(last - widest + 1, last + 1)
+    if len(ranks) < 2:
+        return []
+    log_ratio = _log_ratio_to_cohort(ranks, compute, cohorts)
+    found: dict[int, Excess] = {}
+    for span in sorted(spans):
+        d = log_ratio[:, widest - span :]
+        have = ~np.isnan(d)
+        count = have.sum(axis=1)
+        ok = count >= MIN_COVER * span
+        if not ok.any():
+            continue
+        med = _nanmedian_rows(d, ok)
+        spread = MAD_TO_SIGMA * _nanmedian_rows(np.abs(d - med[:, None]), ok)
+        typical = float(np.median(spread[ok]))
+        sigma = np.maximum(np.maximum(spread, typical), SPREAD_FLOOR)
+        z = med / (MEDIAN_SE * sigma / np.sqrt(np.maximum(count, 1)))
+        hit = ok & (med >= math.log(min_ratio)) & (z >= min_z)
+        for i in np.flatnonzero(hit).tolist():
+            r = int(ranks[i])
+            if r in found:
+                continue
+            mine = compute[i, widest - span :]
+            others = _others_median(i, ranks, compute, cohorts)[widest - span :]
+            found[r] = Excess(
+                rank=r,
+                first=last - span + 1,
+                last=last,
+                steps=int(count[i]),
+                compute_us=float(np.nanmedian(mine)),
+                cohort_us=float(np.nanmedian(others)),
+                ratio=float(math.exp(med[i])),
+                z=float(z[i]),
+            )
+    return list(found.values())
+
+
+def _log_ratio_to_cohort(
+    ranks: np.ndarray, compute: np.ndarray, cohorts: Mapping[int, Sequence[int]]
+) -> np.ndarray:
+    """Per rank and step: log(its compute / the median of its cohort's others' that step);
+    NaN where either is unknown. The ranks that share a cohort are done together: one sort
+    of the cohort's values per step, each member's median of the others read off it."""
+    out = np.full(compute.shape, np.nan)
+    row_of = {r: i for i, r in enumerate(ranks.tolist())}
+    by_cohort: dict[tuple[int, ...], list[int]] = {}
+    for r in ranks.tolist():
+        by_cohort.setdefault(tuple(cohorts.get(r, (r,))), []).append(r)
+    for cohort, judged in by_cohort.items():
+        rows = np.array([row_of[m] for m in cohort if m in row_of])
+        if len(rows) < 2:
+            continue
+        others = _median_without_each(compute[rows])
+        with np.errstate(all="ignore"):
+            ratio = np.log(compute[rows] / others)
+        mine = np.isin(rows, [row_of[r] for r in judged])
+        out[rows[mine]] = ratio[mine]
+    out[~np.isfinite(out)] = np.nan
+    return out
+
+
+def _median_without_each(vals: np.ndarray) -> np.ndarray:
+    """For a members x steps array (NaN: unknown): per member and step, the median of the
+    other members' known values that step (NaN where it has no known value or none is
+    left). Sorted once per step; leaving member k out shifts the indices at or past its
+    place by one."""
+    n = len(vals)
+    order = np.argsort(vals, axis=0)  # NaN last
+    ordered = np.take_along_axis(vals, order, axis=0)
+    place = np.empty_like(order)
+    np.put_along_axis(place, order, np.broadcast_to(np.arange(n)[:, None], order.shape), axis=0)
+    left = (~np.isnan(vals)).sum(axis=0) - 1  # known values left once one is taken out
+    lo, hi = np.maximum(left - 1, 0) // 2, np.maximum(left, 0) // 2
+    a = np.minimum(lo[None, :] + (lo[None, :] >= place), n - 1)
+    b = np.minimum(hi[None, :] + (hi[None, :] >= place), n - 1)
+    med = (np.take_along_axis(ordered, a, axis=0) + np.take_along_axis(ordered, b, axis=0)) / 2
+    med[np.isnan(vals) | (left < 1)[None, :]] = np.nan
+    return med
+
+
+def _others_median(
+    i: int, ranks: np.ndarray, compute: np.ndarray, cohorts: Mapping[int, Sequence[int]]
+) -> np.ndarray:
+    r = int(ranks[i])
+    cohort = set(cohorts.get(r, ())) - {r}
+    rows = [j for j, m in enumerate(ranks.tolist()) if m in cohort]
+    with warnings.catch_warnings():  # a step none of them has is NaN, as meant
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmedian(compute[rows], axis=0)
+
+
+def _nanmedian_rows(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Per row, the median of its known values (NaN for rows not in ``rows``)."""
+    out = np.full(len(x), np.nan)
+    if rows.any():
+        with np.errstate(all="ignore"):
+            out[rows] = np.nanmedian(x[rows], axis=1)
+    return out
