@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from job_runner import FAST_UNRESPONSIVE, demo, facts, only
 
 TORCH = dict(framework="torch", timeout_s=240)
@@ -54,15 +55,17 @@ def test_killed_rank_is_unresponsive(tmp_path: Path) -> None:
     assert summary["latency_s"][0]["verdict"] and code == 0
 
 
-def test_killed_diagnoser_is_named_by_its_standby(tmp_path: Path) -> None:
-    # The diagnoser rank (1) dies; its gloo peers fail at once, and on their way out the
-    # standby (rank 2: the next rank on this one node) takes the lease over and names it.
-    code, summary = _demo(tmp_path, "kill@1:step=5", diagnoser=1)
+@pytest.mark.parametrize("diagnoser", [0, 1])
+def test_killed_diagnoser_is_named_by_its_standby(tmp_path: Path, diagnoser: int) -> None:
+    # The diagnoser rank dies; its gloo peers fail at once, and on their way out the
+    # standby (the next rank on this one node) takes the lease over and names it.
+    code, summary = _demo(tmp_path, f"kill@{diagnoser}:step=5", diagnoser=diagnoser)
     v = only(summary, "unresponsive")
-    assert v["ranks"] == [1] and facts(v["evidence"])["process_gone"]
+    assert v["ranks"] == [diagnoser] and facts(v["evidence"])["process_gone"]
     assert summary["latency_s"][0]["verdict"] and code == 0
-    log = (tmp_path / "out" / "logs" / "rank2.log").read_text()
-    assert "rank 2 takes diagnosis over from rank 1" in log
+    standby = diagnoser + 1
+    log = (tmp_path / "out" / "logs" / f"rank{standby}.log").read_text()
+    assert f"rank {standby} takes diagnosis over from rank {diagnoser}" in log
 
 
 def test_frozen_diagnoser_is_taken_over_while_the_job_hangs(tmp_path: Path) -> None:
