@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Mapping
 from typing import Generic, TypeVar
 
-__all__ = ["RankedValues"]
+import numpy as np
+
+__all__ = ["RankedValues", "medians_of_others"]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -44,3 +46,31 @@ class RankedValues(Generic[K]):
             return self.values[i]
 
         return (nth((n - 1) // 2) + nth(n // 2)) / 2
+
+
+def medians_of_others(
+    segment: np.ndarray, values: np.ndarray, query_segment: np.ndarray, own: np.ndarray
+) -> np.ndarray:
+    """Per query: the median of the ``values`` of the entries of its segment (``segment``
+    per entry) other than its own entry (``own``: an index into the entries, or -1 for
+    none), as :meth:`RankedValues.median_without` gives it; NaN where no entry is left.
+    One sort for all segments: a window's cohorts at tens of thousands of ranks."""
+    order = np.lexsort((values, segment))
+    ordered, by_segment = values[order], segment[order]
+    start = np.searchsorted(by_segment, query_segment, side="left")
+    n = np.searchsorted(by_segment, query_segment, side="right") - start
+    position = np.empty(len(order), np.int64)
+    position[order] = np.arange(len(order))
+    has_own = own >= 0
+    skip = np.where(has_own, position[np.where(has_own, own, 0)] - start, n)
+    left = n - has_own
+    out = np.full(len(query_segment), np.nan)
+    some = left > 0
+    start, skip, left = start[some], skip[some], left[some]
+    lo, hi = (left - 1) // 2, left // 2  # the middle ones of those left, in their order
+
+    def nth(t: np.ndarray) -> np.ndarray:  # the t-th value left (the own one skipped)
+        return ordered[start + t + (t >= skip)]
+
+    out[some] = (nth(lo) + nth(hi)) / 2
+    return out

@@ -12,6 +12,7 @@ first exit), then name
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections import defaultdict, deque
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ import numpy as np
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose.arrivals import ArrivalJoin, JoinedTable, RankJoined
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
-from ccld_plugin.diagnose.robust import RankedValues
+from ccld_plugin.diagnose.robust import RankedValues, medians_of_others
 from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkFinding
 from ccld_plugin.diagnose.step_table import StepTable
 from ccld_plugin.diagnose.view import JobView
@@ -84,6 +85,7 @@ class SlowDetector:
         self._comm_reported: set[tuple] = set()  # communication streaks with a verdict
         self._cohort_key = -1
         self._cohort_cache: dict[int, list[int]] = {}
+        self._cohort_members = _CohortMembers.of({})
 
     # ------------------------------------------------------------------ ingest
     def ingest(self, view: JobView, fresh: Sequence[RankSummary]) -> None:
@@ -140,13 +142,14 @@ class SlowDetector:
         # Windows go forward only; a straggler's streak keeps its samples since it began.
         keep_from = min(t0, *self._streak_t0.values()) if self._streak_t0 else t0
         self.joined = self.joined.since_time(keep_from)
-        log.debug(
-            "ccld window %d-%d: compute us %s, %d joined samples kept",
-            lo,
-            hi - 1,
-            {r: round(x) for r, x in sorted(compute.items())},
-            len(self.joined),
-        )
+        if log.isEnabledFor(logging.DEBUG):  # every rank's compute: not built for nothing
+            log.debug(
+                "ccld window %d-%d: compute us %s, %d joined samples kept",
+                lo,
+                hi - 1,
+                {r: round(x) for r, x in sorted(compute.items())},
+                len(self.joined),
+            )
         verdicts = self._stragglers(view, compute, step_us, lo, hi, t0, t1)
         if links:
             verdicts += self._slow_links(view, lo, hi, t0, t1)
@@ -169,26 +172,26 @@ class SlowDetector:
         out = []
         candidates = set()
         cohorts = self._cohorts(view.topology)
-        # Per cohort, once: its members in this window, their compute times sorted (each
-        # member is judged against the median of the others) and the median step time.
-        per_cohort: dict[tuple[int, ...], tuple[list[int], RankedValues, float]] = {}
-        for r, x in compute.items():
+        # Each rank against the median of the others of its cohort, all at once; the
+        # rules below see only the ranks slower than that by slow_ratio.
+        ranks = np.fromiter(compute, np.int64, len(compute))
+        xs = np.fromiter(compute.values(), np.float64, len(compute))
+        meds = self._cohort_medians(ranks, xs)
+        slower = (meds > 0) & (xs >= self.cfg.slow_ratio * meds)
+        # Per cohort, once: its members in this window and the median step time.
+        per_cohort: dict[tuple[int, ...], tuple[list[int], float]] = {}
+        for r, x, med in zip(
+            ranks[slower].tolist(), xs[slower].tolist(), meds[slower].tolist(), strict=True
+        ):
             ck = tuple(cohorts.get(r, (r,)))
             entry = per_cohort.get(ck)
             if entry is None:
                 members = [c for c in ck if c in compute]
                 entry = per_cohort[ck] = (
                     members,
-                    RankedValues({c: compute[c] for c in members}),
                     statistics.median(step_us[c] for c in members) if members else 0.0,
                 )
-            cohort, ranked, cohort_step_us = entry
-            me = [r] if r in ranked.pos else []
-            if len(ranked) - len(me) == 0:
-                continue
-            med = ranked.median_without(me)
-            if med <= 0 or x < self.cfg.slow_ratio * med:
-                continue
+            cohort, cohort_step_us = entry
             why_not = self._slower_than_cohort(r, x, med, cohort, compute, cohort_step_us)
             if why_not:
                 _not_a_straggler(lo, hi, r, x / med, cohort, why_not)
@@ -258,8 +261,33 @@ class SlowDetector:
             for r in topo.ranks():
                 stages[topo.stage_of(r)].append(r)
             self._cohort_cache = {r: _stats_cohort(topo, r, stages) for r in topo.ranks()}
+            self._cohort_members = _CohortMembers.of(self._cohort_cache)
             self._cohort_key = key
         return self._cohort_cache
+
+    def _cohort_medians(self, ranks: np.ndarray, xs: np.ndarray) -> np.ndarray:
+        """Per rank of ``ranks`` (computing ``xs``): the median of the others of its
+        cohort that compute in this window (NaN: none, or the rank has no cohort)."""
+        c = self._cohort_members
+        top = max(len(c.cohort_of), int(ranks.max(initial=-1)) + 1)
+        value = np.zeros(top)
+        value[ranks] = xs
+        present = np.zeros(top, bool)
+        present[ranks] = True
+        present = present[c.rank]
+        cohort, member, key = c.cohort[present], c.rank[present], c.key[present]
+        mine = np.full(len(ranks), -1, np.int64)
+        known = ranks < len(c.cohort_of)
+        mine[known] = c.cohort_of[ranks[known]]
+        # each rank's own entry in its cohort (-1 where the cohort does not hold it)
+        wanted = mine * len(c.cohort_of) + ranks
+        at = np.searchsorted(key, wanted)
+        found = at < len(key)
+        found[found] = key[at[found]] == wanted[found]
+        own = np.where(found & (mine >= 0), at, -1)
+        meds = medians_of_others(cohort, value[member], mine, own)
+        meds[mine < 0] = np.nan  # a rank alone: its cohort is itself
+        return meds
 
     def _straggler_verdict(
         self,
@@ -514,6 +542,30 @@ class SlowDetector:
             if first is not None and (start := self.steps.start_ns(r, first)) is not None
         ]
         return view.seconds(min(starts)) if starts else None
+
+
+class _CohortMembers(NamedTuple):
+    """The distinct statistics cohorts as arrays: per rank its cohort (-1: none, it is
+    alone), and every cohort's members, sorted by (cohort, rank), with that pair packed
+    into one key (cohort x the rank count + rank) for lookups."""
+
+    cohort_of: np.ndarray
+    cohort: np.ndarray
+    rank: np.ndarray
+    key: np.ndarray
+
+    @classmethod
+    def of(cls, cohorts: dict[int, list[int]]) -> _CohortMembers:
+        top = max(cohorts, default=-1) + 1
+        top = max(top, max((max(c) + 1 for c in cohorts.values() if c), default=0))
+        ids: dict[tuple[int, ...], int] = {}
+        cohort_of = np.full(top, -1, np.int64)
+        for r, c in cohorts.items():
+            cohort_of[r] = ids.setdefault(tuple(c), len(ids))
+        members = [np.array(sorted(set(c)), np.int64) for c in ids]
+        rank = np.concatenate([np.zeros(0, np.int64), *members])
+        cohort = np.repeat(np.arange(len(members), dtype=np.int64), [len(m) for m in members])
+        return cls(cohort_of, cohort, rank, cohort * top + rank)
 
 
 class _WaitBalance(NamedTuple):

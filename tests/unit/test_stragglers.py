@@ -162,3 +162,31 @@ def test_a_straggler_whose_streak_breaks_for_a_window_is_named_once() -> None:
 
     got = run(dp(4), compute_ms, steps=60)
     assert [(v.cause, v.ranks) for v in got] == [(Cause.COMPUTE, [2])]
+
+
+def test_cohort_medians_of_others_match_the_ranked_values() -> None:
+    """Every rank against its cohort's others at once (robust.medians_of_others) gives
+    what RankedValues.median_without gives rank by rank, ties and lone ranks included."""
+    import numpy as np
+
+    from ccld_plugin.diagnose.robust import RankedValues, medians_of_others
+
+    rng = random.Random(3)
+    for _ in range(200):
+        segment = [s for s in range(rng.randint(1, 5)) for _ in range(rng.randint(1, 7))]
+        rng.shuffle(segment)
+        values = [rng.choice([1.0, 2.0, rng.random()]) for _ in segment]
+        queries = [(s, e) for e, s in enumerate(segment)] + [(s, -1) for s in set(segment)]
+        got = medians_of_others(
+            np.array(segment),
+            np.array(values),
+            np.array([q for q, _ in queries]),
+            np.array([own for _, own in queries]),
+        )
+        for (q, own), median in zip(queries, got.tolist(), strict=True):
+            ranked = RankedValues({e: v for e, v in enumerate(values) if segment[e] == q})
+            left_out = [own] if own >= 0 else []
+            if len(ranked) == len(left_out):
+                assert np.isnan(median)
+            else:
+                assert median == ranked.median_without(left_out)
