@@ -85,7 +85,7 @@ class SlowDetector:
         self._comm_reported: set[tuple] = set()  # communication streaks with a verdict
         self._cohort_key = -1
         self._cohort_cache: dict[int, list[int]] = {}
-        self._cohort_members = _CohortMembers.of({})
+        self._cohort_members = _CohortMembers.of({}, [])
 
     # ------------------------------------------------------------------ ingest
     def ingest(self, view: JobView, fresh: Sequence[RankSummary]) -> None:
@@ -260,8 +260,14 @@ class SlowDetector:
             stages: dict[int | None, list[int]] = defaultdict(list)
             for r in topo.ranks():
                 stages[topo.stage_of(r)].append(r)
-            self._cohort_cache = {r: _stats_cohort(topo, r, stages) for r in topo.ranks()}
-            self._cohort_members = _CohortMembers.of(self._cohort_cache)
+            # one list per distinct cohort, shared by its members (a DP group's ranks in
+            # each member's list would be 1 GB at 65,536 ranks)
+            distinct: dict[tuple[int, ...], list[int]] = {}
+            self._cohort_cache = {
+                r: distinct.setdefault(tuple(c), c)
+                for r, c in ((r, _stats_cohort(topo, r, stages)) for r in topo.ranks())
+            }
+            self._cohort_members = _CohortMembers.of(self._cohort_cache, list(distinct.values()))
             self._cohort_key = key
         return self._cohort_cache
 
@@ -413,7 +419,7 @@ class SlowDetector:
             # A group whose own connections were measured and found healthy did not move
             # slowly on the network: its members were slow to run (a busy host, a
             # straggler's TP peer), and that is no communication verdict.
-            cleared = [x for x in slow if _links_measured(x[0], judged.measured)]
+            cleared = [x for x in slow if judged.measured.within(x[0].ranks)]
             for g, b, ref in cleared:
                 _not_slow(lo, hi, g, b, ref, "but its links are healthy")
             slow = [x for x in slow if x not in cleared]
@@ -555,14 +561,13 @@ class _CohortMembers(NamedTuple):
     key: np.ndarray
 
     @classmethod
-    def of(cls, cohorts: dict[int, list[int]]) -> _CohortMembers:
-        top = max(cohorts, default=-1) + 1
-        top = max(top, max((max(c) + 1 for c in cohorts.values() if c), default=0))
-        ids: dict[tuple[int, ...], int] = {}
+    def of(cls, cohorts: dict[int, list[int]], distinct: list[list[int]]) -> _CohortMembers:
+        """``cohorts``' arrays, whose values are the lists of ``distinct``."""
+        members = [np.unique(np.array(c, np.int64)) for c in distinct]
+        top = max([max(cohorts, default=-1), *(int(m.max(initial=-1)) for m in members)]) + 1
+        ids = {id(c): i for i, c in enumerate(distinct)}
         cohort_of = np.full(top, -1, np.int64)
-        for r, c in cohorts.items():
-            cohort_of[r] = ids.setdefault(tuple(c), len(ids))
-        members = [np.array(sorted(set(c)), np.int64) for c in ids]
+        cohort_of[list(cohorts)] = [ids[id(c)] for c in cohorts.values()]
         rank = np.concatenate([np.zeros(0, np.int64), *members])
         cohort = np.repeat(np.arange(len(members), dtype=np.int64), [len(m) for m in members])
         return cls(cohort_of, cohort, rank, cohort * top + rank)
@@ -681,12 +686,6 @@ def _not_slow(lo: int, hi: int, g: GroupInfo, b: float, ref: float, why: str) ->
         ref / 1e6,
         why,
     )
-
-
-def _links_measured(g: GroupInfo, measured: frozenset[tuple[int, int]]) -> bool:
-    """Whether a connection between two members of ``g`` was measured."""
-    members = set(g.ranks)
-    return any(a in members and b in members for a, b in measured)
 
 
 def _stats_cohort(topo: Topology, rank: int, stages: dict[int | None, list[int]]) -> list[int]:
