@@ -266,34 +266,31 @@ class ArrivalJoin:
         """Take in the samples of ``fresh`` (summaries not seen before; their columns when
         they come as ``Summaries``); the collectives that are now joined, oldest first."""
         rows = self._place(view, table_of(fresh))
-        if len(self._pending["group"]):
+        waited = len(self._pending["group"]) > 0
+        if waited:
             rows = {c: np.concatenate([self._pending[c], rows[c]]) for c in _COLUMNS}
         if not len(rows["group"]):
             return JoinedTable.empty(self.groups)
         if len(self._sizes) < len(self.groups):
             self._sizes = np.array([g.size for g in self.groups], np.int64)
         # By collective (group, seq), then member; a member's duplicate keeps its first.
-        order = _collective_order(rows)
-        group, seq, rank = (rows[c][order] for c in ("group", "seq", "rank"))
-        same = (group[1:] == group[:-1]) & (seq[1:] == seq[:-1]) & (rank[1:] == rank[:-1])
-        if same.any():
-            first = np.concatenate([[True], ~same])
-            order, group, seq = order[first], group[first], seq[first]
-        new = np.ones(len(order), bool)
-        new[1:] = (group[1:] != group[:-1]) | (seq[1:] != seq[:-1])
+        order, repeat, new = _collective_order(rows)
+        if repeat.any():
+            first = np.concatenate([[True], ~repeat])
+            order, new = order[first], new[first]
         starts = np.flatnonzero(new)
         counts = np.diff(np.append(starts, len(order)))
-        complete = counts >= self._sizes[group[starts]]
-        first_seen = np.minimum.reduceat(rows["seen_ns"][order], starts)
+        group, seq = rows["group"][order[starts]], rows["seq"][order[starts]]
+        complete = counts >= self._sizes[group]
+        # (all of this round's samples were first seen now)
+        first_seen = np.minimum.reduceat(rows["seen_ns"][order], starts) if waited else view.now_ns
         keep = ~complete & (view.now_ns - first_seen < PENDING_TTL_NS)
         waiting = order[np.repeat(keep, counts)]
         self._pending = {c: rows[c][waiting] for c in _COLUMNS}
         if not complete.any():
             return JoinedTable.empty(self.groups)
         done = order[np.repeat(complete, counts)]
-        return self._join(
-            rows, done, group[starts][complete], seq[starts][complete], counts[complete]
-        )
+        return self._join(rows, done, group[complete], seq[complete], counts[complete])
 
     def _place(self, view: JobView, table: SummaryTable) -> Rows:
         """The samples of ``table`` as placed rows (those of unknown groups dropped)."""
@@ -363,20 +360,31 @@ class ArrivalJoin:
         )
 
 
-def _collective_order(rows: Rows) -> np.ndarray:
-    """The order of ``rows`` by (group, seq, rank, enter_ns). One sort of a packed key
-    where the span of the values allows it (it does in steady state; four keys sorted
-    together cost several times more at hundreds of thousands of rows)."""
+def _collective_order(rows: Rows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The order of ``rows`` by (group, seq, rank, enter_ns); and per row in that order,
+    whether it repeats the member of the row before (from the second row on) and whether
+    it starts a collective. One sort of a packed key where the span of the values allows
+    it (it does in steady state; four keys sorted together cost several times more at
+    hundreds of thousands of rows)."""
     parts = [rows["group"], rows["seq"], rows["rank"]]
     lows = [int(p.min()) for p in parts]
     spans = [int(p.max()) - lo + 1 for p, lo in zip(parts, lows, strict=True)]
+    new = np.ones(len(rows["group"]), bool)
     if spans[0] * spans[1] * spans[2] >= 2**62:
-        return np.lexsort((rows["enter_ns"], rows["rank"], rows["seq"], rows["group"]))
+        order = np.lexsort((rows["enter_ns"], rows["rank"], rows["seq"], rows["group"]))
+        group, seq, rank = (rows[c][order] for c in ("group", "seq", "rank"))
+        same = (group[1:] == group[:-1]) & (seq[1:] == seq[:-1])
+        new[1:] = ~same
+        return order, same & (rank[1:] == rank[:-1]), new
     key = (parts[0] - lows[0]) * (spans[1] * spans[2])
     key += (parts[1] - lows[1]) * spans[2]
     key += parts[2] - lows[2]
     order = np.argsort(key, kind="stable")
     ordered = key[order]
-    if (ordered[1:] == ordered[:-1]).any():  # a member's duplicates: the earliest first
-        return np.lexsort((rows["enter_ns"], key))
-    return order
+    repeat = ordered[1:] == ordered[:-1]
+    if repeat.any():  # a member's duplicates: the earliest first
+        order = np.lexsort((rows["enter_ns"], key))
+        ordered = key[order]
+    collective = ordered // spans[2]
+    new[1:] = collective[1:] != collective[:-1]
+    return order, repeat, new
