@@ -20,7 +20,7 @@ the per-topology caches, left out), the slowest round, and the diagnoser's peak 
 the peak resident memory of this process less what it held before the job's first round
 (Python, torch, numpy). The store and the synthetic ranks (building and publishing the
 summaries) run in processes of their own, so neither counts. Usage:
-    python benchmarks/diagnoser_scale.py [--worlds 512,2048,16384] [--rounds 12]
+    python benchmarks/diagnoser_scale.py [--worlds 512,2048,16384] [--rounds 12] [--per-round]
 """
 
 from __future__ import annotations
@@ -152,7 +152,9 @@ def publish(port: int, world: int, conn: Connection) -> None:
         conn.send(size)
 
 
-def bench(world: int, rounds: int, port: int, rss_before: float) -> dict[str, float]:
+def bench(
+    world: int, rounds: int, port: int, rss_before: float, per_round: bool = False
+) -> dict[str, float]:
     ranks_conn, theirs = mp.get_context("spawn").Pipe()
     ranks = mp.get_context("spawn").Process(target=publish, args=(port, world, theirs), daemon=True)
     ranks.start()
@@ -190,6 +192,9 @@ def bench(world: int, rounds: int, port: int, rss_before: float) -> dict[str, fl
         assert not verdicts, [v.to_dict() for v in verdicts]  # a healthy job: no verdict
         for k, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
             times[k].append(dt * 1000)
+        if per_round:
+            stages = " ".join(f"{k} {v[-1]:.1f}" for k, v in times.items())
+            print(f"  {world} ranks, round {step}: {stages} ms", flush=True)
     ranks_conn.send(None)
     ranks.join()
     out = {k: statistics.median(v[1:] if len(v) > 2 else v) for k, v in times.items()}
@@ -225,6 +230,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", default="512,2048,16384")
     ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--per-round", action="store_true", help="print every round's times")
     args = ap.parse_args()
     rss_before = _rss_mb()  # Python, torch, numpy: not the diagnoser's
     server = subprocess.Popen(
@@ -243,7 +249,7 @@ def main() -> None:
         f"{'analyze ms':>10} {'round ms':>9} {'worst ms':>9} {'diag MB':>8}"
     )
     for world in (int(w) for w in args.worlds.split(",")):
-        r = bench(world, args.rounds, port, rss_before)
+        r = bench(world, args.rounds, port, rss_before, args.per_round)
         print(
             f"{world:>7} {r['bytes']:>9} {r['read']:>8.1f} {r['decode']:>9.1f} "
             f"{r['view']:>8.1f} {r['analyze']:>10.1f} {r['round']:>9.1f} "
