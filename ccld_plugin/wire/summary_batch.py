@@ -444,7 +444,8 @@ def _flagged(
 
 def _hosts(blob: bytes, at: np.ndarray, length: np.ndarray) -> tuple[list[str], dict[int, str]]:
     """Each row's host name, of ``length`` bytes from ``at`` in ``blob``; and, by row, why
-    one does not decode. Each distinct name is decoded once (a node's ranks share one)."""
+    one does not decode. A name is decoded once per run of rows that repeat it (a node's
+    ranks are consecutive rows)."""
     n, width = len(at), int(length.max(initial=0))
     if width == 0:
         return [""] * n, {}
@@ -453,23 +454,20 @@ def _hosts(blob: bytes, at: np.ndarray, length: np.ndarray) -> tuple[list[str], 
     raw = np.where(
         column < length[:, None], data[np.minimum(at[:, None] + column, len(data) - 1)], 0
     ).astype(np.uint8)
-    # a row's bytes and its length as one opaque value (a name may end in NUL bytes)
-    size = length.astype("<u2").view(np.uint8).reshape(n, 2)
-    keyed = np.ascontiguousarray(np.concatenate([raw, size], axis=1))
-    _, first, inverse = np.unique(
-        keyed.view(np.dtype((np.void, width + 2))).ravel(), return_index=True, return_inverse=True
-    )
+    new = np.ones(n, bool)
+    new[1:] = (length[1:] != length[:-1]) | (raw[1:] != raw[:-1]).any(axis=1)
+    firsts = np.flatnonzero(new)
     names: list[str] = []
     failed: dict[int, str] = {}
-    for k, i in enumerate(first.tolist()):
+    for k, i in enumerate(firsts.tolist()):
         try:
             names.append(raw[i, : length[i]].tobytes().decode())
         except UnicodeDecodeError as exc:
             names.append("")
             failed[k] = str(exc)
-    which = inverse.ravel().tolist()
-    unreadable = {i: failed[k] for i, k in enumerate(which) if k in failed} if failed else {}
-    return [names[k] for k in which], unreadable
+    run = (np.cumsum(new) - 1).tolist()
+    unreadable = {i: failed[k] for i, k in enumerate(run) if k in failed} if failed else {}
+    return [names[k] for k in run], unreadable
 
 
 def _frames_end(value: bytes, at: int, count: int) -> int:
