@@ -257,17 +257,17 @@ class SlowDetector:
         """Statistics cohort of every rank, recomputed only when the topology changes."""
         key = len(topo.groups)
         if self._cohort_key != key:
-            stages: dict[int | None, list[int]] = defaultdict(list)
-            for r in topo.ranks():
-                stages[topo.stage_of(r)].append(r)
-            # one list per distinct cohort, shared by its members (a DP group's ranks in
-            # each member's list would be 1 GB at 65,536 ranks)
-            distinct: dict[tuple[int, ...], list[int]] = {}
-            self._cohort_cache = {
-                r: distinct.setdefault(tuple(c), c)
-                for r, c in ((r, _stats_cohort(topo, r, stages)) for r in topo.ranks())
-            }
-            self._cohort_members = _CohortMembers.of(self._cohort_cache, list(distinct.values()))
+            cohorts = topo.cohorts()  # a list per distinct cohort, shared by its ranks
+            small = [r for r, c in cohorts.items() if len(c) < 3]
+            if small:  # their pipeline stage may make a larger cohort
+                stages: dict[int | None, list[int]] = defaultdict(list)
+                for r in topo.ranks():
+                    stages[topo.stage_of(r)].append(r)
+                for r in small:
+                    cohorts[r] = _stats_cohort(topo, r, cohorts[r], stages)
+            distinct = list({id(c): c for c in cohorts.values()}.values())
+            self._cohort_cache = cohorts
+            self._cohort_members = _CohortMembers.of(cohorts, distinct)
             self._cohort_key = key
         return self._cohort_cache
 
@@ -688,10 +688,12 @@ def _not_slow(lo: int, hi: int, g: GroupInfo, b: float, ref: float, why: str) ->
     )
 
 
-def _stats_cohort(topo: Topology, rank: int, stages: dict[int | None, list[int]]) -> list[int]:
-    """Ranks whose compute time should match ``rank``'s: its DP peers when there are enough
-    for statistics, else every rank of its pipeline stage (TP peers do equal work)."""
-    cohort = topo.cohort(rank)
+def _stats_cohort(
+    topo: Topology, rank: int, cohort: list[int], stages: dict[int | None, list[int]]
+) -> list[int]:
+    """Ranks whose compute time should match ``rank``'s: its DP peers (``cohort``, its
+    ``topo.cohort``) when there are enough for statistics, else every rank of its pipeline
+    stage (TP peers do equal work)."""
     if len(cohort) >= 3:
         return cohort
     same_stage = stages[topo.stage_of(rank)]
