@@ -266,7 +266,7 @@ class LinkHistory:
         found = at < len(self._keys)
         found[found] = self._keys[at[found]] == keys[found]
         if add and not found.all():
-            new = np.unique(keys[~found])
+            new = np.sort(keys[~found])  # a table's links are distinct
             first = len(self._filled)
             self._keys = np.concatenate([self._keys, new])
             self._rows = np.concatenate([self._rows, first + np.arange(len(new))])

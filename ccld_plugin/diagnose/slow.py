@@ -563,7 +563,7 @@ class _CohortMembers(NamedTuple):
     @classmethod
     def of(cls, cohorts: dict[int, list[int]], distinct: list[list[int]]) -> _CohortMembers:
         """``cohorts``' arrays, whose values are the lists of ``distinct``."""
-        members = [np.unique(np.array(c, np.int64)) for c in distinct]
+        members = [np.array(sorted(set(c)), np.int64) for c in distinct]
         top = max([max(cohorts, default=-1), *(int(m.max(initial=-1)) for m in members)]) + 1
         ids = {id(c): i for i, c in enumerate(distinct)}
         cohort_of = np.full(top, -1, np.int64)
