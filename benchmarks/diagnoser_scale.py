@@ -1,40 +1,47 @@
 """Cost of one diagnoser round as the job grows (DESIGN 2.5 goal: <= 100 ms at 16,384 ranks).
 
-Synthetic but shaped like a real 3D-parallel job (TP8 x PP4 x DP rest): every rank's
-summary carries what the agent publishes in steady state (four groups' progress, one
-step, eight arrival samples per group, a few channel entries) and is encoded to the same
-bytes. Per round it times, separately:
+Synthetic but shaped like a real 3D-parallel job (TP8 x PP4 x DP rest) on nodes of 8
+ranks: every rank's summary carries what the agent publishes in steady state (four
+groups' progress, the last steps, eight arrival samples per group, a few channel entries)
+and is encoded to the same bytes; each node's leader publishes its 8 ranks' summaries as
+one node key (``wire.node_summary``), as the product does. Per round it times, separately:
 
-- read: the summaries from a real TCPStore on loopback, in the control plane's chunks;
+- read: every node key from a real TCPStore on loopback, through the control plane the
+  live diagnoser reads with (``ControlPlane.read_summaries``: existence check, chunked
+  ``multi_get``, node frames split into per-rank summaries);
 - decode: every rank's bytes into one SummaryTable (columns; a rank's RankSummary is
   decoded only when the analysis looks it up), as the diagnoser service does;
 - view: the JobView (topology of every rank's group table);
 - analyze: Diagnoser.round (hang, mismatch, unresponsive, slow windows).
 
 The ranks' steps advance one per round, so slow-detector windows close as in a live job.
-Prints the median of the rounds per stage and world size, the slowest round, and the peak
-resident memory of this process (the diagnoser and the synthetic ranks' encoding; the
-store runs in a process of its own). Usage:
-    python benchmarks/diagnoser_scale.py [--worlds 512,2048,16384] [--rounds 12]
+Prints the median of the rounds per stage and world size (the first round, which builds
+the per-topology caches, left out), the slowest round, and the diagnoser's peak memory:
+the peak resident memory of this process less what it held before the job's first round
+(Python, torch, numpy). The store and the synthetic ranks (building and publishing the
+summaries) run in processes of their own, so neither counts. Usage:
+    python benchmarks/diagnoser_scale.py [--worlds 512,2048,16384] [--rounds 12] [--per-round]
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
+import os
 import resource
 import statistics
 import subprocess
 import sys
 import time
-from datetime import timedelta
-
-import torch.distributed as dist
+from multiprocessing.connection import Connection
 
 from ccld_plugin.agent.agent import STEPS_KEPT
-from ccld_plugin.config import DiagnoserConfig
+from ccld_plugin.config import ControlConfig, DiagnoserConfig
+from ccld_plugin.control import ControlPlane
 from ccld_plugin.diagnose import Diagnoser, JobView
 from ccld_plugin.diagnose.view import topology_of
 from ccld_plugin.runtime.diagnoser import gc_paused
+from ccld_plugin.wire.node_summary import encode_node, node_count, node_ranks
 from ccld_plugin.wire.peer_channels import PeerChannel, encode_channels
 from ccld_plugin.wire.summary import (
     ArrivalSample,
@@ -47,9 +54,10 @@ from ccld_plugin.wire.summary_batch import SummaryTable
 from ccld_plugin.wire.topology import GroupInfo, group_id_of
 
 TP, PP = 8, 4
+RANKS_PER_NODE = 8
 STEP_NS = 1_000_000_000
 OPS_PER_STEP = 16
-CHUNK = 256  # control.chunk_keys default
+JOB = "bench"
 
 
 def layout(world: int) -> dict[int, list[GroupInfo]]:
@@ -128,7 +136,30 @@ def rank_summary(rank: int, world: int, step: int, now: int) -> RankSummary:
     )
 
 
-def bench(world: int, rounds: int, store: dist.Store) -> dict[str, float]:
+def publish(port: int, world: int, conn: Connection) -> None:
+    """The synthetic ranks, in a process of their own: for each step received, every
+    node leader's key (its ranks' summaries at that step) written to the store."""
+    cfg = ControlConfig(store="dedicated", port=port)
+    plane = ControlPlane(cfg, 1, world, JOB, 0, ranks_per_node=RANKS_PER_NODE)
+    size = 0
+    while (step := conn.recv()) is not None:
+        now = step * STEP_NS
+        for n in range(node_count(world, RANKS_PER_NODE)):
+            ranks = node_ranks(n, RANKS_PER_NODE, world)
+            encoded = [(r, summary(r, world, step, now)) for r in ranks]
+            size = len(encoded[0][1])
+            plane.publish_node(n, encode_node(encoded))
+        conn.send(size)
+
+
+def bench(
+    world: int, rounds: int, port: int, rss_before: float, per_round: bool = False
+) -> dict[str, float]:
+    ranks_conn, theirs = mp.get_context("spawn").Pipe()
+    ranks = mp.get_context("spawn").Process(target=publish, args=(port, world, theirs), daemon=True)
+    ranks.start()
+    # the live diagnoser's read: a control plane outside the job (``ccld diagnoser``)
+    plane = ControlPlane.client(ControlConfig(), "127.0.0.1", port, JOB, world)
     tables = layout(world)
     topology = topology_of(tables)
     diag = Diagnoser(DiagnoserConfig(), interval_s=1.0)
@@ -136,17 +167,12 @@ def bench(world: int, rounds: int, store: dist.Store) -> dict[str, float]:
     size = 0
     for step in range(1, rounds + 1):
         now = step * STEP_NS
-        for r in range(world):  # the ranks publish (not timed)
-            data = summary(r, world, step, now)
-            size = len(data)
-            store.set(f"s/{r}", data)
+        ranks_conn.send(step)  # the ranks publish (not timed)
+        size = ranks_conn.recv()
         t0 = time.perf_counter()
-        raw = {}
-        for i in range(0, world, CHUNK):
-            keys = [f"s/{r}" for r in range(i, min(world, i + CHUNK))]
-            for k, v in zip(keys, store.multi_get(keys), strict=True):
-                raw[int(k[2:])] = bytes(v)
+        raw = plane.read_summaries(range(world))
         t1 = time.perf_counter()
+        assert len(raw) == world, len(raw)
         with gc_paused():  # as the diagnoser service runs a round
             summaries, bad = SummaryTable.decode(raw)
             t2 = time.perf_counter()
@@ -166,12 +192,26 @@ def bench(world: int, rounds: int, store: dist.Store) -> dict[str, float]:
         assert not verdicts, [v.to_dict() for v in verdicts]  # a healthy job: no verdict
         for k, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
             times[k].append(dt * 1000)
+        if per_round:
+            stages = " ".join(f"{k} {v[-1]:.1f}" for k, v in times.items())
+            print(f"  {world} ranks, round {step}: {stages} ms", flush=True)
+    ranks_conn.send(None)
+    ranks.join()
     out = {k: statistics.median(v[1:] if len(v) > 2 else v) for k, v in times.items()}
     rounds_ms = [sum(x) for x in zip(*times.values(), strict=True)][1:]
     out["round"], out["worst"] = statistics.median(rounds_ms), max(rounds_ms)
     out["bytes"] = size
-    out["peak_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["diag_mb"] = _peak_rss_mb() - rss_before
     return out
+
+
+def _rss_mb() -> float:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # The store in a process of its own, as on a job's store host: its memory is not the
@@ -190,27 +230,30 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", default="512,2048,16384")
     ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--per-round", action="store_true", help="print every round's times")
     args = ap.parse_args()
+    rss_before = _rss_mb()  # Python, torch, numpy: not the diagnoser's
     server = subprocess.Popen(
         [sys.executable, "-c", _STORE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     assert server.stdout is not None
     port = int(server.stdout.readline())
-    store = dist.TCPStore("127.0.0.1", port, 1, False, timedelta(seconds=30))
     print(
-        "medians over the rounds; 'worst' is the slowest round (one that closes a "
-        "slow-detector window)"
+        f"nodes of {RANKS_PER_NODE} ranks, one store key each; medians over the rounds; "
+        "'worst' is the slowest round (one that closes a slow-detector window); 'diag MB' "
+        "is the diagnoser's peak memory (this process's peak RSS less its RSS before the "
+        f"first job, {rss_before:.0f} MB)"
     )
     print(
         f"{'ranks':>7} {'summary B':>9} {'read ms':>8} {'decode ms':>9} {'view ms':>8} "
-        f"{'analyze ms':>10} {'round ms':>9} {'worst ms':>9} {'peak MB':>8}"
+        f"{'analyze ms':>10} {'round ms':>9} {'worst ms':>9} {'diag MB':>8}"
     )
     for world in (int(w) for w in args.worlds.split(",")):
-        r = bench(world, args.rounds, store)
+        r = bench(world, args.rounds, port, rss_before, args.per_round)
         print(
             f"{world:>7} {r['bytes']:>9} {r['read']:>8.1f} {r['decode']:>9.1f} "
             f"{r['view']:>8.1f} {r['analyze']:>10.1f} {r['round']:>9.1f} "
-            f"{r['worst']:>9.1f} {r['peak_mb']:>8.0f}",
+            f"{r['worst']:>9.1f} {r['diag_mb']:>8.0f}",
             flush=True,
         )
     server.communicate("")

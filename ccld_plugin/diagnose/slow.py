@@ -17,8 +17,10 @@ from collections import defaultdict, deque
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 from ccld_plugin.config import DiagnoserConfig
-from ccld_plugin.diagnose.arrivals import ArrivalJoin, Joined
+from ccld_plugin.diagnose.arrivals import ArrivalJoin, JoinedTable, RankJoined
 from ccld_plugin.diagnose.compute_excess import Excess, compute_excess
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.robust import RankedValues
@@ -29,7 +31,7 @@ from ccld_plugin.errors import log
 from ccld_plugin.wire.summary import RankSummary
 from ccld_plugin.wire.topology import GroupInfo, Topology
 
-__all__ = ["Joined", "SlowDetector"]
+__all__ = ["SlowDetector"]
 
 FIRST_STEP = 1  # step 0 is warm-up (allocations, connection setup)
 MAX_JOINED = 20000
@@ -66,7 +68,9 @@ class SlowDetector:
         self.cfg = cfg
         self.steps = StepTable()
         self.arrivals = ArrivalJoin()
-        self.joined: deque[Joined] = deque(maxlen=MAX_JOINED)
+        # the last MAX_JOINED collectives joined, and how many were ever joined
+        self.joined = JoinedTable.empty(self.arrivals.groups)
+        self.joined_total = 0
         self.next_end = FIRST_STEP + cfg.window_steps  # the step after the next window
         # Steps a straggler's excess is judged over: the confirming windows end to end, and
         # twice as many for a weak one (compute_excess).
@@ -90,7 +94,22 @@ class SlowDetector:
         """Take in ``fresh``: the summaries of the view not taken in before."""
         self.channels.ingest(fresh)
         self.steps.ingest(fresh, self.next_end - max(self.spans) - self.cfg.window_steps)
-        self.joined.extend(self.arrivals.add(view, fresh))
+        self.keep_joined(self.arrivals.add(view, fresh))
+
+    def keep_joined(self, new: JoinedTable) -> None:
+        """Keep ``new`` after the collectives joined before, the last MAX_JOINED of all."""
+        self.joined_total += len(new)
+        if len(new) >= MAX_JOINED:
+            self.joined = new.since(len(new) - MAX_JOINED)
+        elif len(new):
+            both = JoinedTable.concat([self.joined, new])
+            self.joined = both.since(len(both) - MAX_JOINED)
+
+    def joined_since(self, total: int) -> tuple[JoinedTable, int]:
+        """The collectives joined after the first ``total`` that are still kept, and how
+        many were ever joined (the next call's ``total``)."""
+        kept_from = self.joined_total - len(self.joined)
+        return self.joined.since(total - kept_from), self.joined_total
 
     def next_window_start(self) -> int:
         return self.next_end - self.cfg.window_steps
@@ -120,13 +139,11 @@ class SlowDetector:
         # Windows go forward only; the samples of the longest straggler span are kept.
         keep_from = self.steps.first_start_ns(hi - max(self.spans))
         keep_from = t0 if keep_from is None else min(t0, keep_from)
-        while self.joined and self.joined[0].time_ns < keep_from:
-            self.joined.popleft()
+        self.joined = self.joined.since_time(keep_from)
         step_us = dict(zip(window.ranks, window.step_us, strict=True))
         verdicts = self._stragglers(view, step_us, hi - 1, t1)
-        if links:  # only these windows read the window's joined samples as a list
-            joined = [j for j in self.joined if t0 <= j.time_ns <= t1]
-            verdicts += self._slow_links(view, joined, lo, hi, t0, t1)
+        if links:
+            verdicts += self._slow_links(view, lo, hi, t0, t1)
         return verdicts
 
     def _stragglers(
@@ -173,22 +190,24 @@ class SlowDetector:
             out.append(self._straggler_verdict(view, e, cohort, mine, balance))
         return out
 
-    def _streak_samples(self, r: int, t0: int, t1: int) -> list[Joined]:
+    def _streak_samples(self, r: int, t0: int, t1: int) -> RankJoined:
         """Rank r's joined collectives (of groups of two or more) between t0 and t1."""
-        return [
-            j
-            for j in self.joined
-            if t0 <= j.time_ns <= t1 and j.group.size > 1 and bool((j.members == r).any())
-        ]
+        j = self.joined
+        return j.of_rank(r, (t0 <= j.time_ns) & (j.time_ns <= t1) & (j.size > 1))
 
     def _cohorts(self, topo: Topology) -> dict[int, list[int]]:
         """Statistics cohort of every rank, recomputed only when the topology changes."""
         key = len(topo.groups)
         if self._cohort_key != key:
-            stages: dict[int | None, list[int]] = defaultdict(list)
-            for r in topo.ranks():
-                stages[topo.stage_of(r)].append(r)
-            self._cohort_cache = {r: _stats_cohort(topo, r, stages) for r in topo.ranks()}
+            cohorts = topo.cohorts()  # a list per distinct cohort, shared by its ranks
+            small = [r for r, c in cohorts.items() if len(c) < 3]
+            if small:  # their pipeline stage may make a larger cohort
+                stages: dict[int | None, list[int]] = defaultdict(list)
+                for r in topo.ranks():
+                    stages[topo.stage_of(r)].append(r)
+                for r in small:
+                    cohorts[r] = _stats_cohort(topo, r, cohorts[r], stages)
+            self._cohort_cache = cohorts
             self._cohort_key = key
         return self._cohort_cache
 
@@ -197,17 +216,19 @@ class SlowDetector:
         view: JobView,
         e: Excess,
         cohort: list[int],
-        mine: list[Joined],
+        mine: RankJoined,
         balance: _WaitBalance,
     ) -> Verdict:
         r = e.rank
         imposed: dict[int, float] = defaultdict(float)
         groups: dict[int, GroupInfo] = {}
         group: GroupInfo | None  # None for a rank in no dp, tp or world group
-        for j in mine:
-            if j.last == r:
-                imposed[j.group.group_id] += sum(w for m, w in j.waits_ns.items() if m != r)
-                groups[j.group.group_id] = j.group
+        at_last = mine.last == r
+        theirs = (mine.waits_ns - mine.own_wait_ns)[at_last]  # the others' waits for r
+        for g, waited in zip(mine.group[at_last].tolist(), theirs.tolist(), strict=True):
+            info = mine.groups[g]
+            imposed[info.group_id] += waited
+            groups[info.group_id] = info
         if imposed:
             group = groups[max(imposed, key=imposed.__getitem__)]
         else:
@@ -242,7 +263,7 @@ class SlowDetector:
                     "{waited_share:.0%} of the waiting in them",
                     last_share=balance.last_n / len(mine),
                     samples=len(mine),
-                    roles=sorted({j.group.role for j in mine}),
+                    roles=sorted({mine.groups[g].role for g in mine.group.tolist()}),
                     wait_ms=waited,
                     waited_share=balance.share,
                 )
@@ -259,20 +280,8 @@ class SlowDetector:
             evidence=evidence,
         )
 
-    def _slow_links(
-        self, view: JobView, joined: list[Joined], lo: int, hi: int, t0: int, t1: int
-    ) -> list[Verdict]:
-        per_group: dict[int, list[Joined]] = defaultdict(list)
-        for j in joined:
-            if j.bytes >= MIN_BANDWIDTH_BYTES and j.group.size > 1:
-                per_group[j.group.group_id].append(j)
-        bw = {
-            gid: sum(j.bytes for j in js) / sum(j.transfer_ns for j in js) * 1e9
-            for gid, js in per_group.items()
-            if len(js) >= MIN_ARRIVAL_SAMPLES
-            and sum(j.transfer_ns for j in js) >= MIN_TRANSFER_NS * len(js)
-        }
-        groups = {gid: js[0].group for gid, js in per_group.items()}
+    def _slow_links(self, view: JobView, lo: int, hi: int, t0: int, t1: int) -> list[Verdict]:
+        bw, groups = _group_bandwidth(self.joined, t0, t1)
         by_role: dict[str, dict[int, float]] = defaultdict(dict)
         for gid, b in bw.items():
             by_role[groups[gid].role][gid] = b
@@ -323,7 +332,7 @@ class SlowDetector:
             # A group whose own connections were measured and found healthy did not move
             # slowly on the network: its members were slow to run (a busy host, a
             # straggler's TP peer), and that is no communication verdict.
-            cleared = [x for x in slow if _links_measured(x[0], judged.measured)]
+            cleared = [x for x in slow if judged.measured.within(x[0].ranks)]
             for g, b, ref in cleared:
                 _not_slow(lo, hi, g, b, ref, "but its links are healthy")
             slow = [x for x in slow if x not in cleared]
@@ -469,24 +478,53 @@ class _WaitBalance(NamedTuple):
         return self.for_r_ns / total if total > 0 else None
 
 
-def _wait_balance(r: int, mine: list[Joined]) -> _WaitBalance:
-    for_r = by_r = 0.0
-    last_n = 0
-    for j in mine:
-        waits = j.time_ns - j.enters_ns  # per member, until the last one arrived
-        at = j.members == r
-        if not at.any() or len(waits) < 2:
-            continue
-        if j.last == r:
-            for_r += float(waits[~at].mean())
-            last_n += 1
-        else:
-            by_r += float(waits[at][0])
-    return _WaitBalance(for_r, by_r, last_n)
+def _wait_balance(r: int, mine: RankJoined) -> _WaitBalance:
+    shared = mine.count >= 2
+    last = shared & (mine.last == r)
+    # where r arrived last, the others' mean wait; elsewhere r's own wait (sums are taken
+    # in the collectives' order, one after another, as a loop over them would)
+    theirs = (mine.waits_ns - mine.own_wait_ns)[last] / (mine.count[last] - 1)
+    own = mine.own_wait_ns[shared & ~last].astype(np.float64)
+    for_r = float(np.cumsum(theirs)[-1]) if len(theirs) else 0.0
+    by_r = float(np.cumsum(own)[-1]) if len(own) else 0.0
+    return _WaitBalance(for_r, by_r, int(last.sum()))
+
+
+def _group_bandwidth(
+    joined: JoinedTable, t0: int, t1: int
+) -> tuple[dict[int, float], dict[int, GroupInfo]]:
+    """Per group (by id, in the order of their first collective among ``joined``): its
+    transfer bandwidth (bytes per second of transfer) over the large transfers of the
+    collectives of [t0, t1], where it has enough of them; and every group with a large
+    transfer there."""
+    j = joined
+    large = (t0 <= j.time_ns) & (j.time_ns <= t1) & (j.bytes >= MIN_BANDWIDTH_BYTES) & (j.size > 1)
+    group = j.group[large]
+    order = np.argsort(group, kind="stable")
+    ordered = group[order]
+    new = np.ones(len(ordered), bool)
+    new[1:] = ordered[1:] != ordered[:-1]
+    starts = np.flatnonzero(new)
+    if not len(starts):
+        return {}, {}
+    count = np.diff(np.append(starts, len(ordered)))
+    nbytes = np.add.reduceat(j.bytes[large][order], starts)
+    transfer = np.add.reduceat(j.transfer_ns[large][order], starts)
+    by_first = np.argsort(order[starts], kind="stable")  # the order of first appearance
+    bw: dict[int, float] = {}
+    groups: dict[int, GroupInfo] = {}
+    for g, n, b, x in zip(
+        *(a[by_first].tolist() for a in (ordered[starts], count, nbytes, transfer)), strict=True
+    ):
+        info = j.groups[g]
+        groups[info.group_id] = info
+        if n >= MIN_ARRIVAL_SAMPLES and x >= MIN_TRANSFER_NS * n:
+            bw[info.group_id] = b / x * 1e9
+    return bw, groups
 
 
 def _not_waited_for(
-    cohort_size: int, mine: list[Joined], waited_for: float | None, longest: bool
+    cohort_size: int, mine: RankJoined, waited_for: float | None, longest: bool
 ) -> str:
     """Why the collectives ``mine`` of a rank slower than its cohort do not show its peers
     waiting for it (yet; empty when they do). With a cohort too small for statistics the
@@ -541,16 +579,12 @@ def _not_slow(lo: int, hi: int, g: GroupInfo, b: float, ref: float, why: str) ->
     )
 
 
-def _links_measured(g: GroupInfo, measured: frozenset[tuple[int, int]]) -> bool:
-    """Whether a connection between two members of ``g`` was measured."""
-    members = set(g.ranks)
-    return any(a in members and b in members for a, b in measured)
-
-
-def _stats_cohort(topo: Topology, rank: int, stages: dict[int | None, list[int]]) -> list[int]:
-    """Ranks whose compute time should match ``rank``'s: its DP peers when there are enough
-    for statistics, else every rank of its pipeline stage (TP peers do equal work)."""
-    cohort = topo.cohort(rank)
+def _stats_cohort(
+    topo: Topology, rank: int, cohort: list[int], stages: dict[int | None, list[int]]
+) -> list[int]:
+    """Ranks whose compute time should match ``rank``'s: its DP peers (``cohort``, its
+    ``topo.cohort``) when there are enough for statistics, else every rank of its pipeline
+    stage (TP peers do equal work)."""
     if len(cohort) >= 3:
         return cohort
     same_stage = stages[topo.stage_of(rank)]

@@ -13,26 +13,34 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict, deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from ccld_plugin.diagnose.link_stats import (
+    SLOW_MIN_TICKS,
+    LinkHistory,
+    LinkStats,
+    LinkTable,
+    nccl_links,
+    sibling_medians,
+    spm_floors,
+    tcp_links,
+)
 from ccld_plugin.diagnose.records import Evidence
 from ccld_plugin.diagnose.robust import RankedValues
 from ccld_plugin.diagnose.tcp_evidence import common_culprit
 from ccld_plugin.diagnose.view import JobView
-from ccld_plugin.wire.codes import DIRECTION_SEND, SOURCE_NCCL, SOURCE_TCP
 from ccld_plugin.wire.peer_channels import ChannelRows
 from ccld_plugin.wire.summary import RankSummary
 from ccld_plugin.wire.summary_batch import table_of
-from ccld_plugin.wire.topology import GroupInfo
+from ccld_plugin.wire.topology import GroupInfo, Topology
 
-__all__ = ["ChannelHistory", "LinkFinding", "LinkJudgement", "LinkStats", "link_role"]
+__all__ = ["ChannelHistory", "LinkFinding", "LinkJudgement", "MeasuredLinks", "link_role"]
 
 # Slow links (see ChannelHistory). Only intervals in which a link moved SLOW_MIN_BYTES
-# count, at least SLOW_MIN_TICKS of them per judgement: a window of steps shorter than
+# count, at least SLOW_MIN_TICKS of them per judgement (link_stats): a window of steps shorter than
 # that many agent intervals is judged together with the next (0.26 s steps and 0.5 s ticks
 # gave windows of two and three reports in turn; each short one broke the streak).
 # Absolute RTTs do not separate a slow link from a healthy one: on a loaded host a one-way
@@ -44,8 +52,6 @@ __all__ = ["ChannelHistory", "LinkFinding", "LinkJudgement", "LinkStats", "link_
 # (RTT_RATIO; healthy siblings differ up to 8x in RTT alone, a shaped link's RTT was
 # 3-250x its siblings'), and the link must be busy SLOW_BUSY_SHARE of the time (it costs
 # the job; the 5.2x healthy case was 11%).
-SLOW_MIN_BYTES = 32 * 1024
-SLOW_MIN_TICKS = 3
 SLOW_RATIO = 6.0
 RTT_RATIO = 3.0
 SLOW_RTT_EXCESS_US = 1_000
@@ -80,7 +86,6 @@ PORT_MIN_EXCESS = 0.05
 PORT_RTT_FLOOR_US = 1_000
 # Evidence lines of the links named (one per connection first, its slower direction).
 MAX_LINK_LINES = 8
-JIFFY_S = 0.004  # the coarsest kernel timer resolution in use (HZ=250)
 # Reports this much older than the window being evaluated are dropped (windows only go
 # forward), and any more than KEEP_S behind the newest: a longer window is judged on its
 # last KEEP_S. Each round's reports of 16 k ranks are ~3 MB of rows (rounds come every
@@ -106,6 +111,27 @@ class LinkFinding:
     evidence: list[Evidence]
 
 
+class MeasuredLinks:
+    """Directed links (rank, peer) as two columns: the links a window judged."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, src: Iterable[int] = (), dst: Iterable[int] = ()) -> None:
+        self.src = np.fromiter(src, np.int64) if not isinstance(src, np.ndarray) else src
+        self.dst = np.fromiter(dst, np.int64) if not isinstance(dst, np.ndarray) else dst
+
+    def within(self, ranks: Iterable[int]) -> bool:
+        """Whether a link between two of ``ranks`` was measured."""
+        members = np.fromiter(ranks, np.int64)
+        return bool((np.isin(self.src, members) & np.isin(self.dst, members)).any())
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return zip(self.src.tolist(), self.dst.tolist(), strict=True)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MeasuredLinks) and set(self) == set(other)
+
+
 @dataclass(frozen=True)
 class LinkJudgement:
     """What the channel evidence says about one slow-detector window."""
@@ -116,28 +142,9 @@ class LinkJudgement:
     fresh: bool
     # The directed links (rank, peer) that moved enough data to be judged: where ``found``
     # is None they were judged healthy.
-    measured: frozenset[tuple[int, int]] = frozenset()
+    measured: MeasuredLinks = field(default_factory=MeasuredLinks)
     # Not fresh, but this job reports channels: a judgement is on its way.
     pending: bool = False
-
-
-class LinkStats(NamedTuple):
-    """One directed link (a sends to b) over a window: what a reported about it."""
-
-    src: int
-    dst: int
-    ticks: int  # intervals in which it moved at least SLOW_MIN_BYTES
-    rtt_us: float  # median smoothed RTT over those intervals
-    floor_us: int
-    s_per_mb: float  # seconds of non-empty send queue per MB acknowledged
-    busy: float  # mean share of the intervals with a non-empty send queue
-    queued: int  # most bytes queued at a sample
-    retrans: int
-    sent: int
-
-    @property
-    def pair(self) -> tuple[int, int]:
-        return (min(self.src, self.dst), max(self.src, self.dst))
 
 
 def link_role(view: JobView, a: int, b: int) -> GroupInfo | None:
@@ -163,13 +170,6 @@ class _SiblingMedians:
         self.rtt = RankedValues({k: st.rtt_us for k, st in links.items()})
         self.spm = RankedValues({k: st.s_per_mb for k, st in links.items()})
 
-    def spm_floor(self, k: tuple[int, int]) -> float | None:
-        """A lower bound of ``without(k)``'s time per MB from counts alone: at most
-        len(touching[a]) + len(touching[b]) - 1 links are left out (``k`` is in both), and
-        leaving out more values can only lower the median. None: maybe no link is left."""
-        left = self.count - len(self.touching[k[0]]) - len(self.touching[k[1]]) + 1
-        return self.spm.values[(left - 1) // 2] if left >= 1 else None
-
     def without(self, k: tuple[int, int]) -> tuple[float, float] | None:
         """(median RTT, median s per MB) of the links sharing no rank with ``k``; None
         when every link does."""
@@ -180,19 +180,52 @@ class _SiblingMedians:
 
 
 class _LinkRoles:
-    """``link_role`` of each link, kept while the view's topology stays the same object
-    (the diagnoser service builds a new one when a group table changes)."""
+    """``link_role`` of many links at once: every rank's groups (in the topology's order)
+    as one array, kept while the view's topology stays the same object (the diagnoser
+    service builds a new one when a group table changes)."""
 
     def __init__(self) -> None:
         self.topology: object = None
-        self.known: dict[tuple[int, int], GroupInfo | None] = {}
+        self.groups: list[GroupInfo] = []
+        self.member = np.full((0, 0), -1, np.int64)  # rank x its groups: index into groups
+        self.rank_of_group = np.zeros(0, np.int64)  # the order link_role picks by
+        self.role_id = np.zeros(0, np.int64)  # per group: its role's number
 
-    def __call__(self, view: JobView, k: tuple[int, int]) -> GroupInfo | None:
+    def of(self, view: JobView, links: LinkTable) -> np.ndarray:
+        """Per link: its group (an index into ``groups``), or -1 for none."""
         if view.topology is not self.topology:
-            self.topology, self.known = view.topology, {}
-        if k not in self.known:
-            self.known[k] = link_role(view, *k)
-        return self.known[k]
+            self._index(view.topology)
+        n = len(self.member)
+        src, dst = links.src, links.dst
+        inside = (src < n) & (dst < n)
+        out = np.full(len(links), -1, np.int64)
+        if not inside.any() or not self.member.shape[1]:
+            return out
+        a, b = self.member[src[inside]], self.member[dst[inside]]
+        common = (a >= 0) & (a[:, :, None] == b[:, None, :]).any(axis=2)
+        rank = np.where(common, self.rank_of_group[np.maximum(a, 0)], np.iinfo(np.int64).max)
+        best = np.argmin(rank, axis=1)  # the first of the smallest, as min() picks
+        rows = np.arange(len(a))
+        out[inside] = np.where(common[rows, best], a[rows, best], -1)
+        return out
+
+    def _index(self, topo: Topology) -> None:
+        self.topology = topo
+        self.groups = list(topo.groups.values())
+        index = {g.group_id: i for i, g in enumerate(self.groups)}
+        ranks = topo.ranks()
+        tables = {r: [index[g.group_id] for g in topo.groups_of(r)] for r in ranks}
+        width = max((len(t) for t in tables.values()), default=0)
+        self.member = np.full((max(ranks, default=-1) + 1, width), -1, np.int64)
+        for r, t in tables.items():
+            self.member[r, : len(t)] = t
+        # link_role's key, (role == "world", size), as one number
+        self.rank_of_group = np.array(
+            [(g.role == "world") * (1 << 40) + g.size for g in self.groups], np.int64
+        )
+        roles: dict[str, int] = {}
+        self.role_id = np.array([roles.setdefault(g.role, len(roles)) for g in self.groups])
+        self.role_id = self.role_id.astype(np.int64)
 
 
 class ChannelHistory:
@@ -210,10 +243,8 @@ class ChannelHistory:
 
     def __init__(self) -> None:
         self.batches: deque[ChannelRows] = deque()  # one per ingest, oldest first
-        self.history: dict[tuple[int, int], deque[LinkStats]] = defaultdict(lambda: deque(maxlen=8))
-        self.nccl_history: dict[tuple[int, int], deque[LinkStats]] = defaultdict(
-            lambda: deque(maxlen=8)
-        )
+        self.history = LinkHistory()
+        self.nccl_history = LinkHistory()
         self.span_start: int | None = None  # of windows not judged yet (too few reports)
         # Start of the first of the consecutive windows with slow links: a port's other
         # connections are judged on all of them (PORT_RATIO).
@@ -259,78 +290,15 @@ class ChannelHistory:
             )
         self.episode_start = episode if found is not None else None
         self.forget_before(min(start, episode) - int(FORGET_S * 1e9))
-        self.last = LinkJudgement(found, True, frozenset(tcp) | frozenset(nccl))
+        self.last = LinkJudgement(
+            found,
+            True,
+            MeasuredLinks(
+                np.concatenate([tcp.src, nccl.src]).astype(np.int64),
+                np.concatenate([tcp.dst, nccl.dst]).astype(np.int64),
+            ),
+        )
         return self.last
-
-
-def _by_link(e: np.ndarray, order_by: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``e`` sorted by link (rank, peer), then by ``order_by``; each link's first row and
-    its number of rows."""
-    e = e[np.lexsort((e[order_by], e["peer"], e["rank"]))]
-    new = np.ones(len(e), dtype=bool)
-    new[1:] = (e["rank"][1:] != e["rank"][:-1]) | (e["peer"][1:] != e["peer"][:-1])
-    starts = np.flatnonzero(new)
-    return e, starts, np.diff(np.append(starts, len(e)))
-
-
-def tcp_links(rows: ChannelRows) -> dict[tuple[int, int], LinkStats]:
-    """The TCP links that moved SLOW_MIN_BYTES in SLOW_MIN_TICKS of ``rows``' intervals."""
-    e = rows.entries
-    e = e[(e["source"] == SOURCE_TCP) & (e["sent"] >= SLOW_MIN_BYTES) & (e["rtt_us"] > 0)]
-    if not len(e):
-        return {}
-    e, starts, counts = _by_link(e, "rtt_us")
-    rtt = e["rtt_us"].astype(np.float64)
-    share = e["busy"] / 255
-    # The kernel counts busy time in jiffies: an interval that moved data was busy for at
-    # least about one, however little it shows.
-    busy_s = np.add.reduceat(np.maximum(e["interval_s"] * share, JIFFY_S), starts)
-    sent = np.add.reduceat(e["sent"].astype(np.int64), starts)
-    cols = zip(
-        e["rank"][starts].tolist(),
-        e["peer"][starts].tolist(),
-        counts.tolist(),
-        ((rtt[starts + (counts - 1) // 2] + rtt[starts + counts // 2]) / 2).tolist(),
-        np.minimum.reduceat(e["min_rtt_us"], starts).tolist(),
-        (busy_s / (sent / 1e6)).tolist(),
-        (np.add.reduceat(share, starts) / counts).tolist(),
-        np.maximum.reduceat(e["queued"], starts).tolist(),
-        np.add.reduceat(e["retrans"].astype(np.int64), starts).tolist(),
-        sent.tolist(),
-        strict=True,
-    )
-    return {(c[0], c[1]): LinkStats(*c) for c in cols if c[2] >= SLOW_MIN_TICKS}
-
-
-def nccl_links(rows: ChannelRows) -> dict[tuple[int, int], LinkStats]:
-    """NCCL send links over ``rows``: ``s_per_mb`` is the time their steps spent handed to
-    the network per MB sent, ``busy`` that time over the intervals."""
-    e = rows.entries
-    e = e[
-        (e["source"] == SOURCE_NCCL)
-        & (e["direction"] == DIRECTION_SEND)
-        & (e["sent"] >= SLOW_MIN_BYTES)
-    ]
-    if not len(e):
-        return {}
-    e, starts, counts = _by_link(e, "sent")
-    sent = np.add.reduceat(e["sent"].astype(np.int64), starts)
-    wait_s = np.add.reduceat(e["net_wait_us"].astype(np.float64), starts) / 1e6
-    span_s = np.maximum(np.add.reduceat(e["interval_s"], starts), 1e-9)
-    cols = zip(
-        e["rank"][starts].tolist(),
-        e["peer"][starts].tolist(),
-        counts.tolist(),
-        (wait_s / (sent / 1e6)).tolist(),
-        (wait_s / span_s).tolist(),
-        sent.tolist(),
-        strict=True,
-    )
-    return {
-        (src, dst): LinkStats(src, dst, n, 0.0, 0, spm, busy, 0, 0, sent)
-        for src, dst, n, spm, busy, sent in cols
-        if n >= SLOW_MIN_TICKS
-    }
 
 
 def _enough(rows: ChannelRows) -> bool:
@@ -428,52 +396,39 @@ _NCCL = _Rules(
 _Shown = tuple[LinkStats, float, float, str]
 
 
-def _history_ref(history: deque[LinkStats]) -> tuple[float, float] | None:
-    if not history:
-        return None
-    return (
-        statistics.median(o.rtt_us for o in history),
-        statistics.median(o.s_per_mb for o in history),
-    )
-
-
 def _locate(
     view: JobView,
-    links: dict[tuple[int, int], LinkStats],
-    history: dict[tuple[int, int], deque[LinkStats]],
+    links: LinkTable,
+    history: LinkHistory,
     rules: _Rules,
-    role_of: Callable[[JobView, tuple[int, int]], GroupInfo | None],
-    pooled: Callable[[], dict[tuple[int, int], LinkStats]] | None = None,
+    roles: _LinkRoles,
+    pooled: Callable[[], LinkTable] | None = None,
 ) -> LinkFinding | None:
     """The slow links among ``links`` and the rank or link they have in common; a port's
     other connections are judged on ``pooled()`` (the links over every window since the
     slow links appeared) when given, else on ``links``."""
-    groups = {k: role_of(view, k) for k in links}
-    roles = {k: g.role if g is not None else None for k, g in groups.items()}
-    by_role: dict[str | None, dict[tuple[int, int], LinkStats]] = defaultdict(dict)
-    for k, st in links.items():
-        by_role[roles[k]][k] = st
-    siblings = {role: _SiblingMedians(ls) for role, ls in by_role.items()}
+    group = roles.of(view, links)
+    # links of no group make a role of their own
+    role = np.where(group >= 0, roles.role_id[np.maximum(group, 0)], len(roles.groups))
+    floor = spm_floors(role, links)
+    # under any median its siblings can have: not slow (NaN: maybe no sibling is left)
+    cleared = links.s_per_mb < rules.ratio * floor
     slow: list[_Shown] = []
-    for k, st in links.items():
-        role = roles[k]
-        floor = siblings[role].spm_floor(k)
-        if floor is not None and st.s_per_mb < rules.ratio * floor:
-            continue  # under any median its siblings can have: not slow
-        ref = siblings[role].without(k)
+    for i in np.flatnonzero(~cleared).tolist():
+        st = links.stats(i)
+        ref = sibling_medians(role, links, i)
         source = "siblings"
         if ref is None:
-            ref, source = _history_ref(history[k]), "history"
+            ref, source = history.ref(st.src, st.dst), "history"
         if ref is None or not rules.eligible(st, ref[0]):
             continue
         if rules.slow(st, ref[1]):
             slow.append((st, ref[0], ref[1], source))
     if not slow:
-        for k, st in links.items():
-            history[k].append(st)
+        history.append(links)
         return None
     ranks, link = common_culprit([(st.src, st.dst) for st, *_ in slow], set())
-    ports = _Ports(view, pooled() if pooled is not None else links, role_of, history, rules.rtt)
+    ports = _Ports(view, pooled() if pooled is not None else links, roles, history, rules.rtt)
     shown = list(slow)
     healthy_end = None
     if link is not None:
@@ -488,9 +443,8 @@ def _locate(
         pairs = {(st.src, st.dst) for st, *_ in slow}
         shown += [x for x in ports.slow_links(ranks[0]) if (x[0].src, x[0].dst) not in pairs]
     named = {(st.src, st.dst) for st, *_ in shown}
-    for k, st in links.items():
-        if k not in named:
-            history[k].append(st)
+    each = zip(links.src.tolist(), links.dst.tolist(), strict=True)
+    history.append(links, np.array([k not in named for k in each], bool))
     worst, ref_rtt, ref_spm, source = max(slow, key=lambda x: x[0].s_per_mb / x[2])
     evidence = [rules.line(*x) for x in _lines(shown, len(slow))]
     if link is None and len(ranks) == 1:
@@ -515,7 +469,9 @@ def _locate(
             )
         )
     severity = round(worst.s_per_mb / ref_spm, 2) if ref_spm > 0 else 0.0
-    return LinkFinding(ranks, link, groups.get((worst.src, worst.dst)), severity, evidence)
+    (i,) = np.flatnonzero((links.src == worst.src) & (links.dst == worst.dst)).tolist()
+    worst_group = roles.groups[group[i]] if group[i] >= 0 else None
+    return LinkFinding(ranks, link, worst_group, severity, evidence)
 
 
 def _lines(shown: list[_Shown], strict: int) -> list[_Shown]:
@@ -543,15 +499,14 @@ class _Ports:
     is the rank's port slow (see PORT_RATIO)? Built only in a window with slow links."""
 
     def __init__(
-        self,
-        view: JobView,
-        links: dict[tuple[int, int], LinkStats],
-        role_of: Callable[[JobView, tuple[int, int]], GroupInfo | None],
-        history: dict[tuple[int, int], deque[LinkStats]],
-        rtt: bool,
+        self, view: JobView, table: LinkTable, roles: _LinkRoles, history: LinkHistory, rtt: bool
     ) -> None:
-        self.links, self.history, self.rtt = links, history, rtt
-        self.groups = {k: role_of(view, k) for k in links}
+        self.links, self.history, self.rtt = table.as_dict(), history, rtt
+        links = self.links
+        self.groups = {
+            k: roles.groups[g] if g >= 0 else None
+            for k, g in zip(links, roles.of(view, table).tolist(), strict=True)
+        }
         by_role: dict[str | None, dict[tuple[int, int], LinkStats]] = defaultdict(dict)
         for k, st in links.items():
             g = self.groups[k]
@@ -592,7 +547,7 @@ class _Ports:
         ref = self.siblings[g.role if g is not None else None].without(k)
         if ref is not None:
             return ref, "siblings"
-        hist = _history_ref(self.history[k])
+        hist = self.history.ref(*k)
         return (hist, "history") if hist is not None else None
 
     def slow_links(self, rank: int, besides: list[int] | None = None) -> list[_Shown]:

@@ -52,10 +52,10 @@ class StepTable:
             return
         rank = table.ranks[st["row"]]
         self._fit(int(rank.max()) + 1, int(st["step"].max()) + 1 - self.base)
-        col = st["step"] - self.base
-        self.has[rank, col] = True
+        at = rank * self.has.shape[1] + (st["step"] - self.base)  # flat index, taken once
+        self.has.put(at, True)
         for f in _FIELDS:
-            self.cols[f][rank, col] = st[f]
+            self.cols[f].put(at, st[f])
         np.maximum.at(self.last, rank, st["step"])
 
     def ranks(self) -> list[int]:

@@ -193,7 +193,12 @@ class GroupIndex:
     def lookup(self, view: JobView, ranks: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """Per record (its rank and slot): its group's index, or -1."""
         table = self.of(view)
-        known = (ranks >= 0) & (ranks < table.shape[0]) & (slots >= 0) & (slots < table.shape[1])
+        rows, width = table.shape
+        if not len(ranks) or not width:
+            return np.full(len(ranks), -1, np.int64)
+        if ranks.min() >= 0 and ranks.max() < rows and slots.min() >= 0 and slots.max() < width:
+            return table.ravel()[ranks * width + slots]  # all inside: one gather
+        known = (ranks >= 0) & (ranks < rows) & (slots >= 0) & (slots < width)
         out = np.full(len(ranks), -1, np.int64)
         out[known] = table[ranks[known], slots[known]]
         return out

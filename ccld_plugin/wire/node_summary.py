@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable
+from itertools import accumulate
 
 __all__ = ["decode_node", "encode_node", "node_count", "node_of", "node_ranks"]
 
@@ -58,8 +59,17 @@ def decode_node(data: bytes, ranks: range) -> dict[int, bytes]:
     if pos > len(data):
         raise ValueError(f"a node frame of {count} entries is truncated ({len(data)} bytes)")
     entries = struct.unpack_from(f"<{2 * count}I", data, _HEAD.size)
+    members, sizes = entries[::2], entries[1::2]
+    ends = list(accumulate(sizes, initial=pos))
+    if (
+        ends[-1] == len(data)
+        and len(set(members)) == count
+        and all(map(ranks.__contains__, members))
+    ):  # a well-formed frame: its summaries sliced without a Python step per entry
+        return dict(zip(members, map(data.__getitem__, map(slice, ends, ends[1:])), strict=True))
+    # otherwise entry by entry, to say what is wrong with the first entry that is
     out: dict[int, bytes] = {}
-    for rank, size in zip(entries[::2], entries[1::2], strict=True):
+    for rank, size in zip(members, sizes, strict=True):
         if rank in out:
             raise ValueError(f"a node frame names rank {rank} twice")
         if rank not in ranks:

@@ -133,6 +133,41 @@ class Topology:
             return self.ranks()
         return [r for r in self.ranks() if self._shard_key(r) == key]
 
+    def cohorts(self) -> dict[int, list[int]]:
+        """``cohort`` of every rank. The ranks of one DP group share one list (a DP group's
+        ranks in a list of each member's own would be 1 GB at 65,536 ranks), and so do
+        ranks whose cohorts are equal otherwise."""
+        of_group: dict[int, list[int]] = {}  # by id(group): hashing its ranks costs them all
+        out: dict[int, list[int]] = {}
+        for role in ("dp", "dp_cp"):
+            for r, g in self._largest_of_role(role).items():
+                if r not in out and g.size > 1:
+                    shared = of_group.get(id(g))
+                    if shared is None:
+                        shared = of_group[id(g)] = list(g.ranks)
+                    out[r] = shared
+        lists: dict[tuple[int, ...], list[int]] = {}
+        for r in self.ranks():
+            if r not in out:
+                cohort = self.cohort(r)
+                out[r] = lists.setdefault(tuple(cohort), cohort)
+        return out
+
+    def _largest_of_role(self, role: str) -> dict[int, GroupInfo]:
+        """Per rank: ``group_of(rank, role)`` (the first of the largest, in its order)."""
+        chosen: dict[int, GroupInfo] = {}
+        for g in self.groups.values():  # each rank's groups come in this order
+            if g.role != role:
+                continue
+            if chosen.keys().isdisjoint(g.ranks):
+                chosen.update(dict.fromkeys(g.ranks, g))
+                continue
+            for r in g.ranks:
+                known = chosen.get(r)
+                if known is None or g.size > known.size:
+                    chosen[r] = g
+        return chosen
+
     def _shard_key(self, rank: int) -> tuple[int, ...] | None:
         key = []
         for role in ("tp", "pp", "cp", "ep"):

@@ -23,6 +23,7 @@ from wandb_views import job_views, joined_samples, slow_link_verdict
 
 from ccld_plugin.config import DiagnoserConfig, load_config
 from ccld_plugin.diagnose import Diagnoser
+from ccld_plugin.diagnose.arrivals import JoinedTable
 from ccld_plugin.errors import contained_errors
 from ccld_plugin.sinks import build_sinks
 from ccld_plugin.sinks.jsonl import read_verdicts
@@ -220,7 +221,7 @@ def test_panels_go_into_the_users_existing_run(tmp_path):
         for step in range(6):
             run.log({"loss": 1.0 / (step + 1)}, step=step)
             views = job_views(steps=1, first=step)
-            diag.slow.joined.extend(joined_samples(step))
+            diag.slow.keep_joined(JoinedTable.of(joined_samples(step)))
             sink.observe(views[-1], diag)
         sink.emit(slow_link_verdict())
         sink.close()

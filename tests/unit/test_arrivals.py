@@ -44,7 +44,7 @@ def test_join_across_rounds_duplicates_and_unknown_slots() -> None:
         summary(0, t, [(0, 32, t - 30 * MS, 31_000), (0, 36, t - 9 * MS, 2_000)]),
         summary(1, t, [(0, 32, t - 29 * MS, 30_000), (7, 32, t, 1)]),
     ]  # slot 7: unknown
-    assert j.add(view(first, t), first) == []  # rank 2 has not reported seq 32 yet
+    assert list(j.add(view(first, t), first)) == []  # rank 2 has not reported seq 32 yet
     t2 = t + 500 * MS
     second = [
         summary(2, t2, [(0, 32, t - 1 * MS, 2_000)]),
@@ -64,12 +64,12 @@ def test_single_member_groups_join_at_once_and_stale_samples_expire() -> None:
     (solo,) = j.add(view(s, t), s)
     assert (solo.group, solo.last, solo.transfer_ns) == (SOLO, 5, 1 * MS)
     later = t + PENDING_TTL_NS + 1
-    assert j.add(view([], later), []) == []
+    assert list(j.add(view([], later), [])) == []
     late = [
         summary(1, later, [(0, 28, t - 4 * MS, 10)]),
         summary(2, later, [(0, 28, t - 4 * MS, 10)]),
     ]
-    assert j.add(view(late, later), late) == []  # rank 0's sample of seq 28 has expired
+    assert list(j.add(view(late, later), late)) == []  # rank 0's sample of seq 28 has expired
 
 
 def test_a_role_refined_by_another_rank_reaches_the_joined_samples() -> None:
@@ -95,7 +95,7 @@ def test_waited_for_weighs_waits_by_time_not_by_count() -> None:
     # nearly all of the waiting in its collectives is its peers' waiting for it.
     import numpy as np
 
-    from ccld_plugin.diagnose.arrivals import Joined
+    from ccld_plugin.diagnose.arrivals import Joined, JoinedTable
     from ccld_plugin.diagnose.slow import _wait_balance
 
     def joined(last: int, waits_ms: dict[int, float]) -> Joined:
@@ -104,14 +104,18 @@ def test_waited_for_weighs_waits_by_time_not_by_count() -> None:
         enters = np.array([t - int(waits_ms[m] * MS) for m in members])
         return Joined(DP, 1, t, last, 0, 1 << 20, members, enters)
 
+    def balance(rank: int, joined: list[Joined]):  # over all of them, as a window's
+        table = JoinedTable.of(joined)
+        return _wait_balance(rank, table.of_rank(rank, np.ones(len(table), bool)))
+
     straggler = [joined(1, {0: 30, 1: 0, 2: 31}) for _ in range(2)] + [
         joined(2, {0: 0.3, 1: 0.1, 2: 0}) for _ in range(4)
     ]
     assert sum(j.last == 1 for j in straggler) / len(straggler) < 0.5
-    assert _wait_balance(1, straggler).share > 0.95
+    assert balance(1, straggler).share > 0.95
     # Its peers: they waited for it, and nobody waited for them long.
-    assert _wait_balance(0, straggler).share < 0.05
+    assert balance(0, straggler).share < 0.05
     # A healthy rank among equals: about even.
     even = [joined(1, {0: 2, 1: 0, 2: 2}), joined(0, {0: 0, 1: 2, 2: 2})]
-    assert 0.4 < _wait_balance(1, even).share < 0.6
-    assert _wait_balance(1, [joined(1, {0: 0, 1: 0, 2: 0})]).share is None  # nobody waited
+    assert 0.4 < balance(1, even).share < 0.6
+    assert balance(1, [joined(1, {0: 0, 1: 0, 2: 0})]).share is None  # nobody waited

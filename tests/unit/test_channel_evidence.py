@@ -508,7 +508,7 @@ def test_healthy_jitter_and_delayed_acks_are_not_slow() -> None:
     assert (judged.found, judged.fresh) == (None, True)
     # Each link that moved data was judged (healthy): a group's bandwidth drop over them
     # is then not put on the network (SlowDetector._slow_links).
-    assert judged.measured == {(0, 2), (0, 1), (1, 3), (1, 0), (2, 3), (3, 2)}
+    assert set(judged.measured) == {(0, 2), (0, 1), (1, 3), (1, 0), (2, 3), (3, 2)}
     h = ChannelHistory()
     v = feed(
         h,
@@ -553,11 +553,15 @@ def test_reports_are_kept_for_a_bounded_time_while_no_window_closes() -> None:
 def test_sibling_medians_match_the_direct_computation() -> None:
     """The fast medians (each link against the links that share no rank with it) give
     what a pass over all links gives, and their cheap lower bound never exceeds them, on
-    random link sets of every size."""
+    random link sets of every size: the objects' (a slow port's links) and the columns'
+    (every link of a window, by role)."""
     import random
     import statistics
 
-    from ccld_plugin.diagnose.slow_links import LinkStats, _SiblingMedians
+    import numpy as np
+
+    from ccld_plugin.diagnose.link_stats import LinkStats, LinkTable, sibling_medians, spm_floors
+    from ccld_plugin.diagnose.slow_links import _SiblingMedians
 
     rng = random.Random(7)
     for n_ranks in (3, 4, 5, 8, 16, 40):
@@ -580,14 +584,35 @@ def test_sibling_medians_match_the_direct_computation() -> None:
             for k in keys
         }
         fast = _SiblingMedians(links)
-        for k in links:
+        ordered = sorted(links)
+        table = LinkTable(
+            {f: np.array([getattr(links[k], f) for k in ordered]) for f in LinkStats._fields}
+        )
+        roles = np.array([rng.randrange(2) for _ in ordered], np.int64)
+        floors = spm_floors(roles, table)  # the bound links are skipped on
+        one_role = spm_floors(np.zeros(len(ordered), np.int64), table)
+        for i, k in enumerate(ordered):
             refs = [o for ok, o in links.items() if not set(ok) & set(k)]
             got = fast.without(k)
-            floor = fast.spm_floor(k)  # the bound links are skipped on
+            # the columns' medians are the objects' to the bit
+            assert sibling_medians(np.zeros(len(ordered), np.int64), table, i) == got
             if not refs:
-                assert got is None and floor is None
+                assert got is None and np.isnan(one_role[i])
+            else:
+                assert got is not None
+                assert np.isnan(one_role[i]) or one_role[i] <= got[1]
+                assert got[0] == pytest.approx(statistics.median(o.rtt_us for o in refs))
+                assert got[1] == pytest.approx(statistics.median(o.s_per_mb for o in refs))
+            role_refs = [
+                o
+                for j, (ok, o) in enumerate((o, links[o]) for o in ordered)
+                if roles[j] == roles[i] and not set(ok) & set(k)
+            ]
+            by_role = sibling_medians(roles, table, i)
+            if not role_refs:
+                assert by_role is None and np.isnan(floors[i])
                 continue
-            assert got is not None
-            assert floor is None or floor <= got[1]
-            assert got[0] == pytest.approx(statistics.median(o.rtt_us for o in refs))
-            assert got[1] == pytest.approx(statistics.median(o.s_per_mb for o in refs))
+            assert by_role is not None
+            assert np.isnan(floors[i]) or floors[i] <= by_role[1]
+            assert by_role[0] == statistics.median(o.rtt_us for o in role_refs)
+            assert by_role[1] == statistics.median(o.s_per_mb for o in role_refs)

@@ -97,10 +97,11 @@ def test_what_the_per_rank_decoder_refuses_is_refused_alone() -> None:
         5: b"\x01",
         6: good + b"x",
         7: bytes([9]) + good[1:],  # another version
+        8: encode_summary(_busy(8)).replace(b"node4", b"\xffode4"),  # a host not UTF-8
     }
     table, bad = SummaryTable.decode(values)
     assert list(table) == [0]
-    assert sorted(bad) == [1, 2, 3, 4, 5, 6, 7]
+    assert sorted(bad) == [1, 2, 3, 4, 5, 6, 7, 8]
     for rank in bad:
         try:
             decode_summary(values[rank])

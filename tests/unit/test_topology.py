@@ -46,3 +46,25 @@ def test_same_ranks_keep_the_more_specific_role():
 def test_unknown_role_is_rejected_with_the_allowed_list():
     with pytest.raises(ValueError, match="allowed: .*tp"):
         role_index("tensor")
+
+
+def test_cohorts_of_all_ranks_are_each_ranks_cohort() -> None:
+    """Topology.cohorts (every rank at once, one list per DP group) answers what cohort
+    answers rank by rank, on random topologies (ranks in several groups of a role, DP
+    groups of one rank, no DP group at all)."""
+    import random
+
+    rng = random.Random(5)
+    for _ in range(300):
+        world = rng.randint(1, 12)
+        topo = Topology()
+        for _ in range(rng.randint(0, 8)):
+            ranks = sorted(rng.sample(range(world), rng.randint(1, world)))
+            role = rng.choice(["dp", "dp_cp", "tp", "pp", "other", "world"])
+            topo.add(GroupInfo(group_id_of(ranks), role, tuple(ranks)))
+        got = topo.cohorts()
+        assert sorted(got) == topo.ranks()
+        assert all(got[r] == topo.cohort(r) for r in topo.ranks())
+        for g in topo.groups.values():  # a DP group's members share its list
+            members = [got[r] for r in g.ranks if got[r] == list(g.ranks)]
+            assert all(m is members[0] for m in members)

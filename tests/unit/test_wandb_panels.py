@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections import deque
 
 import numpy as np
+import pytest
 from builders import S, job_view
 from wandb_views import (
     DP,
@@ -31,7 +31,7 @@ from ccld_plugin.diagnose.records import (
 )
 from ccld_plugin.sinks import build_sinks
 from ccld_plugin.sinks.wandb.heatmap import encode_png, heatmap_rgb
-from ccld_plugin.sinks.wandb.panels import PanelMetrics, group_key, hang_watch, take_new_joined
+from ccld_plugin.sinks.wandb.panels import PanelMetrics, group_key, hang_watch
 from ccld_plugin.sinks.wandb.sink import WandbSink
 from ccld_plugin.sinks.wandb.verdicts import VERDICT_COLUMNS, verdict_row
 from ccld_plugin.wire.codes import OP_CODES
@@ -180,14 +180,33 @@ def test_hang_watch_names_the_oldest_op_and_its_threshold():
     assert w.as_log()["ccld/hang/oldest_op_age_s"] == 8.0
 
 
-def test_take_new_joined_walks_back_to_the_last_one_taken():
-    q: deque[int] = deque(maxlen=5)
-    q.extend([1, 2, 3])
-    assert take_new_joined(q, None) == [1, 2, 3]  # type: ignore[arg-type]
-    q.extend([4, 5, 6])
-    assert take_new_joined(q, 3) == [4, 5, 6]  # type: ignore[arg-type]
-    q.extend(range(7, 13))
-    assert take_new_joined(q, 6) == [8, 9, 10, 11, 12]  # 6 was evicted: all are new
+def test_joined_since_hands_on_each_kept_collective_once(monkeypatch: pytest.MonkeyPatch):
+    # What the sink takes from the slow detector each round: the collectives joined since
+    # it last took, of those the detector still keeps (it keeps the last MAX_JOINED).
+    from ccld_plugin.diagnose import slow
+    from ccld_plugin.diagnose.arrivals import JoinedTable
+
+    monkeypatch.setattr(slow, "MAX_JOINED", 5)
+    det = slow.SlowDetector(DiagnoserConfig())
+
+    def feed(seqs: range) -> None:
+        base = joined_samples(0)[0]
+        det.keep_joined(JoinedTable.of([base._replace(seq=q) for q in seqs]))
+
+    def seqs(table: JoinedTable) -> list[int]:
+        return [j.seq for j in table]
+
+    feed(range(1, 4))
+    got, taken = det.joined_since(0)
+    assert seqs(got) == [1, 2, 3]
+    feed(range(4, 7))
+    got, taken = det.joined_since(taken)
+    assert seqs(got) == [4, 5, 6]
+    got, taken = det.joined_since(taken)
+    assert seqs(got) == []
+    feed(range(7, 13))
+    got, taken = det.joined_since(taken)
+    assert seqs(got) == [8, 9, 10, 11, 12]  # 7 was evicted already: all that are kept are new
 
 
 def test_verdict_row_has_every_field():

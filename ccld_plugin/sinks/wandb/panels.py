@@ -35,7 +35,6 @@ __all__ = [
     "group_key",
     "group_label",
     "hang_watch",
-    "take_new_joined",
 ]
 
 KEEP_STEPS = 256  # steps of history: the heatmap's columns and the per-rank window
@@ -221,18 +220,6 @@ class RankRow:
             "cohort_ratio",
             *[f"bw_{r}_MBps" for r in roles],
         ]
-
-
-def take_new_joined(joined: deque[Joined], last: Joined | None) -> list[Joined]:
-    """Samples appended to the detector's deque since ``last`` (the newest one already
-    taken): walks back from the right end, so the cost is the number of new samples."""
-    new: list[Joined] = []
-    for j in reversed(joined):
-        if j is last:
-            break
-        new.append(j)
-    new.reverse()
-    return new
 
 
 class PanelMetrics:

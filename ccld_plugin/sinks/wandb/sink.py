@@ -50,7 +50,6 @@ from ccld_plugin.sinks.wandb.panels import (
     group_key,
     group_label,
     hang_watch,
-    take_new_joined,
 )
 from ccld_plugin.sinks.wandb.verdicts import VERDICT_COLUMNS, alert_message, verdict_row
 
@@ -85,7 +84,7 @@ class WandbSink:
         self.dropped = 0  # rounds dropped because the sink's thread fell behind
         self._queue: deque[tuple] = deque()
         self._cv = threading.Condition()
-        self._last_joined: Any = None
+        self._joined_taken = 0  # the slow detector's joined collectives handed on so far
         self._backend: Backend | None = None
         self._dead = False
         self._early: deque[dict] = deque(maxlen=MAX_EARLY_OPS)
@@ -103,9 +102,9 @@ class WandbSink:
         if self._dead:
             return
         slow = getattr(diagnoser, "slow", None)
-        joined = take_new_joined(slow.joined, self._last_joined) if slow is not None else []
-        if joined:
-            self._last_joined = joined[-1]
+        joined: Any = ()
+        if slow is not None:  # columns here; made into objects on the sink's thread
+            joined, self._joined_taken = slow.joined_since(self._joined_taken)
         # The threshold reads the diagnoser's history, so it is taken on its thread.
         watch = hang_watch(view, getattr(diagnoser, "threshold_s", None))
         self._put(("round", view, joined, watch))
