@@ -2,7 +2,8 @@
 
 Synthetic but shaped like a real 3D-parallel job (TP8 x PP4 x DP rest) on nodes of 8
 ranks: every rank's summary carries what the agent publishes in steady state (four
-groups' progress, the last steps, eight arrival samples per group, a few channel entries)
+groups' progress, the last steps, the arrival samples per group the agent sends at that
+size (`agent.samples_per_group`), a few channel entries)
 and is encoded to the same bytes; each node's leader publishes its 8 ranks' summaries as
 one node key (``wire.node_summary``), as the product does. Per round it times, separately:
 
@@ -35,7 +36,7 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
-from ccld_plugin.agent.agent import STEPS_KEPT
+from ccld_plugin.agent.agent import STEPS_KEPT, samples_per_group
 from ccld_plugin.config import ControlConfig, DiagnoserConfig
 from ccld_plugin.control import ControlPlane
 from ccld_plugin.diagnose import Diagnoser, JobView
@@ -97,7 +98,7 @@ def rank_summary(rank: int, world: int, step: int, now: int) -> RankSummary:
     samples = [
         ArrivalSample(slot, seq - 2 * i, start + i * 50_000_000 + rank % 7 * 1000, 2_000, 1 << 20)
         for slot in range(4)
-        for i in range(8)
+        for i in range(samples_per_group(world))
     ]
     # the next rank of its TP, PP and DP rings
     block = rank - rank % (TP * PP)

@@ -40,10 +40,12 @@ MAX_STEPS = 32
 STEPS_KEPT = 16  # in every summary: about 4 s of steps at 4 steps per second
 # Arrival samples per group per tick: dense in small jobs, where a window of steps spans
 # few ticks and a two-rank cohort's verdict rests on the arrival order alone (8 per tick
-# left 2-5 joined samples in a 5-step window of a 4-rank demo), and 8 at thousands of
-# ranks, where the diagnoser's round joins every rank's samples.
+# left 2-5 joined samples in a 5-step window of a 4-rank demo), and down to 2 at tens of
+# thousands of ranks, where the diagnoser's round joins every rank's samples (8 per group
+# made ~0.5 million a round at 16,384 ranks, a quarter of the round); a straggler's span
+# of 10 ticks still holds 20 of its collectives per group.
 SAMPLE_BUDGET = 32768  # per group slot, over all ranks
-MIN_SAMPLES, MAX_SAMPLES = 8, 128
+MIN_SAMPLES, MAX_SAMPLES = 2, 128
 STACK_FRAMES = 16
 MAX_BACKOFF_S = 30.0
 
