@@ -92,17 +92,13 @@ def _parser() -> argparse.ArgumentParser:
         "diagnose", help="diagnose a job from the boards it left (hung, crashed or killed)"
     )
     dia.add_argument("path", type=Path, help="the job's board directory (or one board file)")
-    dia.add_argument("--jsonl", type=Path, help="also write the verdict records to this file")
-    dia.add_argument("--config", type=Path, help="a YAML config (default: the job's own)")
-    dia.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
+    _verdict_options(dia)
 
     rp = sub.add_parser(
         "replay", help="diagnose a recorded job again (diagnoser.record), e.g. with --set"
     )
     rp.add_argument("path", type=Path, help="the recording (diagnoser.record)")
-    rp.add_argument("--jsonl", type=Path, help="also write the verdict records to this file")
-    rp.add_argument("--config", type=Path, help="a YAML config (default: the job's own)")
-    rp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
+    _verdict_options(rp)
 
     tr = sub.add_parser(
         "trace", help="write a job's timeline from its boards (Perfetto, chrome://tracing)"
@@ -144,6 +140,13 @@ def _parser() -> argparse.ArgumentParser:
     cfg.add_argument("--config", type=Path, help="a YAML config file")
     cfg.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
     return p
+
+
+def _verdict_options(p: argparse.ArgumentParser) -> None:
+    """The options of the commands that diagnose a job after the fact."""
+    p.add_argument("--jsonl", type=Path, help="also write the verdict records to this file")
+    p.add_argument("--config", type=Path, help="a YAML config (default: the job's own)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,6 +3,7 @@ with another config when asked, and refuses what is not one."""
 
 from __future__ import annotations
 
+import json
 import pickle
 
 import pytest
@@ -74,3 +75,19 @@ def test_only_plain_values_are_read(tmp_path):
     other.write_bytes(b"\x00not a recording")
     with pytest.raises(ValueError, match="not a ccld round recording"):
         read_recording(other)
+
+
+def test_ccld_replay_prints_the_verdicts_and_refuses_a_bad_file(tmp_path, capsys):
+    from ccld_plugin.cli import main
+
+    cfg = load_config(None, ["diagnoser.hang_min_s=3", "agent.interval_s=1"], writing=False)
+    path = _rounds(tmp_path, cfg)
+    out = tmp_path / "v.jsonl"
+    assert main(["replay", str(path), "--jsonl", str(out)]) == 0
+    assert "HANG compute-bound: rank 1" in capsys.readouterr().out
+    assert [v["ranks"] for v in map(json.loads, out.read_text().splitlines())] == [[1]]
+    bad = tmp_path / "bad.rec"
+    bad.write_text("not a recording")
+    assert main(["replay", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a ccld round recording" in err[0]
