@@ -190,7 +190,7 @@ class DiagnoserConfig:
     slow_ratio: float = 1.2
     """A rank is a straggler when its compute time, step by step, is this many times its
     cohort's median (the median of its per-step ratios over the windows judged)..."""
-    excess_z: float = 4.0
+    excess_z: float = 3.0
     """...and that median stands this many standard errors above 1 (robust: from the MAD
     of the per-step ratios), so that a host's noise does not make one."""
     record: str | None = None

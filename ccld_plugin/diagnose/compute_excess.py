@@ -58,10 +58,15 @@ def compute_excess(
     spans: Sequence[int],
     min_ratio: float,
     min_z: float,
+    first: int = 0,
 ) -> list[Excess]:
     """Ranks whose compute exceeds their cohort's by ``min_ratio`` (median per-step ratio)
     and by ``min_z`` standard errors, over one of ``spans`` steps ending at step ``last``
-    (the shortest span that shows it)."""
+    (the shortest span that shows it; spans that would begin before step ``first`` are
+    not judged)."""
+    spans = [n for n in spans if last - n + 1 >= first]
+    if not spans:
+        return []
     widest = max(spans)
     ranks, compute = table.compute_matrix(last - widest + 1, last + 1)
     if len(ranks) < 2:
