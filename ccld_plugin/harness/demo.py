@@ -32,7 +32,7 @@ from rich.console import Console
 
 from ccld_plugin.board.reader import BoardError, BoardReader, board_files
 from ccld_plugin.board.report import collective_table, print_collectives
-from ccld_plugin.config import load_config
+from ccld_plugin.config import CcldConfig, load_config
 from ccld_plugin.harness.faults.spec import FaultSpec, parse_faults
 from ccld_plugin.harness.launch import LocalJob, free_port
 from ccld_plugin.harness.netjob import NetJob, available
@@ -50,9 +50,6 @@ __all__ = [
 
 DEFAULT_FAULT = "compute-hang@2:step=5"
 GRACE_S = 3.0  # after a verdict that means the job will not recover, before ending it
-# after a rank failed on its own, before ending the job: time for the diagnoser (if it
-# survives) to say so, the "unresponsive" threshold and a round or two
-FAILED_GRACE_S = 15.0
 DIAGNOSER_GRACE_S = 5.0  # for ``ccld diagnoser``'s last round once the job is over
 MARKER = ".ccld-demo"  # in DIR: a demo's output, which the next demo may replace
 OUTPUTS = ("boards", "logs", "verdicts.jsonl", "faults.jsonl", "summary.json", "trace.json")
@@ -90,7 +87,8 @@ class DemoOptions:
 class Followed:
     """How the job ended while the demo followed it: ``exited`` (every rank on its own),
     ``verdict`` (ended a grace period after a verdict that means it will not recover),
-    ``failed`` (ended a grace period after a rank failed on its own) or ``timeout``."""
+    ``failed`` (ended a grace period after a rank failed on its own, whether or not a
+    verdict came first) or ``timeout``."""
 
     printed: list[dict]
     ended: str
@@ -206,7 +204,9 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
                 local.master_port = free_port()
                 external = _start_diagnoser(local, overrides, out / "logs" / "diagnoser.log")
             job.start()
-            followed = _follow(job, out / "verdicts.jsonl", opts.timeout_s, console)
+            followed = _follow(
+                job, out / "verdicts.jsonl", opts.timeout_s, failed_grace_s(cfg), console
+            )
         finally:
             codes = job.stop()
             if external is not None:
@@ -540,12 +540,16 @@ def _stop_diagnoser(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def _follow(job: LocalJob | NetJob, path: Path, timeout_s: float, console: Console) -> Followed:
+def _follow(
+    job: LocalJob | NetJob, path: Path, timeout_s: float, failed_grace_s: float, console: Console
+) -> Followed:
     """Print verdicts as they come; end the job a grace period after a verdict that means
-    it will not recover or after a rank failed on its own, or at the timeout."""
+    it will not recover or after a rank failed on its own (whichever comes first), or at
+    the timeout."""
     printed: list[dict] = []
     deadline = time.monotonic() + timeout_s
-    end_at: tuple[float, str] | None = None
+    end_at: float | None = None
+    why = ""
     while True:
         codes = job.poll()
         if all(c is not None for c in codes):
@@ -557,15 +561,29 @@ def _follow(job: LocalJob | NetJob, path: Path, timeout_s: float, console: Conso
         for v in read_verdicts(path)[len(printed) :]:
             printed.append(v)
             console.print(render_verdict(v))
-            if v["kind"] in _TERMINAL and end_at is None:
-                end_at = (now + GRACE_S, "verdict")
-        if end_at is None and any(c not in (None, 0) for c in codes):
-            console.print("[red]a rank failed; ending the job shortly[/]")
-            end_at = (now + FAILED_GRACE_S, "failed")
-        if end_at is not None and now > end_at[0]:
+            if v["kind"] in _TERMINAL:
+                end_at = min(end_at or now + GRACE_S, now + GRACE_S)
+                why = why or "verdict"
+        # A rank that failed on its own is the job's failure, whatever verdict its loss
+        # brought first (a killed rank is soon an unresponsive one): the ranks' ends say it.
+        if why != "failed" and any(c not in (None, 0) for c in codes):
+            if end_at is None:
+                console.print("[red]a rank failed; ending the job shortly[/]")
+                end_at = now + failed_grace_s
+            why = "failed"
+        if end_at is not None and now > end_at:
             console.print("[dim]ending the job (it will not recover)[/]")
-            return Followed(printed, end_at[1])
+            return Followed(printed, why)
         time.sleep(0.2)
+
+
+def failed_grace_s(cfg: CcldConfig) -> float:
+    """How long the job goes on after a rank failed on its own, unless a verdict that means
+    it will not recover comes first: time for the diagnoser (or its standby, if the
+    diagnoser's rank is the one lost) to name the rank: its lease, the "unresponsive"
+    threshold and a few rounds. (The lease is runtime.diagnoser's LEASE_INTERVALS, 4
+    intervals: not imported, as that would load torch into the demo's own process.)"""
+    return cfg.diagnoser.unresponsive_s + 6 * cfg.agent.interval_s + 3.0
 
 
 def _read_jsonl(path: Path) -> list[dict]:
