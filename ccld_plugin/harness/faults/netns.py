@@ -58,6 +58,9 @@ RANK_IFNAME = "eth0"  # what a rank sees; GLOO_SOCKET_IFNAME=eth0 picks it
 STATE_DIR = Path("/run/ccld-netns")
 MAX_RANKS = 253  # .1 to .253 of one /24
 COMMAND_TIMEOUT_S = 10.0
+# What a rank left behind in its namespace (the W&B writer finishing its run, with
+# ``ccld trace``) gets this long to end by itself before the namespace goes.
+LEFTOVER_GRACE_S = 20.0
 LINK_WAIT_S = 3.0  # carrier changes go through the kernel's linkwatch, up to ~1 s late
 
 # Run ids are short because interface names have 15 characters: "ccld-" + 5 + "-p" + 3.
@@ -126,13 +129,25 @@ def _read_state(run_id: str) -> dict | None:
         return None
 
 
+def _pids_inside(netns: str) -> list[str]:
+    with contextlib.suppress(NetnsError):
+        return _ip("netns", "pids", netns).split()
+    return []
+
+
+def _let_leftovers_end(names: list[str], timeout_s: float) -> None:
+    """Wait until nothing runs in ``names`` any more, or ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while any(_pids_inside(n) for n in names) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def _kill_inside(netns: str) -> None:
     """SIGKILL what still runs inside one of our namespaces: only a run's own ranks can be
     there, and they would keep the namespace (and its network) alive after deletion."""
-    with contextlib.suppress(NetnsError):
-        for pid in _ip("netns", "pids", netns).split():
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid), signal.SIGKILL)
+    for pid in _pids_inside(netns):
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
 
 
 def sweep_stale() -> list[str]:
@@ -393,6 +408,8 @@ class ClosedNetwork:
         if self._closed or os.getpid() != self._owner:
             return
         failures = []
+        if self._kill_leftovers:
+            _let_leftovers_end(self._created, LEFTOVER_GRACE_S)
         # Ranks first (their veths go with them), the switch last.
         for name in sorted(self._created, key=lambda n: n == self.switch_netns):
             if self._kill_leftovers:
