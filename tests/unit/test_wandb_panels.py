@@ -76,6 +76,22 @@ def test_step_rows_wait_for_every_rank_and_decompose_the_step():
     assert row1.blocked_ms == {"dp": 20.0, "tp": 10.0}
 
 
+def test_a_rank_not_heard_from_yet_holds_the_step_back():
+    # Only ranks 0-2's summaries came in this round (rank 3's agent is a round late): a
+    # row of three ranks would compare rank 2 with the wrong cohort; wait for rank 3.
+    m = PanelMetrics()
+    now = 2 * STEP_NS
+    sums = {r: panel_summary(r, [0], now) for r in range(4)}
+    early = {r: s for r, s in sums.items() if r != 3}
+    assert m.update(job_view(early, TABLES, now, world=4), []) == []
+    (row,) = m.update(job_view(sums, TABLES, now + 1, world=4), [])
+    assert (row.step, row.ranks) == (0, 4)
+    # A rank whose process is gone holds nothing back.
+    sums = {r: panel_summary(r, [0, 1], now + 2) for r in range(3)}
+    (row,) = m.update(job_view(sums, TABLES, now + 2, world=4, gone={3}), [])
+    assert (row.step, row.ranks) == (1, 3)
+
+
 def test_blocked_time_is_shared_among_the_steps_of_apanel_summary():
     m = PanelMetrics()
     now = 3 * STEP_NS

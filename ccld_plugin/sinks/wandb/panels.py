@@ -235,6 +235,7 @@ class PanelMetrics:
         self._seen_ns: dict[int, int] = {}  # rank -> time of the last summary taken
         self._acc_blocked: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self._max_step: dict[int, int] = {}
+        self._waiting_for: set[int] = set()  # ranks of the job, less those gone
         self._starts: dict[int, list[tuple[int, int, int]]] = defaultdict(list)  # (start,end,s)
         self._pending: deque[Joined] = deque(maxlen=MAX_PENDING_SAMPLES)
         self.next_step: int | None = None  # lowest step not yet handed out
@@ -245,6 +246,7 @@ class PanelMetrics:
     def update(self, view: JobView, joined: Iterable[Joined]) -> list[StepRow]:
         """Take one round; returns the steps that every reporting rank has now finished."""
         self.job_start_ns = view.job_start_ns
+        self._waiting_for = set(range(view.world)) - view.gone
         for g in view.topology.groups.values():
             self.topology.add(g)
         for rank, s in view.summaries.items():
@@ -305,7 +307,10 @@ class PanelMetrics:
     def _ready(self, final: bool) -> list[StepRow]:
         if self.next_step is None or not self._max_step:
             return []
-        last_common = min(self._max_step.values())
+        # A step is done when every live rank finished it, not only those whose steps came
+        # in first: a rank whose agent is a round late would be missing from the row.
+        ranks = self._waiting_for or self._max_step.keys()
+        last_common = min(self._max_step.get(r, -1) for r in ranks)
         last_any = max(self._max_step.values())
         limit = last_any if final else last_common
         rows = []
