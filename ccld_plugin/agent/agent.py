@@ -270,8 +270,10 @@ class Agent:
         failed us, to tell when it answers again), and its own key where its summary was
         not handed over, where the node is not as configured (``NodeShare.leader``), and
         at exit."""
-        self.leading = False
         leader = self.node.leader(tick, job_start) if handed else None
+        # Set once the tick's role is known, not reset first: others read it while the
+        # store call below is in flight.
+        self.leading = leader == self.rank
         if leader is None:
             self.control.publish(self.rank, data)
             self._own_key = True
@@ -281,7 +283,6 @@ class Agent:
             self._own_key = False
         if leader == self.rank:
             self.control.publish_node(self.node.node, self.node.frame(data, tick, job_start))
-            self.leading = True
         elif self.store_lost is not None:
             self.control.ping()
 
