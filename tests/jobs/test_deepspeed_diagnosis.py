@@ -1,17 +1,17 @@
 """Verdicts on real DeepSpeed jobs (examples/deepspeed/train.py, 4 ranks, gloo on the CPU
-accelerator), with ZeRO-2 and ZeRO-3, each fault injected through the demo's launcher."""
+accelerator), each fault injected through the demo's launcher: the hang under ZeRO-3, the
+straggler under ZeRO-2 (the ZeRO-2 hang of an unchanged script: test_ccld_run.py; what
+each stage's collectives look like on the boards: test_deepspeed_plugin.py)."""
 
-import pytest
 from job_runner import demo
 
 
-@pytest.mark.parametrize("zero", [2, 3])
-def test_compute_hang(tmp_path, zero):
+def test_compute_hang_zero3(tmp_path):
     code, summary = demo(
         tmp_path / "out",
         "compute-hang@2:step=3",
         framework="deepspeed",
-        zero_stage=zero,
+        zero_stage=3,
         steps=40,
         timeout_s=300,
     )
@@ -20,13 +20,12 @@ def test_compute_hang(tmp_path, zero):
     assert v["stack"] and code == 0
 
 
-@pytest.mark.parametrize("zero", [2, 3])
-def test_compute_slow(tmp_path, zero):
+def test_compute_slow_zero2(tmp_path):
     code, summary = demo(
         tmp_path / "out",
         "compute-slow@1:factor=2,step=3",
         framework="deepspeed",
-        zero_stage=zero,
+        zero_stage=2,
         steps=40,
         timeout_s=300,
     )

@@ -61,10 +61,9 @@ def test_mismatch(tmp_path):
 @pytest.mark.slow
 def test_compute_slow_factor_2_tp2_pp2_dp2(tmp_path):
     # 8 ranks on this 2-core machine: the cohort's compute times are noisy, and a window
-    # can miss; 60 steps leave room for two consecutive windows (README: worst 22 steps
-    # under load).
+    # can miss; 45 steps leave 15 past the latest verdict the test accepts.
     code, summary = demo(
-        tmp_path / "out", "compute-slow@5:factor=2,step=3", world=8, tp=2, pp=2, steps=60, **TORCH
+        tmp_path / "out", "compute-slow@5:factor=2,step=3", world=8, tp=2, pp=2, steps=45, **TORCH
     )
     v = only(summary, "slow")
     assert (v["cause"], v["ranks"]) == ("compute", [5])
