@@ -334,7 +334,7 @@ class SlowDetector:
                 slow.append((g, b, ref))
         # Channel evidence names the rank (or link) common to the slow connections, also
         # where no sibling group exists to compare bandwidth with (one DP group).
-        judged = self.channels.slow_links(view, t0, t1)
+        judged = self.channels.slow_links(view, t0, t1, frozenset(stragglers))
         found = judged.found
         if slow and found is None and judged.pending:
             # Low bandwidth with the links' own judgement still to come: a busy host slows

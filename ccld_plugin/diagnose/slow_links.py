@@ -269,11 +269,14 @@ class ChannelHistory:
         while self.batches and self.batches[0].reports["mid_ns"].max() < t_ns:
             self.batches.popleft()
 
-    def slow_links(self, view: JobView, t0: int, t1: int) -> LinkJudgement:
+    def slow_links(
+        self, view: JobView, t0: int, t1: int, late: frozenset[int] = frozenset()
+    ) -> LinkJudgement:
         """Links that were slow on the network during [t0, t1] (diagnoser clock), with any
         earlier windows too short to judge, and the rank or link they have in common
         (``found`` None: every link is healthy). TCP links first; NCCL links where no TCP
-        link is slow."""
+        link is slow. A link into a rank of ``late`` (computing slower than its cohort) is
+        not slow on the network: that rank drains its connections late."""
         start = t0 if self.span_start is None else self.span_start
         rows = self.between(start, t1)
         if not _enough(rows):
@@ -283,10 +286,10 @@ class ChannelHistory:
         tcp, nccl = tcp_links(rows), nccl_links(rows)
         episode = start if self.episode_start is None else self.episode_start
         since = self.between(episode, t1) if episode < start else rows
-        found = _locate(view, tcp, self.history, _TCP, self.roles, lambda: tcp_links(since))
+        found = _locate(view, tcp, self.history, _TCP, self.roles, late, lambda: tcp_links(since))
         if found is None:
             found = _locate(
-                view, nccl, self.nccl_history, _NCCL, self.roles, lambda: nccl_links(since)
+                view, nccl, self.nccl_history, _NCCL, self.roles, late, lambda: nccl_links(since)
             )
         self.episode_start = episode if found is not None else None
         self.forget_before(min(start, episode) - int(FORGET_S * 1e9))
@@ -402,11 +405,14 @@ def _locate(
     history: LinkHistory,
     rules: _Rules,
     roles: _LinkRoles,
+    late: frozenset[int] = frozenset(),
     pooled: Callable[[], LinkTable] | None = None,
 ) -> LinkFinding | None:
     """The slow links among ``links`` and the rank or link they have in common; a port's
     other connections are judged on ``pooled()`` (the links over every window since the
-    slow links appeared) when given, else on ``links``."""
+    slow links appeared) when given, else on ``links``. Links into a rank of ``late`` are
+    not judged: a rank that computes late posts its receives late, and its peers' sends
+    to it queue (seen: a DDP straggler's peer named for its link into the straggler)."""
     group = roles.of(view, links)
     # links of no group make a role of their own
     role = np.where(group >= 0, roles.role_id[np.maximum(group, 0)], len(roles.groups))
@@ -416,6 +422,8 @@ def _locate(
     slow: list[_Shown] = []
     for i in np.flatnonzero(~cleared).tolist():
         st = links.stats(i)
+        if st.dst in late:
+            continue
         ref = sibling_medians(role, links, i)
         source = "siblings"
         if ref is None:

@@ -286,6 +286,24 @@ def test_one_slow_link_is_named_as_a_link() -> None:
     assert found.group.role == "tp"  # type: ignore[union-attr]
 
 
+def test_links_into_a_rank_that_computes_late_are_not_slow_on_the_network() -> None:
+    # 2->1 queues as a shaped link does, but rank 1 computes slower than its cohort: it
+    # posts its receives late and its sender waits for that, not for the network.
+    per_tick = {0: [healthy(3)], 1: [healthy(0)], 2: [shaped(1)], 3: [healthy(2)]}
+    h = ChannelHistory()
+    v = feed(h, 10, per_tick, DP4)
+    assert h.slow_links(v, 10 * S, 15 * S).found is not None
+    h = ChannelHistory()
+    v = feed(h, 10, per_tick, DP4)
+    judged = h.slow_links(v, 10 * S, 15 * S, late=frozenset({1}))
+    assert judged.fresh and judged.found is None
+    # Its own sends are judged as any link's: a slow port of the late rank is still named.
+    h = ChannelHistory()
+    v = feed(h, 10, {0: [healthy(3)], 1: [shaped(0)], 2: [shaped(1)], 3: [healthy(2)]}, DP4)
+    found = h.slow_links(v, 10 * S, 15 * S, late=frozenset({1})).found
+    assert found is not None and found.ranks == [1]
+
+
 # A pipeline link's one-way flows, as measured on TP2xPP2 in namespaces (2-core host): the
 # sender of activations waits for a receiver that reads late (its delayed ACK), so its send
 # queue is busy ~30% on a healthy link, more than a shaped TP link's share per byte; the
