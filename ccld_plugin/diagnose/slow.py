@@ -178,6 +178,11 @@ class SlowDetector:
         for e in found:
             if e.rank in self._straggler_told:
                 continue
+            if e.rank == view.observer and e.ratio * (1 - view.observer_load) < self.cfg.slow_ratio:
+                # The diagnoser's rounds hold this rank's GIL for that share of its time.
+                why = f"{view.observer_load:.0%} of its time is the diagnoser's, on its rank"
+                _not_a_straggler(e, cohorts.get(e.rank, [e.rank]), why)
+                continue
             cohort = cohorts.get(e.rank, [e.rank])
             cohort_step_us = statistics.median(
                 [step_us[c] for c in cohort if c in step_us] or [0.0]

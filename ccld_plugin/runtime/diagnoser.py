@@ -10,6 +10,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -32,6 +33,10 @@ from ccld_plugin.wire.topology import GroupInfo, Topology, role_index
 __all__ = ["DiagnoserService"]
 
 MAX_ROUND_SHARE = 0.2  # of the diagnoser rank's time spent in diagnoser rounds
+LOAD_WINDOW_S = 10.0  # the diagnosis' load on its rank is measured over this long
+# Threads that only the diagnoser's rank runs (its rounds, its lease, the W&B sink): their
+# CPU time holds that rank's GIL, so its training is slower by up to as much.
+DIAGNOSIS_THREADS = ("ccld-diagnoser", "ccld-lease", "ccld-wandb")
 # Renewals a standby waits for before it takes the lease over (a loaded host can delay one
 # or two); the diagnoser in charge counts its lease lost one interval earlier.
 LEASE_INTERVALS = 4
@@ -113,6 +118,8 @@ class DiagnoserService:
         self._owner = owner_record(self.rank, self._host, os.getpid())
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # (when, CPU seconds) of the diagnosis' own threads, at the recent rounds
+        self._cpu: deque[tuple[float, float]] = deque()
         self._recorder: RoundRecorder | None = None
         if cfg.diagnoser.record:
             try:
@@ -222,6 +229,16 @@ class DiagnoserService:
             if self.rank >= 0:
                 pause = max(interval / 2, cost * (1 - MAX_ROUND_SHARE) / MAX_ROUND_SHARE)
 
+    def load(self) -> float:
+        """The share of the last LOAD_WINDOW_S (or less, early on) that the threads only
+        the diagnoser's rank runs spent on the CPU."""
+        now = time.monotonic()
+        self._cpu.append((now, _diagnosis_cpu_s()))
+        while len(self._cpu) > 2 and self._cpu[1][0] <= now - LOAD_WINDOW_S:
+            self._cpu.popleft()
+        (t0, c0), (t1, c1) = self._cpu[0], self._cpu[-1]
+        return min(1.0, max(0.0, (c1 - c0) / (t1 - t0))) if t1 - t0 >= 1.0 else 0.0
+
     def _until_clock_epoch(self) -> float:
         """Seconds to the next clock re-sync (the agents wait for its timestamps)."""
         period = self.cfg.agent.clock_resync_s
@@ -288,6 +305,7 @@ class DiagnoserService:
                     observer=view.observer,
                     store_local=view.store_local,
                     store_failed=view.store_failed,
+                    observer_load=view.observer_load,
                 )
             )
         except Exception as exc:  # noqa: BLE001
@@ -353,6 +371,7 @@ class DiagnoserService:
             observer=self.rank if self.rank >= 0 else None,
             store_local=self.control.store_local,
             store_failed=store_failed,
+            observer_load=self.load() if self.rank >= 0 else 0.0,
         )
 
     def _summaries(self, raw: dict[int, bytes]) -> SummaryTable:
@@ -447,3 +466,13 @@ def _fits_group(g: GroupInfo, rank: int, world: int) -> None:
         or rank not in ranks
     ):
         raise ValueError(f"group {g.group_id:016x} has ranks {list(g.ranks)[:8]}")
+
+
+def _diagnosis_cpu_s() -> float:
+    """CPU seconds so far of this process's DIAGNOSIS_THREADS (those still running)."""
+    total = 0.0
+    for t in threading.enumerate():
+        if t.name.startswith(DIAGNOSIS_THREADS) and t.ident is not None:
+            with contextlib.suppress(OSError, ValueError):  # a thread that just ended
+                total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+    return total

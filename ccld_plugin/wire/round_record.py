@@ -29,6 +29,7 @@ class RecordedRound:
     observer: int | None = None
     store_local: bool = False
     store_failed: str | None = None
+    observer_load: float = 0.0
 
 
 class RoundRecorder:

@@ -5,6 +5,7 @@ per step, as on a job whose steps are longer than an agent tick."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from collections.abc import Callable
 
 from builders import MS, S, facts, group, job_view, rank_summary
@@ -36,10 +37,13 @@ def run(
     steps: int,
     ops_per_step: int = 4,
     unseen_ms: dict[int, float] | None = None,
+    observer: int | None = None,
+    observer_load: float = 0.0,
 ) -> list[Verdict]:
     """Every verdict of a detector fed ``steps`` steps in which rank r computes
     ``compute_ms(r, step)`` before its collectives (spread evenly between them), and
-    reports ``unseen_ms[r]`` more compute at the end of its step, after them."""
+    reports ``unseen_ms[r]`` more compute at the end of its step, after them; the
+    diagnoser on rank ``observer``, its threads ``observer_load`` of that rank's time."""
     det = SlowDetector(DiagnoserConfig())
     world = len(tables)
     seq = {(r, slot): 0 for r in tables for slot in range(len(tables[r]))}
@@ -88,6 +92,7 @@ def run(
                 )
             )
         view = job_view(summaries, tables, now_ns=end + MS, world=world)
+        view = replace(view, observer=observer, observer_load=observer_load)
         det.ingest(view, summaries)
         verdicts += det.evaluate(view)
         t = end + STEP_GAP_NS
@@ -124,6 +129,17 @@ def test_a_straggler_is_named_within_two_windows_of_its_onset_wherever_it_falls(
 def test_a_weak_straggler_is_named_too() -> None:
     got = run(dp(8), straggler(5, 1.35, 10, noise=0.05), steps=40)
     assert [(v.cause, v.ranks) for v in got] == [(Cause.COMPUTE, [5])]
+
+
+def test_the_diagnosers_own_load_on_its_rank_is_not_a_straggler() -> None:
+    # The diagnoser's threads took 20% of rank 0's time, which made it 1.25x slower: the
+    # plugin's doing, not the job's. Slower than that, it is a straggler all the same; and
+    # on another rank, 1.25x is.
+    assert run(dp(4), straggler(0, 1.25, 10, noise=0.05), 40, observer=0, observer_load=0.2) == []
+    got = run(dp(4), straggler(0, 2.0, 10, noise=0.05), 40, observer=0, observer_load=0.2)
+    assert [(v.cause, v.ranks) for v in got] == [(Cause.COMPUTE, [0])]
+    got = run(dp(4), straggler(1, 1.25, 10, noise=0.05), 40, observer=0, observer_load=0.2)
+    assert [(v.cause, v.ranks) for v in got] == [(Cause.COMPUTE, [1])]
 
 
 def test_healthy_noise_and_short_bursts_are_no_straggler() -> None:
