@@ -5,8 +5,8 @@ per step, as on a job whose steps are longer than an agent tick."""
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 
 from builders import MS, S, facts, group, job_view, rank_summary
 
