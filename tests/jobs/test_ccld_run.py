@@ -1,6 +1,5 @@
 """``ccld run``: the plugin turned on in every rank of unchanged scripts (plain DDP, a 2-D
-named DeviceMesh) launched by torchrun, with a compute hang in each and a straggler in
-DDP."""
+named DeviceMesh) launched by torchrun, with a compute hang or a straggler in each."""
 
 from __future__ import annotations
 
@@ -161,6 +160,16 @@ def test_device_mesh_compute_hang_with_named_roles(tmp_path):
     assert v["group"]["role"] in ("tp", "dp") and 2 in v["group"]["ranks"]
     assert v["step"] == 5
     assert _roles(tmp_path) == {r: {"world", "dp", "tp"} for r in range(4)}
+
+
+def test_device_mesh_straggler(tmp_path):
+    verdicts = ccld_run(tmp_path, "mesh_2d.py", "slow@3:0.15", 60)
+    slow = [v for v in verdicts if v["kind"] == "slow"]
+    assert slow and (slow[0]["cause"], slow[0]["ranks"]) == ("compute", [3]), (
+        verdicts,
+        _log(tmp_path),
+    )
+    assert slow[0]["group"]["role"] in ("tp", "dp")
 
 
 def test_deepspeed_launcher_compute_hang(tmp_path):
