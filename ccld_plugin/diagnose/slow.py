@@ -179,7 +179,7 @@ class SlowDetector:
             if e.rank in self._straggler_told:
                 continue
             if e.rank == view.observer and e.ratio * (1 - view.observer_load) < self.cfg.slow_ratio:
-                # The diagnoser's rounds hold this rank's GIL for that share of its time.
+                # The diagnosis' own threads hold this rank's GIL for that share of its time.
                 why = f"{view.observer_load:.0%} of its time is the diagnoser's, on its rank"
                 _not_a_straggler(e, cohorts.get(e.rank, [e.rank]), why)
                 continue

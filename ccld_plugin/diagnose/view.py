@@ -66,9 +66,9 @@ class JobView:
     observer: int | None = None
     store_local: bool = False
     store_failed: str | None = None
-    # The share of the observer rank's time its diagnoser's rounds took lately (CPU time
-    # of the rounds' thread): they hold that rank's GIL, so its compute is slower by up to
-    # as much, which is the plugin's doing, not the job's.
+    # The share of the observer rank's time that the diagnosis' own threads there (its
+    # rounds, its lease, the W&B sink) spent on the CPU lately: they hold that rank's GIL,
+    # so its compute is slower by up to as much, which is the plugin's doing, not the job's.
     observer_load: float = 0.0
     # Built from the tables when not given; a caller whose tables did not change since the
     # last round passes the last one (at 16 k ranks it takes ~0.1 s to build).
