@@ -422,6 +422,12 @@ def _override(item: Any) -> DictConfig:
             f"ccld config: override {item!r}: the value is not valid YAML ({_problem(exc)}); "
             "quote it"
         ) from None
+    except IndexError:  # omegaconf's key parser on keys such as '[' (found by fuzzing)
+        key = item.split("=", 1)[0]
+        raise ConfigError(
+            f"ccld config: override {item!r}: {key!r} is not a key; give one like "
+            "diagnoser.hang_min_s=30"
+        ) from None
 
 
 def _yaml_error(where: str, exc: yaml.YAMLError) -> ConfigError:

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 from builders import peer_channel, rank_summary
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ccld_plugin.config import CcldConfig, ConfigError, load_config
@@ -91,6 +91,7 @@ def _config_or_one_line(load: Any) -> CcldConfig | None:
 
 @FUZZ_CONFIG
 @given(st.lists(OVERRIDE, max_size=4))
+@example(["[="])  # omegaconf's key parser raised IndexError on it
 def test_dotlist_overrides_give_a_config_or_a_one_line_error(items):
     _config_or_one_line(lambda: load_config(None, items))
 
