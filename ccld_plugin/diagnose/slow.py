@@ -50,7 +50,6 @@ MIN_ARRIVAL_SAMPLES = 4
 # 1.2-2x had 64-100% (most above 80%); healthy ranks that a busy 2-core host held back for
 # 10-20 steps, 50-56% as well (benchmarks/replay_runs.py over ~70 recorded runs).
 WAITED_FOR_SHARE = 0.65
-WAITED_FOR_SHARE_SMALL_COHORT = 0.65
 # Clear-cut: an injected straggler, slowed before every collective, had 80-100% of the
 # waiting in its streak; ranks of a healthy 8-rank job on 2 cores that the host's
 # scheduler held back for ~10 steps had 60-79%. Below this share a straggler is confirmed
@@ -178,12 +177,12 @@ class SlowDetector:
         for e in found:
             if e.rank in self._straggler_told:
                 continue
+            cohort = cohorts.get(e.rank, [e.rank])
             if e.rank == view.observer and e.ratio * (1 - view.observer_load) < self.cfg.slow_ratio:
                 # The diagnosis' own threads hold this rank's GIL for that share of its time.
                 why = f"{view.observer_load:.0%} of its time is the diagnoser's, on its rank"
-                _not_a_straggler(e, cohorts.get(e.rank, [e.rank]), why)
+                _not_a_straggler(e, cohort, why)
                 continue
-            cohort = cohorts.get(e.rank, [e.rank])
             cohort_step_us = statistics.median(
                 [step_us[c] for c in cohort if c in step_us] or [0.0]
             )
@@ -548,20 +547,19 @@ def _not_waited_for(
 ) -> str:
     """Why the collectives ``mine`` of a rank slower than its cohort do not show its peers
     waiting for it (yet; empty when they do). With a cohort too small for statistics the
-    arrival order has to decide, so it must have more samples and be clearer; an order
-    that is not clear-cut counts only over the ``longest`` span."""
+    arrival order has to decide, so it must have more samples; an order that is not
+    clear-cut counts only over the ``longest`` span."""
     small = cohort_size < 3
     need_n = MIN_ARRIVAL_SAMPLES * (2 if small else 1)
-    need = WAITED_FOR_SHARE_SMALL_COHORT if small else WAITED_FOR_SHARE
     if not mine and not small:  # none taken: the cohort's statistics decide, over more steps
         return "" if longest else "no arrival samples: the longer span decides"
     if len(mine) < need_n:  # a few: more come while it stays slow
         return f"{len(mine)} arrival samples in its span (< {need_n})"
-    if waited_for is None or waited_for < need:
+    if waited_for is None or waited_for < WAITED_FOR_SHARE:
         share = "none" if waited_for is None else f"{waited_for:.0%}"
         return (
             f"its peers waiting for it are {share} of the waiting in {len(mine)} samples "
-            f"(< {need:.0%})"
+            f"(< {WAITED_FOR_SHARE:.0%})"
         )
     if waited_for < CLEAR_WAITED_FOR_SHARE and not longest:
         return (

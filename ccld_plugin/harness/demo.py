@@ -562,7 +562,7 @@ def _follow(
             printed.append(v)
             console.print(render_verdict(v))
             if v["kind"] in _TERMINAL:
-                end_at = min(end_at or now + GRACE_S, now + GRACE_S)
+                end_at = now + GRACE_S if end_at is None else min(end_at, now + GRACE_S)
                 why = why or "verdict"
         # A rank that failed on its own is the job's failure, whatever verdict its loss
         # brought first (a killed rank is soon an unresponsive one): the ranks' ends say it.
