@@ -22,7 +22,7 @@ from ccld_plugin.diagnose.hang import (
     find_mismatches,
     find_unresponsive,
 )
-from ccld_plugin.diagnose.isolation import isolation_hang, observer_isolated
+from ccld_plugin.diagnose.isolation import Isolation, isolation_hang, observer_isolated
 from ccld_plugin.diagnose.nccl_evidence import nccl_evidence
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.slow import SlowDetector
@@ -61,6 +61,7 @@ class Diagnoser:
         self._seen_ns = np.full(0, -1, np.int64)  # per rank: time of the summary last taken in
         # when the first stall was reported (None: none yet), and the ranks stalls named
         self._stalled_ns: int | None = None
+        self._isolation: Isolation | None = None  # the observer's, once seen
         self._stalled_ranks: set[int] = set()
 
     def threshold_s(self, group_id: int) -> float:
@@ -78,7 +79,14 @@ class Diagnoser:
         self.durations.add(view, fresh.table)
         self.slow.ingest(view, fresh)
         interval = chan.interval_s(view)
-        isolated = observer_isolated(view) if _all_peers_silent(view, interval) else None
+        isolated = None
+        if _all_peers_silent(view, interval):
+            isolated = observer_isolated(view)
+            if isolated is None and (view.store_local or view.store_failed is not None):
+                # Once seen, the isolation explains the peers' silence until one speaks
+                # again: its own signs (a stalled link's retransmissions) come and go.
+                isolated = self._isolation
+        self._isolation = isolated
         if isolated is not None:
             # Every silent peer is an effect of the observer's own isolation: the peers'
             # stale summaries would name each of them, so only the observer is judged.

@@ -102,3 +102,19 @@ def test_isolated_but_not_yet_stuck_past_the_threshold_gives_nothing_yet() -> No
     d = _diagnoser()
     assert observer_isolated(v) is not None
     assert d.round(v) == []  # and the silent peers are not blamed meanwhile
+
+
+def test_the_isolation_holds_while_its_own_signs_come_and_go() -> None:
+    # Named once; a round later the observer's links show no stall for a moment (their
+    # retransmissions paused) while its store still fails and every peer stays silent:
+    # the peers are not named one by one.
+    d = _diagnoser()
+    where = {"store_local": False, "store_failed": "timeout"}
+    (verdict,) = d.round(_view({1: 4.0, 2: 4.1, 3: 4.2}, **where))
+    assert verdict.ranks == [0]
+    later = _view({1: 5.0, 2: 5.1, 3: 5.2}, **where)
+    later.summaries[0] = _rank(0, 0.0, 9.0)  # no stalled link shown this round
+    assert d.round(later) == []
+    # A peer that speaks again ends it: the others are judged as any rank.
+    again = _view({1: 5.5, 2: 0.1, 3: 5.7}, **where)
+    assert {r for v in d.round(again) for r in v.ranks} >= {1, 3}
