@@ -131,6 +131,34 @@ def test_a_weak_straggler_is_named_too() -> None:
     assert [(v.cause, v.ranks) for v in got] == [(Cause.COMPUTE, [5])]
 
 
+def swinging(rank: int, onset: int) -> Callable[[int, int], float]:
+    """Rank ``rank`` at 1.1x and 1.6x in turn from step ``onset`` (1.33x over a span)."""
+    rng = random.Random(onset)
+
+    def compute_ms(r: int, step: int) -> float:
+        if r == rank and step >= onset:
+            return 40.0 * (1.6 if step % 2 else 1.1)
+        return 40.0 * (1 + rng.uniform(-0.02, 0.02))
+
+    return compute_ms
+
+
+def test_a_swinging_straggler_that_its_peers_clearly_wait_for_is_named_in_one_span() -> None:
+    # Its excess over 10 steps stands ~2.6 standard errors above its cohort, short of
+    # excess_z, as a 1.5x straggler's on a busy host often does. Its peers wait for it at
+    # every collective, so the shorter span names it; the excess alone would wait for the
+    # longer one (19 steps).
+    cfg = DiagnoserConfig()
+    for tables, rank in ((dp(4), 2), (dp(8), 5), (tp2pp2(), 1)):
+        for onset in (10, 11):
+            got = run(tables, swinging(rank, onset), steps=onset + 25)
+            assert [(v.cause, v.ranks) for v in got] == [(Cause.COMPUTE, [rank])], (rank, onset)
+            ev = facts(got[0].evidence)
+            assert ev["compute_excess"][0]["data"]["z"] < cfg.excess_z
+            assert got[0].step is not None
+            assert got[0].step - onset < cfg.window_steps * cfg.confirm_windows
+
+
 def test_the_diagnosers_own_load_on_its_rank_is_not_a_straggler() -> None:
     # The diagnoser's threads took 20% of rank 0's time, which made it 1.25x slower: the
     # plugin's doing, not the job's. Slower than that, it is a straggler all the same; and
