@@ -11,7 +11,9 @@ one node key (``wire.node_summary``), as the product does. Per round it times, s
   live diagnoser reads with (``ControlPlane.read_summaries``: existence check, chunked
   ``multi_get``, node frames split into per-rank summaries);
 - decode: every rank's bytes into one SummaryTable (columns; a rank's RankSummary is
-  decoded only when the analysis looks it up), as the diagnoser service does;
+  decoded only when the analysis looks it up), read where they lie in the frames, after
+  the merge with the last round's values and the check for news, as the diagnoser
+  service does;
 - view: the JobView (topology of every rank's group table);
 - analyze: Diagnoser.round (hang, mismatch, unresponsive, slow windows).
 
@@ -43,6 +45,7 @@ from ccld_plugin.diagnose import Diagnoser, JobView
 from ccld_plugin.diagnose.view import topology_of
 from ccld_plugin.runtime.diagnoser import gc_paused
 from ccld_plugin.wire.node_summary import encode_node, node_count, node_ranks
+from ccld_plugin.wire.packed import PackedSummaries
 from ccld_plugin.wire.peer_channels import PeerChannel, encode_channels
 from ccld_plugin.wire.summary import (
     ArrivalSample,
@@ -166,6 +169,7 @@ def bench(
     diag = Diagnoser(DiagnoserConfig(), interval_s=1.0)
     times: dict[str, list[float]] = {k: [] for k in ("read", "decode", "view", "analyze")}
     size = 0
+    last = PackedSummaries.of({})
     for step in range(1, rounds + 1):
         now = step * STEP_NS
         ranks_conn.send(step)  # the ranks publish (not timed)
@@ -175,7 +179,11 @@ def bench(
         t1 = time.perf_counter()
         assert len(raw) == world, len(raw)
         with gc_paused():  # as the diagnoser service runs a round
-            summaries, bad = SummaryTable.decode(raw)
+            # the service's merge with the last good values, and its check for news
+            values = last.merged(raw)
+            assert values != last
+            summaries, bad = SummaryTable.decode(values)
+            last = values
             t2 = time.perf_counter()
             assert not bad, bad
             # the diagnoser service rebuilds the topology only when a table changes

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
@@ -37,7 +38,8 @@ from ccld_plugin.config import ControlConfig
 from ccld_plugin.control.clock import CLOCK_ROUNDS, CLOCK_SPACING_S, ClockSync
 from ccld_plugin.control.deadline import DeadlineStore
 from ccld_plugin.errors import report_error
-from ccld_plugin.wire.node_summary import decode_node, node_ranks
+from ccld_plugin.wire.node_summary import decode_nodes, node_count
+from ccld_plugin.wire.packed import PackedSummaries
 from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["ControlPlane", "owner_record"]
@@ -151,33 +153,34 @@ class ControlPlane:
         """One request, to tell whether the store answers."""
         self.store.check(["node/size"])
 
-    def read_summaries(self, ranks: Iterable[int]) -> dict[int, bytes]:
+    def read_summaries(self, ranks: Iterable[int]) -> PackedSummaries:
         """Latest summaries of ``ranks``: from their nodes' frames, and from their own keys
         where they wrote one (newer than a frame); ranks found in neither are left out. A
-        frame that does not decode is counted (``control.node_summary``) and left out."""
+        frame that does not decode is counted (``control.node_summary``) and left out.
+        Packed: the frames' bytes are read in place (``wire.packed``)."""
         ranks = list(ranks)
         wanted = set(ranks)
         everyone = wanted.issuperset(range(self.world))  # as the diagnoser asks
-        out: dict[int, bytes] = {}
+        packed = PackedSummaries.of({})
         size = self._node_size()
         if size > 1:  # a rank alone on its node writes its own key
-            nodes = sorted({r // size for r in ranks if 0 <= r < self.world})
+            nodes = (
+                list(range(node_count(self.world, size)))
+                if everyone
+                else sorted({r // size for r in wanted if 0 <= r < self.world})
+            )
             frames = self._read_keys([f"n/{n}" for n in nodes])
-            for n, frame in zip(nodes, frames, strict=True):
-                if frame is None:
-                    continue
-                try:
-                    got = decode_node(frame, node_ranks(n, size, self.world))
-                except ValueError as exc:
-                    report_error("control.node_summary", ValueError(f"node {n}: {exc}"))
-                    continue
-                if everyone:
-                    out.update(got)
-                else:
-                    out.update((r, data) for r, data in got.items() if r in wanted)
+            packed, bad = decode_nodes(
+                [(n, f) for n, f in zip(nodes, frames, strict=True) if f is not None],
+                size,
+                self.world,
+            )
+            for n, why in bad.items():
+                report_error("control.node_summary", ValueError(f"node {n}: {why}"))
+            if not everyone:
+                packed = packed.select(np.isin(packed.ranks, ranks))
         own = sorted(self._listed_ranks() & wanted)
-        out.update((r, data) for r, data in self._read_per_rank("s", own).items() if data)
-        return out
+        return packed.merged({r: v for r, v in self._read_per_rank("s", own).items() if v})
 
     def _node_size(self) -> int:
         if self.ranks_per_node <= 0 and self.store.check(["node/size"]):

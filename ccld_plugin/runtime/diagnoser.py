@@ -11,7 +11,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +25,7 @@ from ccld_plugin.diagnose.analyzer import located_by_channels
 from ccld_plugin.diagnose.view import topology_of
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.sinks import Sink
+from ccld_plugin.wire.packed import PackedSummaries
 from ccld_plugin.wire.round_record import RecordedRound, RoundRecorder
 from ccld_plugin.wire.summary import HEAD_DTYPE
 from ccld_plugin.wire.summary_batch import SummaryTable
@@ -105,7 +106,7 @@ class DiagnoserService:
         self._tables: dict[int, tuple[int, list[GroupInfo]]] = {}
         # Of each rank, its last summary that decoded, and all of them as a table (decoded
         # again only when some value changed).
-        self._last_good: dict[int, bytes] = {}
+        self._last_good = PackedSummaries.of({})
         self._good_table = SummaryTable.of({})
         # of the tables, until one of them changes (kept as the same objects till then: the
         # analysis keeps what it derives from them while they stay)
@@ -312,7 +313,7 @@ class DiagnoserService:
             report_error("diagnoser.record", exc)
             self._recorder = None
 
-    def _read_store(self) -> tuple[dict[int, bytes], str | None]:
+    def _read_store(self) -> tuple[Mapping[int, bytes], str | None]:
         """Every rank's latest summary from the store, or ({}, why) when the store does not
         answer within the read timeout."""
         try:
@@ -332,7 +333,7 @@ class DiagnoserService:
         raw, store_failed = self._read_store()
         own = self.own_report()
         if own is not None:
-            raw[self.rank] = own.summary
+            raw = PackedSummaries.of(raw).merged({self.rank: own.summary})
             if self._tables.get(self.rank, (None,))[0] != own.groups_version:
                 self._tables[self.rank] = (own.groups_version, own.groups)
                 self._topology = None
@@ -374,25 +375,27 @@ class DiagnoserService:
             observer_load=self.load() if self.rank >= 0 else 0.0,
         )
 
-    def _summaries(self, raw: dict[int, bytes]) -> SummaryTable:
+    def _summaries(self, raw: Mapping[int, bytes]) -> SummaryTable:
         """The summaries that decode and fit this job. A corrupt one is counted (contained
         error ``diagnoser.decode``) and the rank's last good summary stands in, so that a
         rank whose reports stay unreadable ages into an unresponsive one; channel evidence
         naming a rank outside the job is dropped the same way. Every rank ever heard from
         is in: one that is heard from no more (its key unreadable, the store gone) ages in
         the view into a silent or unresponsive rank."""
-        values = {**self._last_good, **raw}
+        values = self._last_good.merged(raw)
         if values == self._last_good:  # nothing new: the last table stands
             return self._good_table
         table, bad = SummaryTable.decode(values)
         bad.update(_not_of_job(table, self.world))
         if bad:
+            fixed = dict(values)
             for rank, why in sorted(bad.items()):
                 report_error("diagnoser.decode", ValueError(why))
                 if rank in self._last_good:
-                    values[rank] = self._last_good[rank]
+                    fixed[rank] = self._last_good[rank]
                 else:
-                    del values[rank]
+                    del fixed[rank]
+            values = PackedSummaries.of(fixed)
             table, bad = SummaryTable.decode(values)  # the last good values decode
         rows = table.channel_rows().entries
         outside = set(rows["rank"][rows["peer"] >= self.world].tolist())
@@ -400,8 +403,8 @@ class DiagnoserService:
             report_error(
                 "diagnoser.decode", ValueError(f"rank {rank}: a channel peer not in the job")
             )
-            values[rank] = _without_channels(values[rank])
         if outside:
+            values = values.merged({r: _without_channels(values[r]) for r in outside})
             table.without_channels(outside)
         self._last_good, self._good_table = values, table
         return table

@@ -6,7 +6,7 @@ diagnosis can be looked at again, or with another config or version, without the
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -23,7 +23,7 @@ class RecordedRound:
     now_ns: int
     job_start_ns: int
     world: int
-    values: dict[int, bytes]  # every rank's summary as the round decoded it
+    values: Mapping[int, bytes]  # every rank's summary as the round decoded it
     tables: dict[int, list[GroupInfo]]
     gone: set[int] = field(default_factory=set)
     observer: int | None = None

@@ -23,6 +23,7 @@ from ccld_plugin.wire.codes import (
     STATE_ERROR,
     STATE_IN_FLIGHT,
 )
+from ccld_plugin.wire.packed import PackedSummaries, gather, records
 from ccld_plugin.wire.peer_channels import ChannelRows, channel_rows
 from ccld_plugin.wire.summary import (
     _FRAME_LEN,
@@ -90,10 +91,8 @@ class SummaryTable(Mapping[int, RankSummary]):
         samples: np.ndarray,
         sample_rows: np.ndarray,
         hosts: list[str],
-        values: list[bytes] | list[RankSummary],
+        values: PackedSummaries | list[RankSummary],
         channel_spans: np.ndarray,
-        blob: bytes = b"",
-        starts: np.ndarray | None = None,
     ) -> None:
         self.heads = heads  # _HEADS, one per summary
         self.groups = groups  # _GROUPS
@@ -107,8 +106,6 @@ class SummaryTable(Mapping[int, RankSummary]):
         # where its channel evidence lies in the value ([start, end), or -1: the object's)
         self._values = values
         self._channel_spans = channel_spans
-        self._blob = blob  # the values side by side (a decoded table's), ...
-        self._starts = starts  # ... and where each begins in it
         self._index: dict[int, int] | None = None
         self._decoded: dict[int, RankSummary] = {}
         self._channel_rows: ChannelRows | None = None
@@ -117,16 +114,15 @@ class SummaryTable(Mapping[int, RankSummary]):
     @classmethod
     def decode(cls, raw: Mapping[int, bytes]) -> tuple[SummaryTable, dict[int, str]]:
         """The values of ``raw`` (by rank) that decode; and, by rank, why each other one
-        does not (what :func:`decode_summary` would raise for it)."""
-        ranks = sorted(raw)
-        values = [bytes(raw[r]) for r in ranks]
-        n = len(values)
-        lens = np.fromiter(map(len, values), np.int64, n)
-        blob = b"".join(values)
-        starts = np.cumsum(lens) - lens
+        does not (what :func:`decode_summary` would raise for it). Packed values (what the
+        control plane reads) are decoded where they lie."""
+        packed = PackedSummaries.of(raw)
+        blob, starts, lens = packed.blob, packed.starts, packed.lens
+        ranks = packed.ranks.tolist()
+        n = len(ranks)
         bad: dict[int, str] = {}
         ok = lens >= HEAD_DTYPE.itemsize
-        head = _gather(blob, np.where(ok, starts, 0), HEAD_DTYPE)
+        head = gather(blob, np.where(ok, starts, 0), HEAD_DTYPE)
         ok &= head["version"] == SUMMARY_VERSION
         for i in np.flatnonzero(~ok).tolist():
             bad[ranks[i]] = "corrupt ccld summary: not a ccld summary of this version"
@@ -160,7 +156,7 @@ class SummaryTable(Mapping[int, RankSummary]):
         for i in np.flatnonzero(ok & (counts["n_frames"] > 0)).tolist():
             try:
                 channels_at[i] = starts[i] + _frames_end(
-                    values[i], int(frames_at[i] - starts[i]), int(counts["n_frames"][i])
+                    packed[ranks[i]], int(frames_at[i] - starts[i]), int(counts["n_frames"][i])
                 )
             except (ValueError, UnicodeDecodeError) as exc:
                 bad[ranks[i]] = f"corrupt ccld summary ({exc})"
@@ -172,10 +168,10 @@ class SummaryTable(Mapping[int, RankSummary]):
         heads = np.zeros(n, _HEADS)
         for f in (*_HEAD_FIELDS, "groups_version"):
             heads[f] = head[f]
-        g_raw, g_row = _records(blob, groups_at, counts["n_groups"], GROUP_DTYPE)
-        f_raw, f_row = _records(blob, flights_at, counts["n_flights"], FLIGHT_DTYPE)
-        s_raw, s_row = _records(blob, steps_at, counts["n_steps"], STEP_DTYPE)
-        samples, sample_rows = _records(blob, samples_at, counts["n_samples"], SAMPLE_DTYPE)
+        g_raw, g_row = records(blob, groups_at, counts["n_groups"], GROUP_DTYPE)
+        f_raw, f_row = records(blob, flights_at, counts["n_flights"], FLIGHT_DTYPE)
+        s_raw, s_row = records(blob, steps_at, counts["n_steps"], STEP_DTYPE)
+        samples, sample_rows = records(blob, samples_at, counts["n_samples"], SAMPLE_DTYPE)
         groups = _columns(g_raw, g_row, _GROUPS)
         flights = _columns(f_raw, f_row, _FLIGHTS)
         steps = np.zeros(len(s_raw), _STEPS)
@@ -185,20 +181,8 @@ class SummaryTable(Mapping[int, RankSummary]):
         steps["step_us"] = s_raw["step_us"]
         steps["compute_us"] = s_raw["compute_us"]
         spans = np.stack([channels_at - starts, lens], axis=1)
-        keys = np.array(ranks, np.int64)
         table = cls(
-            keys,
-            heads,
-            groups,
-            flights,
-            steps,
-            samples,
-            sample_rows,
-            hosts,
-            values,
-            spans,
-            blob,
-            starts,
+            packed.ranks, heads, groups, flights, steps, samples, sample_rows, hosts, packed, spans
         )
         for i, why in table._problems(ok).items():
             bad[ranks[i]] = f"corrupt ccld summary of rank {int(heads['rank'][i])}: {why}"
@@ -245,6 +229,12 @@ class SummaryTable(Mapping[int, RankSummary]):
             return a[mine], renumber[rows[mine]]
 
         picked = np.flatnonzero(keep).tolist()
+        values = self._values
+        kept = (
+            values.select(keep)
+            if isinstance(values, PackedSummaries)
+            else [values[i] for i in picked]
+        )
 
         def records(a: np.ndarray) -> np.ndarray:
             a, rows = part(a, a["row"])
@@ -253,7 +243,6 @@ class SummaryTable(Mapping[int, RankSummary]):
             return a
 
         samples, sample_rows = part(self.samples, self.sample_rows)
-        values: list = [self._values[i] for i in picked]
         table = SummaryTable(
             self.ranks[keep],
             self.heads[keep],
@@ -263,10 +252,8 @@ class SummaryTable(Mapping[int, RankSummary]):
             samples,
             sample_rows,
             [self.hosts[i] for i in picked],
-            values,
+            kept,
             self._channel_spans[keep],
-            self._blob,
-            None if self._starts is None else self._starts[keep],
         )
         table._decoded = self._decoded  # the same rank, the same value: one object
         return table
@@ -281,11 +268,12 @@ class SummaryTable(Mapping[int, RankSummary]):
         i = self.row_of(rank)
         if i is None:
             raise KeyError(rank)
-        value = self._values[i]
-        if isinstance(value, RankSummary):
-            return value
+        values = self._values
+        if not isinstance(values, PackedSummaries):
+            return values[i]
         s = self._decoded.get(rank)
         if s is None:
+            value = values[int(values.ranks[i])]
             s = self._decoded[rank] = _decode(value)
             start, end = self._channel_spans[i].tolist()
             s.channels = value[start:end]
@@ -314,26 +302,28 @@ class SummaryTable(Mapping[int, RankSummary]):
                 continue
             self._channel_spans[i] = (0, 0)
             self._decoded.pop(r, None)
-            if isinstance(self._values[i], RankSummary):
-                self._values[i].channels = b""  # type: ignore[union-attr]
+            if not isinstance(self._values, PackedSummaries):
+                self._values[i].channels = b""
         self._channel_rows = None
 
     def channel_rows(self) -> ChannelRows:
         """The channel evidence of every row (built once per table)."""
         if self._channel_rows is None:
+            values = self._values
             self._channel_rows = (
-                channel_rows(v for v in self._values if isinstance(v, RankSummary))
-                if self._starts is None
-                else self._decoded_channel_rows(self._starts)
+                self._decoded_channel_rows(values)
+                if isinstance(values, PackedSummaries)
+                else channel_rows(values)
             )
         return self._channel_rows
 
-    def _decoded_channel_rows(self, starts: np.ndarray) -> ChannelRows:
-        """``channel_rows`` of a decoded table's values, read from its blob in a few
+    def _decoded_channel_rows(self, packed: PackedSummaries) -> ChannelRows:
+        """``channel_rows`` of a decoded table's values, read from their buffer in a few
         gathers (what ``channel_rows`` does value by value)."""
+        starts, blob = packed.starts, packed.blob
         spans = self._channel_spans
         at, size = starts + spans[:, 0], spans[:, 1] - spans[:, 0]
-        head = _gather(self._blob, np.where(size >= _CHANNEL_HEAD.itemsize, at, 0), _CHANNEL_HEAD)
+        head = gather(blob, np.where(size >= _CHANNEL_HEAD.itemsize, at, 0), _CHANNEL_HEAD)
         n, k = head["n"].astype(np.int64), head["k"].astype(np.int64)
         ok = (
             (size >= _CHANNEL_HEAD.itemsize)
@@ -344,8 +334,8 @@ class SummaryTable(Mapping[int, RankSummary]):
         )
         n, k = np.where(ok, n, 0), np.where(ok, k, 0)
         entries_at = at + _CHANNEL_HEAD.itemsize
-        raw, which = _records(self._blob, entries_at, n, pc.ENTRY_DTYPE)
-        waits, _ = _records(self._blob, entries_at + n * pc.ENTRY_DTYPE.itemsize, k, _WAITS)
+        raw, which = records(blob, entries_at, n, pc.ENTRY_DTYPE)
+        waits, _ = records(blob, entries_at + n * pc.ENTRY_DTYPE.itemsize, k, _WAITS)
         nccl = raw["source"] == pc.SOURCE_NCCL
         bad = np.bincount(which, weights=~pc._entries_ok(raw), minlength=len(ok))
         ok &= (np.bincount(which, weights=nccl, minlength=len(ok)) == k) & (bad == 0)
@@ -479,29 +469,6 @@ def _frames_end(value: bytes, at: int, count: int) -> int:
         value[at + 2 : at + 2 + n].decode()
         at += 2 + n
     return at
-
-
-def _gather(blob: bytes, at: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """The records of ``dtype`` that start at the byte offsets ``at`` of ``blob``: one
-    fancy index over a view of the bytes with a record at every offset. The view is of
-    opaque records of the same size, read as ``dtype`` once copied: numpy copies those
-    with one memcpy each, unaligned structured records field by field (50x slower)."""
-    if len(at) == 0 or len(blob) < dtype.itemsize:
-        return np.zeros(len(at), dtype)
-    opaque = np.dtype((np.void, dtype.itemsize))
-    every = np.ndarray((len(blob) - dtype.itemsize + 1,), opaque, blob, 0, (1,))
-    return every[at].view(dtype)
-
-
-def _records(
-    blob: bytes, first: np.ndarray, counts: np.ndarray, dtype: np.dtype
-) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's ``counts`` records of ``dtype``, side by side from ``first``, and the
-    row of each."""
-    rows = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-    before = np.cumsum(counts) - counts
-    at = first[rows] + (np.arange(len(rows), dtype=np.int64) - before[rows]) * dtype.itemsize
-    return _gather(blob, at, dtype), rows
 
 
 def _columns(raw: np.ndarray, rows: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -22,7 +22,14 @@ from ccld_plugin.agent.node_board import (
 from ccld_plugin.config import ControlConfig
 from ccld_plugin.control import ControlPlane
 from ccld_plugin.harness.launch import free_port
-from ccld_plugin.wire.node_summary import decode_node, encode_node, node_count, node_of, node_ranks
+from ccld_plugin.wire.node_summary import (
+    decode_node,
+    decode_nodes,
+    encode_node,
+    node_count,
+    node_of,
+    node_ranks,
+)
 from ccld_plugin.wire.summary import decode_summary, encode_summary
 
 JOB_START = 123_456_789
@@ -71,6 +78,27 @@ def test_a_frame_of_one_rank_is_a_rank_alone_on_its_node() -> None:
 def test_a_bad_frame_is_refused_whole(frame: bytes, why: str) -> None:
     with pytest.raises(ValueError, match=why):
         decode_node(frame, range(4, 8))
+    # Among good frames, read all at once: only its node is left out, for the same reason.
+    good = {n: _summaries(node_ranks(n, 4, 16)) for n in (0, 2, 3)}
+    frames = [(n, encode_node(good[n].items())) for n in (0, 2, 3)]
+    packed, bad = decode_nodes([*frames[:1], (1, frame), *frames[1:]], 4, 16)
+    assert packed == {**good[0], **good[2], **good[3]}
+    assert list(bad) == [1] and why in bad[1]
+
+
+def test_many_frames_read_at_once_give_what_each_gives() -> None:
+    world = 10  # a last node of two ranks
+    per_node = {n: _summaries(node_ranks(n, 4, world)) for n in range(node_count(world, 4))}
+    frames = [(n, encode_node(reversed(per_node[n].items()))) for n in (2, 0, 1)]
+    packed, bad = decode_nodes(frames, 4, world)
+    assert bad == {}
+    assert list(packed) == list(range(world))  # in rank order, whatever the frames'
+    assert packed == {r: v for n in per_node for r, v in per_node[n].items()}
+    assert decode_nodes([], 4, world) == ({}, {})
+    # one rank's newer value, beside or in place of the frames'
+    newer = encode_summary(rank_summary(3, step=50))
+    assert packed.merged({3: newer}) == {**packed, 3: newer}
+    assert packed.select(packed.ranks >= 8) == {8: packed[8], 9: packed[9]}
 
 
 def test_summary_file_round_trip_and_removal(tmp_path: Path) -> None:
