@@ -86,6 +86,10 @@ class ControlPlane:
         # A store on this host answers this rank even when its link is down: a diagnoser
         # here then hears nothing from anyone, the sign of its own isolation.
         self.store_local = _is_local_address(base.host)
+        # Keys seen in this store. Summary, node and endpoint keys are set and emptied,
+        # never deleted, so one seen is not checked again (at 65,536 ranks the check of
+        # every node key cost about as much as reading them).
+        self._present: set[str] = set()
 
     def connect(self, timeout_s: float | None = None) -> ControlPlane:
         """Another control plane over a new connection (one per thread that blocks),
@@ -218,9 +222,12 @@ class ControlPlane:
 
     def _exist(self, keys: list[str]) -> list[bool]:
         # check() answers for all keys at once; ask key by key only when some are missing.
-        if self.store.check(keys):
-            return [True] * len(keys)
-        return [self.store.check([k]) for k in keys]
+        unseen = [k for k in keys if k not in self._present]
+        if unseen and self.store.check(unseen):
+            self._present.update(unseen)
+        elif unseen:
+            self._present.update(k for k in unseen if self.store.check([k]))
+        return [k in self._present for k in keys]
 
     # ---------------------------------------------------------------- groups
     def publish_groups(self, rank: int, groups: list[GroupInfo], version: int) -> None:
