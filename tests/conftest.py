@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from cbuild import build_probe_library
+from hypothesis import settings
 
 TIERS = ("unit", "native", "jobs")
+
+# The fuzz tests draw the same examples on every run, so that a test run (CI's above all)
+# passes or fails on the code, not on the draw. To look for new failing inputs:
+# HYPOTHESIS_PROFILE=explore pytest tests/unit/test_fuzz_parsers.py (random draws).
+settings.register_profile("repeatable", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
