@@ -7,12 +7,14 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 from builders import MS, S, facts, group, job_view, rank_summary
 
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose.records import Cause, Kind, Verdict
 from ccld_plugin.diagnose.slow import SlowDetector
+from ccld_plugin.postmortem.replay import replay
 from ccld_plugin.wire.summary import ArrivalSample, GroupProgress, StepStat
 from ccld_plugin.wire.topology import GroupInfo
 
@@ -206,3 +208,16 @@ def test_a_straggler_whose_streak_breaks_for_a_window_is_named_once() -> None:
 
     got = run(dp(4), compute_ms, steps=60)
     assert [(v.cause, v.ranks) for v in got] == [(Cause.COMPUTE, [2])]
+
+
+def test_a_recorded_straggler_with_a_strong_excess_is_named_over_the_shorter_span() -> None:
+    # A real run (benchmarks/sensitivity.py on this project's 2-core VM, TP2xPP2, DP=1):
+    # rank 1 at 1.5x from step 10. Its excess over its two-rank cohort stood 6-8 standard
+    # errors from the first span on, while its peers' share of the waiting was 72-75%,
+    # short of the clear-cut 80%: the strong excess confirms it over 10 steps, not 20.
+    recording = Path(__file__).parent / "recorded" / "compute-slow-1.5x-rank1-step10-tp2pp2.rec"
+    cfg, got = replay(recording)
+    assert [(v.kind, v.cause, v.ranks) for v in got] == [(Kind.SLOW, Cause.COMPUTE, [1])]
+    assert got[0].group is not None and got[0].group["role"] == "tp"
+    assert got[0].step is not None
+    assert got[0].step - 10 < cfg.diagnoser.window_steps * cfg.diagnoser.confirm_windows
