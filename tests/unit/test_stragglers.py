@@ -159,6 +159,12 @@ def test_a_swinging_straggler_that_its_peers_clearly_wait_for_is_named_in_one_sp
             assert ev["compute_excess"][0]["data"]["z"] < cfg.excess_z
             assert got[0].step is not None
             assert got[0].step - onset < cfg.window_steps * cfg.confirm_windows
+    # Not on the diagnoser's rank, whose own extra work is only partly measured: there the
+    # full excess_z is needed (over the longer span).
+    got = run(dp(4), swinging(0, 10), steps=40, observer=0, observer_load=0.02)
+    assert [(v.cause, v.ranks) for v in got] == [(Cause.COMPUTE, [0])]
+    assert got[0].step is not None and got[0].step - 10 >= cfg.window_steps * cfg.confirm_windows
+    assert facts(got[0].evidence)["compute_excess"][0]["data"]["z"] >= cfg.excess_z
 
 
 def test_the_diagnosers_own_load_on_its_rank_is_not_a_straggler() -> None:
