@@ -59,13 +59,11 @@ def compute_excess(
     min_ratio: float,
     min_z: float,
     first: int = 0,
-    weak_z: float | None = None,
 ) -> list[Excess]:
     """Ranks whose compute exceeds their cohort's by ``min_ratio`` (median per-step ratio)
     and by ``min_z`` standard errors, over one of ``spans`` steps ending at step ``last``
     (the shortest span that shows it; spans that would begin before step ``first`` are
-    not judged). With ``weak_z`` (below ``min_z``), also the ranks that reach only that,
-    over their shortest span that does (their ``z`` tells them apart)."""
+    not judged)."""
     spans = [n for n in spans if last - n + 1 >= first]
     if not spans:
         return []
@@ -74,7 +72,7 @@ def compute_excess(
     if len(ranks) < 2:
         return []
     log_ratio = _log_ratio_to_cohort(ranks, compute, cohorts)
-    judged = []  # per span: (span, hit rows' median log ratio, z, count)
+    found: dict[int, Excess] = {}
     for span in sorted(spans):
         d = log_ratio[:, widest - span :]
         have = ~np.isnan(d)
@@ -87,27 +85,23 @@ def compute_excess(
         typical = float(np.median(spread[ok]))
         sigma = np.maximum(np.maximum(spread, typical), SPREAD_FLOOR)
         z = med / (MEDIAN_SE * sigma / np.sqrt(np.maximum(count, 1)))
-        judged.append((span, ok & (med >= math.log(min_ratio)), med, z, count))
-    found: dict[int, Excess] = {}
-    # a rank's full excess over any span first; a weak one only where it has none
-    for bar in (min_z,) if weak_z is None else (min_z, weak_z):
-        for span, hit, med, z, count in judged:
-            for i in np.flatnonzero(hit & (z >= bar)).tolist():
-                r = int(ranks[i])
-                if r in found:
-                    continue
-                mine = compute[i, widest - span :]
-                others = _others_median(i, ranks, compute, cohorts)[widest - span :]
-                found[r] = Excess(
-                    rank=r,
-                    first=last - span + 1,
-                    last=last,
-                    steps=int(count[i]),
-                    compute_us=float(np.nanmedian(mine)),
-                    cohort_us=float(np.nanmedian(others)),
-                    ratio=float(math.exp(med[i])),
-                    z=float(z[i]),
-                )
+        hit = ok & (med >= math.log(min_ratio)) & (z >= min_z)
+        for i in np.flatnonzero(hit).tolist():
+            r = int(ranks[i])
+            if r in found:
+                continue
+            mine = compute[i, widest - span :]
+            others = _others_median(i, ranks, compute, cohorts)[widest - span :]
+            found[r] = Excess(
+                rank=r,
+                first=last - span + 1,
+                last=last,
+                steps=int(count[i]),
+                compute_us=float(np.nanmedian(mine)),
+                cohort_us=float(np.nanmedian(others)),
+                ratio=float(math.exp(med[i])),
+                z=float(z[i]),
+            )
     return list(found.values())
 
 

@@ -55,17 +55,10 @@ WAITED_FOR_SHARE = 0.65
 # scheduler held back for ~10 steps had 60-79%. Below this share a straggler is confirmed
 # over the longer span only, which such an episode rarely lasts.
 CLEAR_WAITED_FOR_SHARE = 0.8
-# Two independent signs make one verdict: a rank whose excess stands this share of
-# ``excess_z`` above its cohort (not all of it) is a straggler when its arrival order is
-# clear-cut, over any span. Noise that holds a healthy rank back rarely gives both; a 1.5x
-# straggler on a busy 2-core host often swings too much in 10 steps for the full bar
-# (replayed over ~100 recorded runs: 1.5x on DP4 within 10 steps 5/10 -> 8/10, with no
-# verdict on a healthy rank that its own compute times did not show 1.2x slower).
-CLEAR_ORDER_Z = 0.8
-# And the other way round: an excess of this many times ``excess_z`` is confirmed over the
-# shorter span by an arrival order that is not clear-cut (WAITED_FOR_SHARE). A 1.5x
-# straggler of a two-rank cohort measured 6-8 standard errors with 72-75% of the waiting
-# its peers'; healthy ranks held back by the host never reached it in replay.
+# An excess of this many times ``excess_z`` is confirmed over the shorter span by an
+# arrival order that is not clear-cut (WAITED_FOR_SHARE). A live 1.5x straggler of a
+# two-rank cohort measured 6-8 standard errors with 72-75% of the waiting its peers';
+# healthy ranks held back by the host never reached it (replayed over ~130 runs).
 CLEAR_EXCESS_Z = 2.0
 MIN_STEP_SHARE = 0.05  # excess compute below 5% of the step time is noise, not a verdict
 # A group's transfer bandwidth must fall this far below its siblings' (and below its own
@@ -180,7 +173,6 @@ class SlowDetector:
             self.cfg.slow_ratio,
             self.cfg.excess_z,
             first=WARMUP_STEPS,
-            weak_z=self.cfg.excess_z * CLEAR_ORDER_Z,
         )
         self.slower = {e.rank for e in found}
         for r in list(self._slow_since):
@@ -195,12 +187,6 @@ class SlowDetector:
                 # The diagnosis' own threads hold this rank's GIL for that share of its time.
                 why = f"{view.observer_load:.0%} of its time is the diagnoser's, on its rank"
                 _not_a_straggler(e, cohort, why)
-                continue
-            if e.rank == view.observer and e.z < self.cfg.excess_z:
-                # The diagnoser's rank also does work the load above does not measure (it
-                # leads its node's agents; the GIL's hand-offs): a healthy 8-rank job on 2
-                # cores had it 1.39x its cohort at 2.7 standard errors, its peers waiting.
-                _not_a_straggler(e, cohort, "an excess below excess_z on the diagnoser's rank")
                 continue
             cohort_step_us = statistics.median(
                 [step_us[c] for c in cohort if c in step_us] or [0.0]
@@ -220,9 +206,8 @@ class SlowDetector:
             mine = self._streak_samples(e.rank, t1 if start is None else start, t1)
             balance = _wait_balance(e.rank, mine)
             longest = last - since + 1 >= max(self.spans)
-            weak = e.z < self.cfg.excess_z
-            longest |= e.z >= CLEAR_EXCESS_Z * self.cfg.excess_z  # as sure as a long span
-            why = _not_waited_for(len(cohort), mine, balance.share, longest, weak)
+            strong = e.z >= CLEAR_EXCESS_Z * self.cfg.excess_z
+            why = _not_waited_for(len(cohort), mine, balance.share, longest, strong)
             if why:
                 _not_a_straggler(e, cohort, why)
                 continue
@@ -564,18 +549,15 @@ def _group_bandwidth(
 
 
 def _not_waited_for(
-    cohort_size: int, mine: RankJoined, waited_for: float | None, longest: bool, weak: bool
+    cohort_size: int, mine: RankJoined, waited_for: float | None, longest: bool, strong: bool
 ) -> str:
     """Why the collectives ``mine`` of a rank slower than its cohort do not show its peers
     waiting for it (yet; empty when they do). With a cohort too small for statistics the
     arrival order has to decide, so it must have more samples; an order that is not
-    clear-cut counts only over the ``longest`` span, and not at all for a ``weak`` excess
-    (below the full ``excess_z``)."""
+    clear-cut counts only over the ``longest`` span, or for a ``strong`` excess."""
     small = cohort_size < 3
     need_n = MIN_ARRIVAL_SAMPLES * (2 if small else 1)
     if not mine and not small:  # none taken: the cohort's statistics decide, over more steps
-        if weak:
-            return "no arrival samples to confirm an excess below excess_z"
         return "" if longest else "no arrival samples: the longer span decides"
     if len(mine) < need_n:  # a few: more come while it stays slow
         return f"{len(mine)} arrival samples in its span (< {need_n})"
@@ -585,11 +567,10 @@ def _not_waited_for(
             f"its peers waiting for it are {share} of the waiting in {len(mine)} samples "
             f"(< {WAITED_FOR_SHARE:.0%})"
         )
-    if waited_for < CLEAR_WAITED_FOR_SHARE and (weak or not longest):
-        then = "an excess below excess_z is no straggler" if weak else "the longer span decides"
+    if waited_for < CLEAR_WAITED_FOR_SHARE and not (longest or strong):
         return (
             f"its peers waiting for it are {waited_for:.0%} of the waiting "
-            f"(< {CLEAR_WAITED_FOR_SHARE:.0%}): {then}"
+            f"(< {CLEAR_WAITED_FOR_SHARE:.0%}): the longer span decides"
         )
     return ""
 

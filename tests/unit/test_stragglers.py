@@ -133,40 +133,6 @@ def test_a_weak_straggler_is_named_too() -> None:
     assert [(v.cause, v.ranks) for v in got] == [(Cause.COMPUTE, [5])]
 
 
-def swinging(rank: int, onset: int) -> Callable[[int, int], float]:
-    """Rank ``rank`` at 1.1x and 1.6x in turn from step ``onset`` (1.33x over a span)."""
-    rng = random.Random(onset)
-
-    def compute_ms(r: int, step: int) -> float:
-        if r == rank and step >= onset:
-            return 40.0 * (1.6 if step % 2 else 1.1)
-        return 40.0 * (1 + rng.uniform(-0.02, 0.02))
-
-    return compute_ms
-
-
-def test_a_swinging_straggler_that_its_peers_clearly_wait_for_is_named_in_one_span() -> None:
-    # Its excess over 10 steps stands ~2.6 standard errors above its cohort, short of
-    # excess_z, as a 1.5x straggler's on a busy host often does. Its peers wait for it at
-    # every collective, so the shorter span names it; the excess alone would wait for the
-    # longer one (19 steps).
-    cfg = DiagnoserConfig()
-    for tables, rank in ((dp(4), 2), (dp(8), 5), (tp2pp2(), 1)):
-        for onset in (10, 11):
-            got = run(tables, swinging(rank, onset), steps=onset + 25)
-            assert [(v.cause, v.ranks) for v in got] == [(Cause.COMPUTE, [rank])], (rank, onset)
-            ev = facts(got[0].evidence)
-            assert ev["compute_excess"][0]["data"]["z"] < cfg.excess_z
-            assert got[0].step is not None
-            assert got[0].step - onset < cfg.window_steps * cfg.confirm_windows
-    # Not on the diagnoser's rank, whose own extra work is only partly measured: there the
-    # full excess_z is needed (over the longer span).
-    got = run(dp(4), swinging(0, 10), steps=40, observer=0, observer_load=0.02)
-    assert [(v.cause, v.ranks) for v in got] == [(Cause.COMPUTE, [0])]
-    assert got[0].step is not None and got[0].step - 10 >= cfg.window_steps * cfg.confirm_windows
-    assert facts(got[0].evidence)["compute_excess"][0]["data"]["z"] >= cfg.excess_z
-
-
 def test_the_diagnosers_own_load_on_its_rank_is_not_a_straggler() -> None:
     # The diagnoser's threads took 20% of rank 0's time, which made it 1.25x slower: the
     # plugin's doing, not the job's. Slower than that, it is a straggler all the same; and
@@ -227,3 +193,14 @@ def test_a_recorded_straggler_with_a_strong_excess_is_named_over_the_shorter_spa
     assert got[0].group is not None and got[0].group["role"] == "tp"
     assert got[0].step is not None
     assert got[0].step - 10 < cfg.diagnoser.window_steps * cfg.diagnoser.confirm_windows
+
+
+def test_a_recorded_healthy_job_held_back_by_its_host_gets_no_verdict() -> None:
+    # A real healthy run (`ccld demo --world 8 --tp 1 --pp 2 --steps 300 --fault none` on
+    # this project's 2-core VM): the host held ranks back for ten steps at a time, rank 2
+    # at 1.55x over steps 124-133 (2.6 standard errors, 80% of the waiting its peers'),
+    # rank 3 and 5 at ~1.4x with their peers not waiting for them. None is a straggler;
+    # a rule that took 2.4 standard errors with a clear arrival order named rank 2.
+    recording = Path(__file__).parent / "recorded" / "healthy-tp1pp2dp4-8ranks-300steps.rec"
+    _, got = replay(recording)
+    assert got == []
