@@ -192,8 +192,7 @@ class DiagnoserConfig:
     cohort's median (the median of its per-step ratios over the windows judged)..."""
     excess_z: float = 3.0
     """...and that median stands this many standard errors above 1 (robust: from the MAD
-    of the per-step ratios), so that a host's noise does not make one. A rank whose peers
-    clearly wait for it needs 0.8 of this."""
+    of the per-step ratios), so that a host's noise does not make one."""
     record: str | None = None
     """A file to record every round's input in (each rank's summary as received), for
     ``ccld replay``: the same diagnosis again, later, with another config or version."""
