@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Sequence
-from itertools import accumulate
 
 import numpy as np
 
@@ -56,7 +55,9 @@ def encode_node(summaries: Iterable[tuple[int, bytes]]) -> bytes:
 def decode_node(data: bytes, ranks: range) -> dict[int, bytes]:
     """The per-rank summaries in a frame of the node of ``ranks``. Raises ValueError when
     the frame is not one (bad magic, truncated, trailing bytes), or names a rank twice or
-    a rank outside the node: a frame is taken whole or not at all."""
+    a rank outside the node: a frame is taken whole or not at all. One frame, entry by
+    entry, saying what is wrong with the first entry that is; a round's frames are read
+    all at once by :func:`decode_nodes`."""
     if len(data) < _HEAD.size:
         raise ValueError(f"a node frame of {len(data)} bytes is shorter than its header")
     magic, count = _HEAD.unpack_from(data)
@@ -67,14 +68,6 @@ def decode_node(data: bytes, ranks: range) -> dict[int, bytes]:
         raise ValueError(f"a node frame of {count} entries is truncated ({len(data)} bytes)")
     entries = struct.unpack_from(f"<{2 * count}I", data, _HEAD.size)
     members, sizes = entries[::2], entries[1::2]
-    ends = list(accumulate(sizes, initial=pos))
-    if (
-        ends[-1] == len(data)
-        and len(set(members)) == count
-        and all(map(ranks.__contains__, members))
-    ):  # a well-formed frame: its summaries sliced without a Python step per entry
-        return dict(zip(members, map(data.__getitem__, map(slice, ends, ends[1:])), strict=True))
-    # otherwise entry by entry, to say what is wrong with the first entry that is
     out: dict[int, bytes] = {}
     for rank, size in zip(members, sizes, strict=True):
         if rank in out:

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-__all__ = ["PackedSummaries", "gather", "records"]
+__all__ = ["PackedSummaries", "gather", "opaque", "records"]
 
 
 class PackedSummaries(Mapping[int, bytes]):
@@ -70,6 +70,10 @@ class PackedSummaries(Mapping[int, bytes]):
         i = self._row(rank)
         if i is None:
             raise KeyError(rank)
+        return self.at_row(i)
+
+    def at_row(self, i: int) -> bytes:
+        """The summary of the ``i``-th rank (in rank order)."""
         start = int(self.starts[i])
         return self.blob[start : start + int(self.lens[i])]
 
@@ -94,15 +98,19 @@ class PackedSummaries(Mapping[int, bytes]):
     __hash__ = None  # type: ignore[assignment]  # a mapping, compared by value
 
 
+def opaque(dtype: np.dtype) -> np.dtype:
+    """Records of ``dtype``'s size, seen as opaque bytes: numpy copies those with one
+    memcpy each, structured records field by field (unaligned ones 50x slower)."""
+    return np.dtype((np.void, dtype.itemsize))
+
+
 def gather(blob: bytes, at: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """The records of ``dtype`` that start at the byte offsets ``at`` of ``blob``: one
-    fancy index over a view of the bytes with a record at every offset. The view is of
-    opaque records of the same size, read as ``dtype`` once copied: numpy copies those
-    with one memcpy each, unaligned structured records field by field (50x slower)."""
+    fancy index over a view of the bytes with an ``opaque`` record at every offset, read
+    as ``dtype`` once copied."""
     if len(at) == 0 or len(blob) < dtype.itemsize:
         return np.zeros(len(at), dtype)
-    opaque = np.dtype((np.void, dtype.itemsize))
-    every = np.ndarray((len(blob) - dtype.itemsize + 1,), opaque, blob, 0, (1,))
+    every = np.ndarray((len(blob) - dtype.itemsize + 1,), opaque(dtype), blob, 0, (1,))
     return every[at].view(dtype)
 
 

@@ -156,7 +156,7 @@ class SummaryTable(Mapping[int, RankSummary]):
         for i in np.flatnonzero(ok & (counts["n_frames"] > 0)).tolist():
             try:
                 channels_at[i] = starts[i] + _frames_end(
-                    packed[ranks[i]], int(frames_at[i] - starts[i]), int(counts["n_frames"][i])
+                    packed.at_row(i), int(frames_at[i] - starts[i]), int(counts["n_frames"][i])
                 )
             except (ValueError, UnicodeDecodeError) as exc:
                 bad[ranks[i]] = f"corrupt ccld summary ({exc})"
@@ -273,7 +273,7 @@ class SummaryTable(Mapping[int, RankSummary]):
             return values[i]
         s = self._decoded.get(rank)
         if s is None:
-            value = values[int(values.ranks[i])]
+            value = values.at_row(i)
             s = self._decoded[rank] = _decode(value)
             start, end = self._channel_spans[i].tolist()
             s.channels = value[start:end]
