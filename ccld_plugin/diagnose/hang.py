@@ -523,8 +523,12 @@ def find_unresponsive(view: JobView, unresponsive_s: float) -> list[Verdict]:
         gone = rank in view.gone
         if not gone and age < unresponsive_s:
             continue
-        if not gone and chan.cut_off_rank(view, rank, view.summaries) is not None:
-            continue  # alive but cut off: a communication hang (find_hangs), not a wedge
+        if not gone and (
+            not chan.peers_reported_since(view, rank, max(s.time_ns, s.heartbeat_ns))
+            or chan.cut_off_rank(view, rank, view.summaries) is not None
+        ):
+            # alive but cut off (a communication hang: find_hangs'), or too soon to tell
+            continue
         ops = view.ops_of(rank)
         evidence = [
             Evidence.of(

@@ -35,6 +35,7 @@ __all__ = [
     "cut_off_ranks",
     "interval_s",
     "is_silent",
+    "peers_reported_since",
     "report_of",
     "stall_evidence",
     "stalled_links",
@@ -241,6 +242,25 @@ def cut_off_rank(view: JobView, rank: int, peers: Iterable[int]) -> Located | No
     return Located(
         [rank], [senders[0], rank] if len(senders) == 1 and len(ps) == 1 else None, evidence
     )
+
+
+def peers_reported_since(view: JobView, rank: int, since_ns: int) -> bool:
+    """Whether ``rank``'s group peers have reported late enough after ``since_ns`` (when
+    it fell silent) for a link cut then to show in their channel evidence: a report taken
+    STALL_S and one agent interval past it. Until then the absence of stalled links says
+    nothing (under load the peers' reports lag too). Peers that trace no channels, or are
+    silent themselves, are not waited for."""
+    interval = interval_s(view)
+    due = since_ns + int((STALL_S + interval) * 1e9)
+    waiting = False
+    for peer in {p for g in view.groups_at(rank) for p in g.ranks} - {rank}:
+        s = view.summaries.get(peer)
+        if s is None or s.exited or report_of(view, peer) is None:
+            continue
+        if s.time_ns >= due:
+            return True
+        waiting = waiting or not is_silent(view, peer, interval)
+    return not waiting
 
 
 def cut_off_ranks(view: JobView) -> list[int]:

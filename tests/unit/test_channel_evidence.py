@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from builders import S, facts, group, job_view, peer_channel, rank_summary
 
+from ccld_plugin.diagnose.hang import find_unresponsive
 from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkJudgement
 from ccld_plugin.diagnose.tcp_evidence import channel_evidence, cut_off_rank, toward_evidence
 from ccld_plugin.diagnose.view import JobView
@@ -41,6 +42,7 @@ def view(
     ages: dict[int, float] | None = None,
     groups: list[GroupInfo] = DP4,
     world: int = 4,
+    interval: float = INTERVAL,
 ) -> JobView:
     """A view in which rank r's latest summary, made ages[r] seconds ago, carries
     reports[r] as its channel evidence."""
@@ -49,7 +51,7 @@ def view(
         rank_summary(
             r,
             now - int(ages.get(r, 0.0) * S),
-            channels=encode_channels(entries, INTERVAL, len(entries)),
+            channels=encode_channels(entries, interval, len(entries)),
         )
         for r, entries in reports.items()
     ]
@@ -185,6 +187,32 @@ def test_cut_link_names_the_silent_rank() -> None:
     assert found is not None and found.ranks == [2]
     # A fresh rank is not cut off, whatever its peers' connections show.
     assert cut_off_rank(view({1: [entry(2, **CUT)], 2: []}), 2, [1]) is None
+
+
+def test_a_silent_rank_is_not_called_wedged_before_its_peers_could_show_a_cut() -> None:
+    # Rank 2 fell silent 4 s ago. Its peers' last reports (1 s interval) came 1.6 s after
+    # that: under load their agents lag too, and a cut link's stall, due by one interval
+    # plus STALL_S, may not be in them yet. Nothing stalled is no evidence yet.
+    idle = {0: [entry(3, sent=10**6)], 1: [entry(2, sent=10**6)], 3: [entry(2, sent=10**6)]}
+
+    def at(ages: dict[int, float], reports: dict[int, list[PeerChannel]] = idle) -> JobView:
+        return view({**reports, 2: []}, ages={**ages, 2: 4.0}, interval=1.0)
+
+    assert find_unresponsive(at({0: 2.4, 1: 2.4, 3: 2.4}), 4.0) == []
+    # Once they report 2 s past it and show nothing stalled, its process is wedged.
+    (u,) = find_unresponsive(at({0: 1.0, 1: 1.0, 3: 1.0}), 4.0)
+    assert u.ranks == [2] and u.evidence[0].fact == "heartbeat_stopped"
+    # They caught up and show the cut: a communication hang's case, not this one.
+    cut = {**idle, 1: [entry(2, **CUT)]}
+    assert find_unresponsive(at({0: 1.0, 1: 1.0, 3: 1.0}, cut), 4.0) == []
+    # Peers silent themselves, or tracing no channels, are not waited for.
+    assert [u.ranks for u in find_unresponsive(at({0: 3.0, 1: 3.0, 3: 3.0}), 4.0)] == [[2]]
+    blind = job_view(
+        [rank_summary(r, 100 * S - int(a * S)) for r, a in {0: 2.4, 1: 2.4, 2: 4.0}.items()],
+        {r: DP4 for r in range(3)},
+        100 * S,
+    )
+    assert [u.ranks for u in find_unresponsive(blind, 4.0)] == [[2]]
 
 
 def test_single_stalled_link_breaks_the_tie_by_silence() -> None:
