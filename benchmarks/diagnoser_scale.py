@@ -17,7 +17,9 @@ one node key (``wire.node_summary``), as the product does. Per round it times, s
 - view: the JobView (topology of every rank's group table);
 - analyze: Diagnoser.round (hang, mismatch, unresponsive, slow windows).
 
-The ranks' steps advance one per round, so slow-detector windows close as in a live job.
+The ranks' steps advance one per round from a step in steady state (each summary carries
+the steps of its last STEP_TICKS ticks, as an agent's do), so slow-detector windows close
+as in a live job.
 Prints the median of the rounds per stage and world size (the first round, which builds
 the per-topology caches, left out), the slowest round, and the diagnoser's peak memory:
 the peak resident memory of this process less what it held before the job's first round
@@ -38,7 +40,8 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
-from ccld_plugin.agent.agent import STEPS_KEPT, samples_per_group
+from ccld_plugin.agent.agent import samples_per_group
+from ccld_plugin.agent.recent_steps import STEP_TICKS, STEPS_KEPT
 from ccld_plugin.config import ControlConfig, DiagnoserConfig
 from ccld_plugin.control import ControlPlane
 from ccld_plugin.diagnose import Diagnoser, JobView
@@ -130,10 +133,10 @@ def rank_summary(rank: int, world: int, step: int, now: int) -> RankSummary:
         last_progress_ns=now - 1000,
         groups_version=1,
         groups=groups,
-        # the last STEPS_KEPT steps, as the agent sends them
+        # the steps of the last STEP_TICKS ticks (one a tick), as the agent sends them
         steps=[
             StepStat(k, now - (step - k) * STEP_NS, 1_000_000, 700_000 + rank % 13 * 100)
-            for k in range(max(0, step - STEPS_KEPT), step)
+            for k in range(max(0, step - min(STEP_TICKS, STEPS_KEPT)), step)
         ],
         samples=samples,
         channels=channels,
@@ -170,7 +173,8 @@ def bench(
     times: dict[str, list[float]] = {k: [] for k in ("read", "decode", "view", "analyze")}
     size = 0
     last = PackedSummaries.of({})
-    for step in range(1, rounds + 1):
+    # from a step in steady state: every summary carries as many steps as an agent's do
+    for step in range(STEP_TICKS + 1, STEP_TICKS + rounds + 1):
         now = step * STEP_NS
         ranks_conn.send(step)  # the ranks publish (not timed)
         size = ranks_conn.recv()

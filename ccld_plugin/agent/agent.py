@@ -23,6 +23,7 @@ from ccld_plugin.agent.board_summary import BoardSnapshot, stuck_s, summarize_bo
 from ccld_plugin.agent.nccl_channels import NcclChannels
 from ccld_plugin.agent.node_board import EXITED, STORE_LOST
 from ccld_plugin.agent.node_share import NodeShare
+from ccld_plugin.agent.recent_steps import RecentSteps
 from ccld_plugin.agent.tcp_channels import ChannelSampler
 from ccld_plugin.board.job_files import remove_stack, write_stack
 from ccld_plugin.board.reader import BoardReader
@@ -36,8 +37,6 @@ from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["Agent", "StepClock"]
 
-MAX_STEPS = 32
-STEPS_KEPT = 16  # in every summary: about 4 s of steps at 4 steps per second
 # Arrival samples per group per tick: dense in small jobs, where a window of steps spans
 # few ticks and a two-rank cohort's verdict rests on the arrival order alone (8 per tick
 # left 2-5 joined samples in a 5-step window of a 4-rank demo), and down to 2 at tens of
@@ -111,10 +110,7 @@ class Agent:
         self._groups_version = 0
         self._published_groups: tuple = ()
         self.latest: LocalReport | None = None
-        # The last steps go in every summary, not only the new ones: the store keeps one
-        # summary per rank, and a diagnoser whose rounds come every few ticks (thousands of
-        # ranks on a training rank) would never see the steps of the ticks in between.
-        self._recent_steps: deque[StepStat] = deque(maxlen=STEPS_KEPT)
+        self._recent_steps = RecentSteps()  # the last ticks' steps go in every summary
         self.latest_groups: tuple = ()  # the group signature ``latest`` carries
         # Why the store last failed us (None: it answers); when sending is tried again.
         self.store_lost: str | None = None
@@ -358,8 +354,7 @@ class Agent:
             )
         if stats:
             self._published_step = stats[-1].step
-        self._recent_steps.extend(stats[-MAX_STEPS:])
-        return list(self._recent_steps)
+        return self._recent_steps.tick(stats)
 
     def _samples(self, done: np.ndarray, diag: Any) -> list[ArrivalSample]:
         """Arrival samples: per group, the collectives completed this tick whose seq is a

@@ -1,6 +1,6 @@
 """Every rank's recent step times as one table, for the slow detector's windows.
 
-A summary repeats its rank's last steps (``agent.STEPS_KEPT``), so at tens of thousands of
+A summary repeats its rank's last steps (``agent.STEP_TICKS``), so at tens of thousands of
 ranks a round brings hundreds of thousands of step records: they are kept in arrays of
 rank x step (from the oldest step any window may still read), filled with one scatter per
 round, and a window's per-rank medians are taken over a slice of them.

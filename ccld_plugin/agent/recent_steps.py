@@ -1,0 +1,34 @@
+"""The steps a rank's summary carries: the new ones and those of the last few ticks.
+
+The store keeps one summary per rank, so a summary repeats the steps of its rank's last
+STEP_TICKS ticks (at most STEPS_KEPT): a diagnoser whose rounds come up to STEP_TICKS
+ticks apart (one on a training rank of a 65,536-rank job, capped at 20% of that rank's
+time, runs every 2-5 ticks) still sees every step. Bounding them by ticks, not only by
+count, keeps a job of slow steps from resending each for 16 ticks: at one step per tick
+they were a third of a large job's summary bytes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from ccld_plugin.wire.summary import StepStat
+
+__all__ = ["STEPS_KEPT", "STEP_TICKS", "RecentSteps"]
+
+STEPS_KEPT = 16
+STEP_TICKS = 6
+
+
+class RecentSteps:
+    def __init__(self) -> None:
+        self._steps: deque[tuple[int, StepStat]] = deque(maxlen=STEPS_KEPT)  # (tick sent, step)
+        self._tick = 0
+
+    def tick(self, new: list[StepStat]) -> list[StepStat]:
+        """The steps of this tick's summary, given the steps that ended since the last."""
+        self._tick += 1
+        while self._steps and self._steps[0][0] <= self._tick - STEP_TICKS:
+            self._steps.popleft()
+        self._steps.extend((self._tick, st) for st in new[-STEPS_KEPT:])
+        return [st for _, st in self._steps]
