@@ -55,8 +55,10 @@ class Diagnoser:
         self.cfg = cfg
         self.min_wait_s = 2 * interval_s
         self.channel_evidence = channel_evidence
-        self.slow = SlowDetector(cfg)
-        self.durations = DurationHistory()
+        # one index of the job's groups, built once per topology, for both
+        groups = GroupIndex()
+        self.slow = SlowDetector(cfg, groups)
+        self.durations = DurationHistory(groups)
         self._reported: set[tuple] = set()
         self._seen_ns = np.full(0, -1, np.int64)  # per rank: time of the summary last taken in
         # when the first stall was reported (None: none yet), and the ranks stalls named
@@ -201,8 +203,8 @@ class DurationHistory:
     ops on it, as one ring of HISTORY values per group (the hang threshold reads their
     99th percentile, which does not depend on their order)."""
 
-    def __init__(self) -> None:
-        self.index = GroupIndex()
+    def __init__(self, index: GroupIndex | None = None) -> None:
+        self.index = index or GroupIndex()
         self._rings: dict[int, int] = {}  # group id -> its ring
         self._ring_of = np.zeros(0, np.int64)  # index.groups -> its ring
         self._values = np.zeros((0, HISTORY), np.int64)

@@ -253,8 +253,8 @@ class RankJoined:
 class ArrivalJoin:
     """The samples waiting for members, and the groups they belong to."""
 
-    def __init__(self) -> None:
-        self.index = GroupIndex()
+    def __init__(self, index: GroupIndex | None = None) -> None:
+        self.index = index or GroupIndex()
         self._sizes = np.zeros(0, np.int64)
         self._pending = _no_rows()
 

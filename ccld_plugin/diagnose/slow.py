@@ -26,7 +26,7 @@ from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.robust import RankedValues
 from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkFinding
 from ccld_plugin.diagnose.step_table import StepTable
-from ccld_plugin.diagnose.view import JobView
+from ccld_plugin.diagnose.view import GroupIndex, JobView
 from ccld_plugin.errors import log
 from ccld_plugin.wire.summary import RankSummary
 from ccld_plugin.wire.topology import GroupInfo, Topology
@@ -75,10 +75,10 @@ MIN_TRANSFER_NS = 10_000
 
 
 class SlowDetector:
-    def __init__(self, cfg: DiagnoserConfig) -> None:
+    def __init__(self, cfg: DiagnoserConfig, index: GroupIndex | None = None) -> None:
         self.cfg = cfg
         self.steps = StepTable()
-        self.arrivals = ArrivalJoin()
+        self.arrivals = ArrivalJoin(index)
         # the last MAX_JOINED collectives joined, and how many were ever joined
         self.joined = JoinedTable.empty(self.arrivals.groups)
         self.joined_total = 0

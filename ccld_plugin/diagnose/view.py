@@ -185,12 +185,23 @@ class GroupIndex:
         if source[0] is self._source[0] and source[1] is self._source[1]:
             return self.slots
         self._source = source
-        tables = {r: view.groups_at(r) for r in view.tables}
-        width = max((len(t) for t in tables.values()), default=0)
-        slots = np.full((max(tables, default=-1) + 1, width), -1, np.int64)
-        for r, table in tables.items():
-            if r >= 0:
-                slots[r, : len(table)] = [self._group_index(g) for g in table]
+        # A group is one object in all its members' tables (the service keeps them so):
+        # each is resolved once, and the slots filled with one scatter.
+        resolved: dict[int, int] = {}  # id(group object) -> its index
+        ranks = [r for r in view.tables if r >= 0]
+        lens = np.fromiter((len(view.tables[r]) for r in ranks), np.int64, len(ranks))
+        flat = []
+        for r in ranks:
+            for g in view.tables[r]:
+                i = resolved.get(id(g))
+                if i is None:
+                    i = resolved[id(g)] = self._group_index(view.topology.get(g.group_id) or g)
+                flat.append(i)
+        width = int(lens.max()) if len(lens) else 0
+        slots = np.full((max(ranks, default=-1) + 1, width), -1, np.int64)
+        starts = np.cumsum(lens) - lens
+        col = np.arange(len(flat)) - np.repeat(starts, lens)
+        slots[np.repeat(np.array(ranks, np.int64), lens), col] = flat
         self.slots = slots
         return slots
 

@@ -278,6 +278,8 @@ class ChannelRows:
     def concat(parts: list[ChannelRows]) -> ChannelRows:
         if not parts:
             return channel_rows([])
+        if len(parts) == 1:
+            return parts[0]
         return ChannelRows(
             _rows_concat([p.reports for p in parts]), _rows_concat([p.entries for p in parts])
         )
@@ -286,9 +288,10 @@ class ChannelRows:
         """The reports whose interval lies mostly in (t0, t1] and their entries."""
         keep = (self.reports["mid_ns"] > t0) & (self.reports["mid_ns"] <= t1)
         mid = self.entries["mid_ns"]
-        return ChannelRows(
-            _rows_take(self.reports, keep), _rows_take(self.entries, (mid > t0) & (mid <= t1))
-        )
+        entries = (mid > t0) & (mid <= t1)
+        if keep.all() and entries.all():
+            return self  # a batch inside the window (most of them): not copied
+        return ChannelRows(_rows_take(self.reports, keep), _rows_take(self.entries, entries))
 
 
 # Rows copied as opaque records (3x faster for a window of 16,384 ranks' entries).
