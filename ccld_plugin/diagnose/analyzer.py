@@ -221,8 +221,8 @@ class DurationHistory:
         group = self.index.lookup(view, table.ranks[g["row"]], g["slot"])
         known = group >= 0
         if known.any():
-            for gi in self.index.groups[len(self._ring_of) :]:
-                self._ring_of = np.append(self._ring_of, self._ring(gi.group_id))
+            new = [self._ring(gi.group_id) for gi in self.index.groups[len(self._ring_of) :]]
+            self._ring_of = np.concatenate([self._ring_of, np.array(new, np.int64)])
             self._append(self._ring_of[group[known]], g["max_dur_us"][known])
 
     def extend(self, group_id: int, values: list[int]) -> None:
