@@ -59,11 +59,14 @@ def compute_excess(
     min_ratio: float,
     min_z: float,
     first: int = 0,
+    baselines: Mapping[int, float] | None = None,
 ) -> list[Excess]:
     """Ranks whose compute exceeds their cohort's by ``min_ratio`` (median per-step ratio)
     and by ``min_z`` standard errors, over one of ``spans`` steps ending at step ``last``
     (the shortest span that shows it; spans that would begin before step ``first`` are
-    not judged)."""
+    not judged). A rank of ``baselines`` is compared by its compute over that baseline
+    (its own, earlier), with cohort members compared so too: for ranks that do different
+    work, what changed is what matters."""
     spans = [n for n in spans if last - n + 1 >= first]
     if not spans:
         return []
@@ -71,6 +74,13 @@ def compute_excess(
     ranks, compute = table.compute_matrix(last - widest + 1, last + 1)
     if len(ranks) < 2:
         return []
+    scale = np.ones(len(ranks))
+    if baselines:
+        keys = np.fromiter(baselines.keys(), np.int64, len(baselines))
+        at = np.minimum(np.searchsorted(ranks, keys), len(ranks) - 1)  # ranks ascend
+        have = ranks[at] == keys
+        scale[at[have]] = np.fromiter(baselines.values(), float, len(baselines))[have]
+        compute = compute / scale[:, None]
     log_ratio = _log_ratio_to_cohort(ranks, compute, cohorts)
     found: dict[int, Excess] = {}
     for span in sorted(spans):
@@ -97,8 +107,8 @@ def compute_excess(
                 first=last - span + 1,
                 last=last,
                 steps=int(count[i]),
-                compute_us=float(np.nanmedian(mine)),
-                cohort_us=float(np.nanmedian(others)),
+                compute_us=float(np.nanmedian(mine)) * scale[i],
+                cohort_us=float(np.nanmedian(others)) * scale[i],
                 ratio=float(math.exp(med[i])),
                 z=float(z[i]),
             )

@@ -60,6 +60,15 @@ CLEAR_WAITED_FOR_SHARE = 0.8
 # two-rank cohort measured 6-8 standard errors with 72-75% of the waiting its peers';
 # healthy ranks held back by the host never reached it (replayed over ~130 runs).
 CLEAR_EXCESS_Z = 2.0
+# A rank that no other rank matches in work is compared by its change against its own
+# baseline, the lowest of its windows: on a shared host that baseline sits low by their
+# noise. Stages of three healthy 4-stage Megatron pipelines on 2 cores (300 steps each)
+# stood up to 1.9x theirs at 6.0 standard errors (most under 4), and a two-stage one's
+# first stage (the diagnoser's rank) 1.27x at 9.2, the other stage all its reference;
+# 2x slow stages stood 1.8x at 7-15, 3x ones 2.7x at 19-30. So such a rank is named at
+# SOLO_EXCESS_Z x excess_z standard errors, among at least SOLO_MIN_RANKS of them.
+SOLO_MIN_RANKS = 3
+SOLO_EXCESS_Z = 3.0
 MIN_STEP_SHARE = 0.05  # excess compute below 5% of the step time is noise, not a verdict
 # A group's transfer bandwidth must fall this far below its siblings' (and below its own
 # history, once it has one) to count: small transfers on a busy host vary by 2x.
@@ -100,6 +109,12 @@ class SlowDetector:
         self._comm_reported: set[tuple] = set()  # communication streaks with a verdict
         self._cohort_key = -1
         self._cohort_cache: dict[int, list[int]] = {}
+        # Ranks that no other rank matches in work (one per pipeline stage: TP1 x PPn x
+        # DP1): compared with each other by how their compute changed, each against its
+        # own baseline, the lowest median of its windows so far (a straggler's slow
+        # windows never lower it).
+        self._solo: list[int] = []
+        self._baseline: dict[int, float] = {}
 
     # ------------------------------------------------------------------ ingest
     def ingest(self, view: JobView, fresh: Sequence[RankSummary]) -> None:
@@ -154,6 +169,10 @@ class SlowDetector:
         self.joined = self.joined.since_time(keep_from)
         step_us = dict(zip(window.ranks, window.step_us, strict=True))
         verdicts = self._stragglers(view, step_us, hi - 1, t1)
+        if self._solo and lo >= FIRST_STEP:
+            for r, c in zip(window.ranks, window.compute_us, strict=True):
+                if r in self._solo and c > 0:
+                    self._baseline[r] = min(self._baseline.get(r, c), c)
         if links:
             verdicts += self._slow_links(view, lo, hi, t0, t1)
         return verdicts
@@ -165,6 +184,9 @@ class SlowDetector:
         their cohort's over a span of steps (compute_excess), by enough of the step time
         to matter, and whose peers waited for them over that span (the arrival order)."""
         cohorts = self._cohorts(view.topology)
+        solo = [r for r in self._solo if r in self._baseline]
+        if len(solo) >= SOLO_MIN_RANKS:
+            cohorts = {**cohorts, **dict.fromkeys(solo, solo)}
         found = compute_excess(
             self.steps,
             cohorts,
@@ -173,6 +195,7 @@ class SlowDetector:
             self.cfg.slow_ratio,
             self.cfg.excess_z,
             first=WARMUP_STEPS,
+            baselines={r: self._baseline[r] for r in solo} if len(solo) >= SOLO_MIN_RANKS else None,
         )
         self.slower = {e.rank for e in found}
         for r in list(self._slow_since):
@@ -207,7 +230,10 @@ class SlowDetector:
             balance = _wait_balance(e.rank, mine)
             longest = last - since + 1 >= max(self.spans)
             strong = e.z >= CLEAR_EXCESS_Z * self.cfg.excess_z
-            why = _not_waited_for(len(cohort), mine, balance.share, longest, strong)
+            if e.rank in self._solo:
+                why = _solo_not_confirmed(e, self.cfg.excess_z)
+            else:
+                why = _not_waited_for(len(cohort), mine, balance.share, longest, strong)
             if why:
                 _not_a_straggler(e, cohort, why)
                 continue
@@ -234,6 +260,9 @@ class SlowDetector:
                     cohorts[r] = _stats_cohort(topo, r, cohorts[r], stages)
             self._cohort_cache = cohorts
             self._cohort_key = key
+            self._solo = sorted(r for r, c in cohorts.items() if len(c) == 1)
+            if len(self._solo) < SOLO_MIN_RANKS:
+                self._solo = []
         return self._cohort_cache
 
     def _straggler_verdict(
@@ -254,30 +283,51 @@ class SlowDetector:
             info = mine.groups[g]
             imposed[info.group_id] += waited
             groups[info.group_id] = info
+        solo = r in self._solo
         if imposed:
             group = groups[max(imposed, key=imposed.__getitem__)]
         else:
             group = (
-                view.topology.group_of(r, "dp")
+                (view.topology.group_of(r, "pp") if solo else None)
+                or view.topology.group_of(r, "dp")
                 or view.topology.group_of(r, "tp")
                 or view.topology.group_of(r, "world")
             )
         onset_ns = self.steps.start_ns(r, e.first)
-        evidence = [
-            Evidence.of(
-                "compute_excess",
-                "compute {compute_ms:.1f} ms/step vs {median_ms:.1f} ms median of its cohort "
-                "{cohort} ({ratio:.2f}x, step by step, {z:.1f} standard errors above its "
-                "cohort) over steps {first_step}-{last_step}",
-                compute_ms=e.compute_us / 1000,
-                median_ms=e.cohort_us / 1000,
-                cohort=cohort,
-                ratio=e.ratio,
-                z=e.z,
-                first_step=e.first,
-                last_step=e.last,
-            )
-        ]
+        evidence = (
+            [
+                Evidence.of(
+                    "compute_change",
+                    "compute {compute_ms:.1f} ms/step vs {baseline_ms:.1f} ms at its fastest "
+                    "before; no other rank does its work, so it is compared by that change with "
+                    "ranks {cohort} ({ratio:.2f}x theirs, step by step, {z:.1f} standard errors) "
+                    "over steps {first_step}-{last_step}",
+                    compute_ms=e.compute_us / 1000,
+                    baseline_ms=self._baseline[r] / 1000,
+                    cohort=cohort,
+                    ratio=e.ratio,
+                    z=e.z,
+                    first_step=e.first,
+                    last_step=e.last,
+                )
+            ]
+            if solo
+            else [
+                Evidence.of(
+                    "compute_excess",
+                    "compute {compute_ms:.1f} ms/step vs {median_ms:.1f} ms median of its cohort "
+                    "{cohort} ({ratio:.2f}x, step by step, {z:.1f} standard errors above its "
+                    "cohort) over steps {first_step}-{last_step}",
+                    compute_ms=e.compute_us / 1000,
+                    median_ms=e.cohort_us / 1000,
+                    cohort=cohort,
+                    ratio=e.ratio,
+                    z=e.z,
+                    first_step=e.first,
+                    last_step=e.last,
+                )
+            ]
+        )
         if balance.share is not None and mine:
             waited = balance.for_r_ns / balance.last_n / 1e6 if balance.last_n else 0.0
             evidence.append(
@@ -573,6 +623,17 @@ def _not_waited_for(
             f"(< {CLEAR_WAITED_FOR_SHARE:.0%}): the longer span decides"
         )
     return ""
+
+
+def _solo_not_confirmed(e: Excess, excess_z: float) -> str:
+    """Why a rank compared by its change (no other rank does its work) is not named. Its
+    peers wait for it in point-to-point transfers, which arrival samples leave out, and
+    the collectives it has with them are ordered by the pipeline's drain, not by who is
+    slow (a 3x middle stage of a live 4-stage Megatron pipeline arrived last in none of
+    them); so its excess alone must be clear (SOLO_EXCESS_Z)."""
+    if e.z >= SOLO_EXCESS_Z * excess_z:
+        return ""
+    return f"compared by its change: {e.z:.1f} < {SOLO_EXCESS_Z:g} x excess_z standard errors"
 
 
 def _not_a_straggler(e: Excess, cohort: list[int], why: str) -> None:

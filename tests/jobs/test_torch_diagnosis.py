@@ -79,6 +79,25 @@ def test_compute_slow_factor_2_tp2_pp2_dp2(tmp_path):
     assert code == 0
 
 
+def test_compute_slow_stage_of_a_pipeline_without_peers(tmp_path):
+    # TP1 x PP4 x DP1: no rank does another's work, so rank 2 is compared by how its
+    # compute changed against how the other stages' did. Its onset (step 6) comes before
+    # any step is judged (10): its first windows are its baseline.
+    code, summary = demo(
+        tmp_path / "out", "compute-slow@2:factor=3,step=6", world=4, tp=1, pp=4, steps=45, **TORCH
+    )
+    v = only(summary, "slow")
+    assert (v["cause"], v["ranks"], v["group"]["role"]) == ("compute", [2], "pp")
+    (ev,) = facts(v["evidence"])["compute_change"]
+    assert ev["data"]["cohort"] == [0, 1, 2, 3] and ev["data"]["ratio"] >= 1.5
+    assert len(summary["verdicts"]) == 1 and code == 0
+
+
+def test_healthy_pipeline_without_peers_has_no_verdict(tmp_path):
+    code, summary = demo(tmp_path / "out", "none", world=4, tp=1, pp=4, steps=100, **TORCH)
+    assert summary["verdicts"] == [] and code == 0
+
+
 def test_healthy_run_of_100_steps_has_no_verdict(tmp_path):
     code, summary = demo(tmp_path / "out", "none", world=4, tp=2, pp=2, steps=100, **TORCH)
     assert summary["verdicts"] == []

@@ -204,3 +204,71 @@ def test_a_recorded_healthy_job_held_back_by_its_host_gets_no_verdict() -> None:
     recording = Path(__file__).parent / "recorded" / "healthy-tp1pp2dp4-8ranks-300steps.rec"
     _, got = replay(recording)
     assert got == []
+
+
+def pipeline(stages: int) -> dict[int, list[GroupInfo]]:
+    """TP1 x PP x DP1: no rank does another's work (each stage its own layers)."""
+    g = group("pp", range(stages))
+    return {r: [g] for r in range(stages)}
+
+
+def unequal_stages(slow: int | None, factor: float, onset: int, noise: float = 0.1):
+    """Stages of unequal work (the last has the loss, the first the embedding); rank
+    ``slow`` computes ``factor`` x from step ``onset``."""
+    stage_ms = {0: 45.0, 1: 30.0, 2: 32.0, 3: 60.0}
+    rng = random.Random(onset * 7 + (slow or 0))
+
+    def compute_ms(r: int, step: int) -> float:
+        x = stage_ms[r] * (1 + rng.uniform(-noise, noise))
+        return x * factor if r == slow and step >= onset else x
+
+    return compute_ms
+
+
+def test_a_slow_stage_of_a_pipeline_without_peers_is_named_by_its_change() -> None:
+    # Rank 2 slows 3x at step 6, before any step is judged: its first windows set its
+    # baseline, and against the other stages' change it stands out.
+    for rank, onset in ((2, 6), (0, 14), (3, 25)):
+        got = run(pipeline(4), unequal_stages(rank, 3.0, onset), steps=onset + 30)
+        assert [(v.kind, v.cause, v.ranks) for v in got] == [(Kind.SLOW, Cause.COMPUTE, [rank])]
+        (v,) = got
+        assert v.group is not None and v.group["role"] == "pp"
+        ev = facts(v.evidence)["compute_change"][0]["data"]
+        assert ev["cohort"] == [0, 1, 2, 3] and ev["ratio"] > 2
+        assert v.step - max(onset, 10) <= 20
+    # 1.5x of steady stages stands out clearly enough too.
+    got = run(pipeline(4), unequal_stages(3, 1.5, 12), steps=50)
+    assert [(v.cause, v.ranks) for v in got] == [(Cause.COMPUTE, [3])]
+    # Not in a two-stage pipeline, where the other stage would be all the reference.
+    assert run(pipeline(2), unequal_stages(0, 3.0, 12), steps=50) == []
+
+
+def test_unequal_stages_of_a_healthy_pipeline_are_no_stragglers() -> None:
+    # The last stage computes 2x the second in every step: that is its work, not a fault.
+    for seed in range(3):
+        assert run(pipeline(4), unequal_stages(None, 1.0, seed, noise=0.15), steps=200) == []
+        assert run(pipeline(2), unequal_stages(None, 1.0, seed, noise=0.15), steps=200) == []
+
+
+RECORDED = Path(__file__).parent / "recorded"
+
+
+def test_a_recorded_slow_stage_without_peers_is_named_on_the_diagnoser_rank() -> None:
+    # A real run (`ccld demo --framework megatron --world 4 --tp 1 --pp 4 --fault
+    # compute-slow@0:factor=2,step=12` on this project's 2-core VM): rank 0, the first
+    # stage and the diagnoser's rank, stood 1.8x its change against the other stages, 7-15
+    # standard errors; its collectives with them never showed it last.
+    _, got = replay(RECORDED / "compute-slow-2x-rank0-step12-megatron-tp1pp4.rec")
+    assert [(v.kind, v.cause, v.ranks) for v in got] == [(Kind.SLOW, Cause.COMPUTE, [0])]
+    assert got[0].group is not None and got[0].group["role"] == "pp"
+    assert got[0].step is not None and got[0].step <= 25
+
+
+def test_recorded_healthy_pipelines_without_peers_get_no_verdict() -> None:
+    # Real healthy runs of 300 steps on 2 cores: a 4-stage Megatron pipeline whose last
+    # stage stood 1.9x its change against the others at 6.0 standard errors (steps
+    # 210-219), and a two-stage one whose first stage stood 1.27x the other's at 9.2 (a
+    # rule with the other stage as all its reference named it).
+    for name in ("healthy-megatron-tp1pp4-300steps", "healthy-megatron-tp1pp2-2ranks-300steps"):
+        _, got = replay(RECORDED / f"{name}.rec")
+        assert got == [], name
