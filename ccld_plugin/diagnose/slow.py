@@ -62,13 +62,14 @@ CLEAR_WAITED_FOR_SHARE = 0.8
 CLEAR_EXCESS_Z = 2.0
 # A rank that no other rank matches in work is compared by its change against its own
 # baseline, the lowest of its windows: on a shared host that baseline sits low by their
-# noise. Stages of three healthy 4-stage Megatron pipelines on 2 cores (300 steps each)
-# stood up to 1.9x theirs at 6.0 standard errors (most under 4), and a two-stage one's
-# first stage (the diagnoser's rank) 1.27x at 9.2, the other stage all its reference;
-# 2x slow stages stood 1.8x at 7-15, 3x ones 2.7x at 19-30. So such a rank is named at
-# SOLO_EXCESS_Z x excess_z standard errors, among at least SOLO_MIN_RANKS of them.
+# noise. Stages of healthy pipelines on 2 cores (Megatron and torch, 4 and 8 stages, 7
+# runs of 200-300 steps) stood up to 1.4-1.9x theirs at 6.0-7.3 standard errors (most
+# under 4.5), and a two-stage one's first stage 1.27x at 9.2, the other stage all its
+# reference; 2x slow stages reached 12-15 within 10-15 steps of onset, 3x ones stood
+# 19-30 from the first span judged. So such a rank is named at SOLO_EXCESS_Z x excess_z
+# standard errors, among at least SOLO_MIN_RANKS of them.
 SOLO_MIN_RANKS = 3
-SOLO_EXCESS_Z = 3.0
+SOLO_EXCESS_Z = 4.0
 MIN_STEP_SHARE = 0.05  # excess compute below 5% of the step time is noise, not a verdict
 # A group's transfer bandwidth must fall this far below its siblings' (and below its own
 # history, once it has one) to count: small transfers on a busy host vary by 2x.
