@@ -39,8 +39,8 @@ def _parser() -> argparse.ArgumentParser:
         "--zero-stage", type=int, default=2, choices=[1, 2, 3], help="ZeRO stage (deepspeed only)"
     )
     demo.add_argument("--world", type=int, default=4)
-    demo.add_argument("--tp", type=int, default=2)
-    demo.add_argument("--pp", type=int, default=2)
+    demo.add_argument("--tp", type=int, default=2, help="megatron / torch only")
+    demo.add_argument("--pp", type=int, default=2, help="megatron / torch only")
     demo.add_argument("--steps", type=int, default=40)
     demo.add_argument(
         "--fault",

@@ -192,9 +192,8 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
         job = NetJob(local, faults, out / "boards", out / "faults.jsonl", cfg.diagnoser.rank)
     shown = ", ".join(map(str, faults)) or "none (healthy run)"
     console.print(
-        f"[bold]ccld demo[/]: {opts.world} ranks, tp={opts.tp} pp={opts.pp} "
-        f"dp={opts.world // (opts.tp * opts.pp)}, {opts.steps} steps, fault: {shown}; "
-        f"logs in {out / 'logs'}"
+        f"[bold]ccld demo[/]: {opts.world} ranks, {_layout(opts)}, {opts.steps} steps, "
+        f"fault: {shown}; logs in {out / 'logs'}"
     )
     started = time.time()
     with _termination_as_exit():
@@ -239,6 +238,14 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
     return 0
 
 
+def _layout(opts: DemoOptions) -> str:
+    """The job's parallel layout as the framework runs it (the DeepSpeed example is data
+    parallel only: --tp and --pp do not apply to it)."""
+    if opts.framework == "deepspeed":
+        return f"dp={opts.world} (ZeRO-{opts.zero_stage})"
+    return f"tp={opts.tp} pp={opts.pp} dp={opts.world // (opts.tp * opts.pp)}"
+
+
 def _checked_options(opts: DemoOptions) -> list[FaultSpec]:
     """The faults to inject; DemoError (or FaultSpecError) for options that cannot run."""
     for flag, value in (
@@ -249,7 +256,7 @@ def _checked_options(opts: DemoOptions) -> list[FaultSpec]:
     ):
         if value < 1:
             raise DemoError(f"ccld demo: {flag} {value} is not allowed; expected a number >= 1")
-    if opts.world % (opts.tp * opts.pp):
+    if opts.framework != "deepspeed" and opts.world % (opts.tp * opts.pp):
         raise DemoError(
             f"ccld demo: --world {opts.world} is not a multiple of --tp {opts.tp} x --pp "
             f"{opts.pp}; choose sizes whose product divides the world"

@@ -6,17 +6,21 @@ each stage's collectives look like on the boards: test_deepspeed_plugin.py)."""
 from job_runner import demo
 
 
-def test_compute_hang_zero3(tmp_path):
+def test_compute_hang_zero3_on_3_ranks(tmp_path):
+    # DeepSpeed runs data parallel only: the demo's --tp / --pp defaults (2 x 2) do not
+    # apply, and a world they do not divide runs.
     code, summary = demo(
         tmp_path / "out",
         "compute-hang@2:step=3",
         framework="deepspeed",
         zero_stage=3,
+        world=3,
         steps=40,
         timeout_s=300,
     )
     (v,) = summary["verdicts"]
     assert (v["kind"], v["cause"], v["ranks"], v["group"]["role"]) == ("hang", "compute", [2], "dp")
+    assert v["group"]["ranks"] == [0, 1, 2]
     assert v["stack"] and code == 0
 
 
