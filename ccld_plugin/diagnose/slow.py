@@ -171,8 +171,9 @@ class SlowDetector:
         step_us = dict(zip(window.ranks, window.step_us, strict=True))
         verdicts = self._stragglers(view, step_us, hi - 1, t1)
         if self._solo and lo >= FIRST_STEP:
+            solo = set(self._solo)
             for r, c in zip(window.ranks, window.compute_us, strict=True):
-                if r in self._solo and c > 0:
+                if r in solo and c > 0:
                     self._baseline[r] = min(self._baseline.get(r, c), c)
         if links:
             verdicts += self._slow_links(view, lo, hi, t0, t1)
