@@ -187,7 +187,9 @@ class SlowDetector:
         to matter, and whose peers waited for them over that span (the arrival order)."""
         cohorts = self._cohorts(view.topology)
         solo = [r for r in self._solo if r in self._baseline]
+        baselines = None
         if len(solo) >= SOLO_MIN_RANKS:
+            baselines = {r: self._baseline[r] for r in solo}
             cohorts = {**cohorts, **dict.fromkeys(solo, solo)}
         found = compute_excess(
             self.steps,
@@ -197,7 +199,7 @@ class SlowDetector:
             self.cfg.slow_ratio,
             self.cfg.excess_z,
             first=WARMUP_STEPS,
-            baselines={r: self._baseline[r] for r in solo} if len(solo) >= SOLO_MIN_RANKS else None,
+            baselines=baselines,
         )
         self.slower = {e.rank for e in found}
         for r in list(self._slow_since):
@@ -296,40 +298,37 @@ class SlowDetector:
                 or view.topology.group_of(r, "world")
             )
         onset_ns = self.steps.start_ns(r, e.first)
-        evidence = (
-            [
-                Evidence.of(
-                    "compute_change",
-                    "compute {compute_ms:.1f} ms/step vs {baseline_ms:.1f} ms at its fastest "
-                    "before; no other rank does its work, so it is compared by that change with "
-                    "ranks {cohort} ({ratio:.2f}x theirs, step by step, {z:.1f} standard errors) "
-                    "over steps {first_step}-{last_step}",
-                    compute_ms=e.compute_us / 1000,
-                    baseline_ms=self._baseline[r] / 1000,
-                    cohort=cohort,
-                    ratio=e.ratio,
-                    z=e.z,
-                    first_step=e.first,
-                    last_step=e.last,
-                )
-            ]
-            if solo
-            else [
-                Evidence.of(
-                    "compute_excess",
-                    "compute {compute_ms:.1f} ms/step vs {median_ms:.1f} ms median of its cohort "
-                    "{cohort} ({ratio:.2f}x, step by step, {z:.1f} standard errors above its "
-                    "cohort) over steps {first_step}-{last_step}",
-                    compute_ms=e.compute_us / 1000,
-                    median_ms=e.cohort_us / 1000,
-                    cohort=cohort,
-                    ratio=e.ratio,
-                    z=e.z,
-                    first_step=e.first,
-                    last_step=e.last,
-                )
-            ]
+        # (the record's data in the sentence's order)
+        compute_ms = e.compute_us / 1000
+        measured = dict(
+            cohort=cohort,
+            ratio=e.ratio,
+            z=e.z,
+            first_step=e.first,
+            last_step=e.last,
         )
+        if solo:
+            excess = Evidence.of(
+                "compute_change",
+                "compute {compute_ms:.1f} ms/step vs {baseline_ms:.1f} ms at its fastest "
+                "before; no other rank does its work, so it is compared by that change with "
+                "ranks {cohort} ({ratio:.2f}x theirs, step by step, {z:.1f} standard errors) "
+                "over steps {first_step}-{last_step}",
+                compute_ms=compute_ms,
+                baseline_ms=self._baseline[r] / 1000,
+                **measured,
+            )
+        else:
+            excess = Evidence.of(
+                "compute_excess",
+                "compute {compute_ms:.1f} ms/step vs {median_ms:.1f} ms median of its cohort "
+                "{cohort} ({ratio:.2f}x, step by step, {z:.1f} standard errors above its "
+                "cohort) over steps {first_step}-{last_step}",
+                compute_ms=compute_ms,
+                median_ms=e.cohort_us / 1000,
+                **measured,
+            )
+        evidence = [excess]
         if balance.share is not None and mine:
             waited = balance.for_r_ns / balance.last_n / 1e6 if balance.last_n else 0.0
             evidence.append(
