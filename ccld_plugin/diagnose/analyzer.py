@@ -217,13 +217,17 @@ class DurationHistory:
 
     def add(self, view: JobView, table: SummaryTable) -> None:
         """Take in the longest durations of the groups with completed ops in ``table``."""
-        g = table.groups[table.groups["ops"] > 0]
-        group = self.index.lookup(view, table.ranks[g["row"]], g["slot"])
+        g = table.groups
+        rows, slots, longest = g["row"], g["slot"], g["max_dur_us"]
+        done = g["ops"] > 0
+        if not done.all():
+            rows, slots, longest = rows[done], slots[done], longest[done]
+        group = self.index.lookup(view, table.ranks[rows], slots)
         known = group >= 0
         if known.any():
             new = [self._ring(gi.group_id) for gi in self.index.groups[len(self._ring_of) :]]
             self._ring_of = np.concatenate([self._ring_of, np.array(new, np.int64)])
-            self._append(self._ring_of[group[known]], g["max_dur_us"][known])
+            self._append(self._ring_of[group[known]], longest[known])
 
     def extend(self, group_id: int, values: list[int]) -> None:
         """Take in durations of one group, oldest first."""

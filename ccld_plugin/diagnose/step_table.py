@@ -45,7 +45,9 @@ class StepTable:
         steps before ``horizon`` are no window's any more."""
         table = table_of(fresh)
         st = table.steps
-        st = st[st["step"] >= horizon]
+        recent = st["step"] >= horizon
+        if not recent.all():
+            st = st[recent]
         if horizon - self.base >= SHIFT_STEPS:
             self._shift(horizon)
         if not len(st):

@@ -88,11 +88,10 @@ def is_silent(view: JobView, rank: int, interval_s: float) -> bool:
 
 
 def interval_s(view: JobView) -> float:
-    for rank in view.summaries:
-        r = report_of(view, rank)
-        if r is not None and r.interval_s > 0:
-            return r.interval_s
-    return 1.0
+    """The agent interval of the lowest rank whose channel report gives one (1 s without)."""
+    given = view.columns.channel_rows().reports["interval_s"]
+    given = given[given > 0]  # the reports are in rank order
+    return float(given[0]) if len(given) else 1.0
 
 
 def _stalled(e: PeerChannel) -> str | None:

@@ -413,14 +413,12 @@ class DiagnoserService:
         """The ranks whose process is seen gone without leaving through the exit path (only
         a process of this host can be looked at)."""
         here = os.uname().nodename[:HOST_BYTES]
-        exited = summaries.exited.tolist()
-        pids = summaries.heads["pid"].tolist()
+        local = summaries.rows_on_hosts(lambda h: not h or h[:HOST_BYTES] == here)
+        pids = summaries.heads["pid"]
         return {
-            rank
-            for i, rank in enumerate(summaries.ranks.tolist())
-            if not exited[i]
-            and (not summaries.hosts[i] or summaries.hosts[i][:HOST_BYTES] == here)
-            and process_alive(pids[i], summaries.hosts[i]) is False
+            int(summaries.ranks[i])
+            for i in np.flatnonzero(local & ~summaries.exited).tolist()
+            if process_alive(int(pids[i]), summaries.host(i)) is False
         }
 
     def _read_table(self, rank: int) -> tuple[int, list[GroupInfo]] | None:

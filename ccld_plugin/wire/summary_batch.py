@@ -11,7 +11,7 @@ few ranks a verdict is about), so code that needs one summary reads it as before
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -78,6 +78,19 @@ _WAITS = np.dtype([(w, "<u4") for w in pc._WAIT_FIELDS])
 assert _CHANNEL_HEAD.itemsize == pc._HEAD.size and _WAITS.itemsize == pc._NCCL_WAITS.size
 
 
+def _offset_in_row(dtype: np.dtype) -> int:
+    """Where ``dtype``'s fields lie in a channel row, laid out as in ``dtype`` (checked)."""
+    fields, row = dtype.fields, pc.ROW_DTYPE.fields
+    assert dtype.names is not None and fields is not None and row is not None
+    at = row[dtype.names[0]][1]
+    for name in dtype.names:
+        assert row[name][:2] == (fields[name][0], at + fields[name][1]), name
+    return at
+
+
+_ENTRY_AT, _WAITS_AT = _offset_in_row(pc.ENTRY_DTYPE), _offset_in_row(_WAITS)
+
+
 class SummaryTable(Mapping[int, RankSummary]):
     """The summaries of a round by rank, in rank order, as columns (see the module doc)."""
 
@@ -90,7 +103,7 @@ class SummaryTable(Mapping[int, RankSummary]):
         steps: np.ndarray,
         samples: np.ndarray,
         sample_rows: np.ndarray,
-        hosts: list[str],
+        hosts: tuple[list[str], np.ndarray],
         values: PackedSummaries | list[RankSummary],
         channel_spans: np.ndarray,
     ) -> None:
@@ -100,7 +113,8 @@ class SummaryTable(Mapping[int, RankSummary]):
         self.steps = steps  # _STEPS
         self.samples = samples  # SAMPLE_DTYPE rows, encoded as sent ...
         self.sample_rows = sample_rows  # ... and the row of each
-        self.hosts = hosts
+        # host names: the distinct ones (a node's ranks share one), and each row's index
+        self.host_names, self.host_ids = hosts
         self.ranks = ranks  # the key each summary was read under (heads["rank"]: its own)
         # per row: its encoded value (decoded when looked up) or its summary object, and
         # where its channel evidence lies in the value ([start, end), or -1: the object's)
@@ -149,7 +163,7 @@ class SummaryTable(Mapping[int, RankSummary]):
         for k in counts:
             counts[k] = np.where(ok, counts[k], 0)
         channels_at = frames_at.copy()
-        hosts, unreadable = _hosts(blob, host_at, counts["n_host"])
+        names, host_ids, unreadable = _hosts(blob, host_at, counts["n_host"])
         for i, why in unreadable.items():
             bad[ranks[i]] = f"corrupt ccld summary ({why})"
             ok[i] = False
@@ -182,7 +196,16 @@ class SummaryTable(Mapping[int, RankSummary]):
         steps["compute_us"] = s_raw["compute_us"]
         spans = np.stack([channels_at - starts, lens], axis=1)
         table = cls(
-            packed.ranks, heads, groups, flights, steps, samples, sample_rows, hosts, packed, spans
+            packed.ranks,
+            heads,
+            groups,
+            flights,
+            steps,
+            samples,
+            sample_rows,
+            (names, host_ids),
+            packed,
+            spans,
         )
         for i, why in table._problems(ok).items():
             bad[ranks[i]] = f"corrupt ccld summary of rank {int(heads['rank'][i])}: {why}"
@@ -216,7 +239,7 @@ class SummaryTable(Mapping[int, RankSummary]):
         sizes = [len(e) // SAMPLE_DTYPE.itemsize for e in encoded]
         sample_rows = np.repeat(np.arange(len(objs), dtype=np.int64), sizes)
         spans = np.full((len(objs), 2), -1, np.int64)
-        hosts = [s.host for s in objs]
+        hosts = ([s.host for s in objs], np.arange(len(objs), dtype=np.int64))
         keys = np.array(ranks, np.int64)
         return cls(keys, heads, groups, flights, steps, samples, sample_rows, hosts, objs, spans)
 
@@ -251,7 +274,7 @@ class SummaryTable(Mapping[int, RankSummary]):
             records(self.steps),
             samples,
             sample_rows,
-            [self.hosts[i] for i in picked],
+            (self.host_names, self.host_ids[keep]),
             kept,
             self._channel_spans[keep],
         )
@@ -260,6 +283,14 @@ class SummaryTable(Mapping[int, RankSummary]):
 
     # ------------------------------------------------------------------ lookups
     def row_of(self, rank: int) -> int | None:
+        n = len(self.ranks)
+        if not isinstance(rank, int):
+            return None
+        if n and int(self.ranks[-1]) - int(self.ranks[0]) == n - 1:
+            # ranks ascending, each once: consecutive ones (a round that heard from all)
+            # are found by arithmetic, where a dict of 65,536 of them costs ~10 ms a round
+            i = rank - int(self.ranks[0])
+            return i if 0 <= i < n else None
         if self._index is None:
             self._index = {r: i for i, r in enumerate(self.ranks.tolist())}
         return self._index.get(rank)
@@ -287,6 +318,15 @@ class SummaryTable(Mapping[int, RankSummary]):
 
     def __len__(self) -> int:
         return len(self.heads)
+
+    def host(self, row: int) -> str:
+        """The host name in the ``row``-th summary."""
+        return self.host_names[self.host_ids[row]]
+
+    def rows_on_hosts(self, accept: Callable[[str], bool]) -> np.ndarray:
+        """Per row: whether ``accept`` takes its host name (asked once per distinct name)."""
+        accepted = np.array([accept(h) for h in self.host_names], bool)
+        return accepted[self.host_ids] if len(accepted) else np.zeros(len(self), bool)
 
     @property
     def exited(self) -> np.ndarray:
@@ -340,8 +380,9 @@ class SummaryTable(Mapping[int, RankSummary]):
         bad = np.bincount(which, weights=~pc._entries_ok(raw), minlength=len(ok))
         ok &= (np.bincount(which, weights=nccl, minlength=len(ok)) == k) & (bad == 0)
         keep = ok[which]
-        raw, which, nccl = raw[keep], which[keep], nccl[keep]
-        waits = waits[np.repeat(ok, k)]
+        if not keep.all():  # (a copy of ~200,000 entries at 65,536 ranks: only when needed)
+            raw, which, nccl = raw[keep], which[keep], nccl[keep]
+            waits = waits[np.repeat(ok, k)]
         interval_s = head["interval_ms"][ok] / 1000
         reports = np.zeros(int(ok.sum()), pc._REPORT_DTYPE)
         reports["rank"] = self.ranks[ok]
@@ -349,13 +390,13 @@ class SummaryTable(Mapping[int, RankSummary]):
         reports["interval_s"] = interval_s
         which = (np.cumsum(ok) - 1)[which]  # renumbered among the reports kept
         rows = np.zeros(len(raw), pc.ROW_DTYPE)
-        assert pc.ENTRY_DTYPE.names is not None and pc._REPORT_DTYPE.names is not None
-        for name in pc.ENTRY_DTYPE.names:
-            rows[name] = raw[name]
+        assert pc._REPORT_DTYPE.names is not None
+        cells = rows.view(np.uint8).reshape(len(rows), pc.ROW_DTYPE.itemsize)
+        # the entries' and waits' bytes as sent: one copy each, not one per field
+        cells[:, _ENTRY_AT : _ENTRY_AT + pc.ENTRY_DTYPE.itemsize] = _bytes_of(raw)
+        cells[nccl, _WAITS_AT : _WAITS_AT + _WAITS.itemsize] = _bytes_of(waits)
         for name in pc._REPORT_DTYPE.names:
             rows[name] = reports[name][which]
-        for name in _WAITS.names or ():
-            rows[name][nccl] = waits[name]
         return ChannelRows(reports, rows)
 
     # ------------------------------------------------------------------ checks
@@ -376,10 +417,13 @@ class SummaryTable(Mapping[int, RankSummary]):
             "a time after the summary's own",
         )
         g = self.groups
-        order = np.lexsort((g["slot"], g["row"]))
-        rows, slots = g["row"][order], g["slot"][order]
-        twice = (rows[1:] == rows[:-1]) & (slots[1:] == slots[:-1])
-        flag(_any_per_row(rows[1:][twice], len(h)), "a group reported twice")
+        rows, slots = g["row"], g["slot"]
+        ascending = (rows[1:] > rows[:-1]) | ((rows[1:] == rows[:-1]) & (slots[1:] > slots[:-1]))
+        if not ascending.all():  # agents write slots in order: sorted, no slot is twice
+            order = np.lexsort((slots, rows))
+            rows, slots = rows[order], slots[order]
+            twice = (rows[1:] == rows[:-1]) & (slots[1:] == slots[:-1])
+            flag(_any_per_row(rows[1:][twice], len(h)), "a group reported twice")
         f = self.flights
         p2p = (f["flags"] & FLAG_P2P) != 0
         op_ok = (
@@ -432,13 +476,15 @@ def _flagged(
     return ~mask
 
 
-def _hosts(blob: bytes, at: np.ndarray, length: np.ndarray) -> tuple[list[str], dict[int, str]]:
-    """Each row's host name, of ``length`` bytes from ``at`` in ``blob``; and, by row, why
-    one does not decode. A name is decoded once per run of rows that repeat it (a node's
-    ranks are consecutive rows)."""
+def _hosts(
+    blob: bytes, at: np.ndarray, length: np.ndarray
+) -> tuple[list[str], np.ndarray, dict[int, str]]:
+    """Host names of ``length`` bytes from ``at`` in ``blob``: the names of the runs of rows
+    that repeat one (a node's ranks are consecutive rows), each row's run, and by row why
+    its name does not decode (named ""). The runs' names are decoded in one call."""
     n, width = len(at), int(length.max(initial=0))
     if width == 0:
-        return [""] * n, {}
+        return [""], np.zeros(n, np.int64), {}
     data = np.frombuffer(blob, np.uint8)
     column = np.arange(width)
     raw = np.where(
@@ -447,17 +493,35 @@ def _hosts(blob: bytes, at: np.ndarray, length: np.ndarray) -> tuple[list[str], 
     new = np.ones(n, bool)
     new[1:] = (length[1:] != length[:-1]) | (raw[1:] != raw[:-1]).any(axis=1)
     firsts = np.flatnonzero(new)
-    names: list[str] = []
-    failed: dict[int, str] = {}
-    for k, i in enumerate(firsts.tolist()):
+    run = np.cumsum(new) - 1
+    names, failed = _names(raw[firsts], length[firsts])
+    unreadable = {}
+    if failed:
+        for i in np.flatnonzero(np.isin(run, list(failed))).tolist():
+            unreadable[i] = failed[int(run[i])]
+    return names, run, unreadable
+
+
+def _names(raw: np.ndarray, length: np.ndarray) -> tuple[list[str], dict[int, str]]:
+    """The names in the rows of ``raw`` (``length`` bytes each), and by row why one does
+    not decode: all joined by newlines and decoded at once (a newline byte is never part
+    of a longer UTF-8 character); one by one where that fails or a name holds a newline."""
+    line = np.column_stack([raw, np.full(len(raw), ord("\n"), np.uint8)])
+    keep = np.column_stack([np.arange(raw.shape[1]) < length[:, None], np.ones(len(raw), bool)])
+    try:
+        names = line[keep].tobytes().decode().split("\n")[:-1]
+        if len(names) == len(raw):
+            return names, {}
+    except UnicodeDecodeError:
+        pass
+    names, failed = [], {}
+    for k, row in enumerate(raw.tolist()):
         try:
-            names.append(raw[i, : length[i]].tobytes().decode())
+            names.append(bytes(row[: length[k]]).decode())
         except UnicodeDecodeError as exc:
             names.append("")
             failed[k] = str(exc)
-    run = (np.cumsum(new) - 1).tolist()
-    unreadable = {i: failed[k] for i, k in enumerate(run) if k in failed} if failed else {}
-    return [names[k] for k in run], unreadable
+    return names, failed
 
 
 def _frames_end(value: bytes, at: int, count: int) -> int:
@@ -469,6 +533,12 @@ def _frames_end(value: bytes, at: int, count: int) -> int:
         value[at + 2 : at + 2 + n].decode()
         at += 2 + n
     return at
+
+
+def _bytes_of(records: np.ndarray) -> np.ndarray:
+    """Packed records as a matrix of their bytes, one row each."""
+    size = records.dtype.itemsize
+    return np.ascontiguousarray(records).view(np.uint8).reshape(len(records), size)
 
 
 def _columns(raw: np.ndarray, rows: np.ndarray, dtype: np.dtype) -> np.ndarray:

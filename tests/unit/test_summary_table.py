@@ -49,7 +49,7 @@ def test_columns_and_lookups_match_the_per_rank_decoder() -> None:
     assert bad == {} and list(table) == [0, 1, 2, 3]
     for r, value in raw.items():
         assert table[r] == decode_summary(value)
-    assert table.hosts == [decode_summary(raw[r]).host for r in range(4)]
+    assert [table.host(i) for i in range(4)] == [decode_summary(raw[r]).host for r in range(4)]
     one = decode_summary(raw[1])
     rows = table.groups[table.groups["row"] == 1]
     assert rows[["slot", "entered_seq", "completed_seq"]].tolist() == [
@@ -118,3 +118,15 @@ def test_a_table_of_a_selection_keeps_its_rows_own_records() -> None:
     assert odd.flights["row"].tolist() == [0, 1]
     assert odd[3] == decode_summary(raw[3])
     assert odd.channel_rows().reports["rank"].tolist() == [1, 3]
+
+
+def test_host_names_decode_as_the_per_rank_decoder_does() -> None:
+    # runs of ranks on one host, a name with a newline (the names are decoded joined by
+    # newlines), a name in more than ASCII, and one not UTF-8 (refused alone)
+    hosts = ["node0", "node0", "a\nb", "a\nb", "knoten-ä", "node0", "node5"]
+    raw = {r: encode_summary(rank_summary(r, host=h)) for r, h in enumerate(hosts)}
+    raw[6] = raw[6].replace(b"node5", b"\xffode5")
+    table, bad = SummaryTable.decode(raw)
+    assert sorted(bad) == [6]
+    assert [table.host(i) for i in range(len(table))] == hosts[:6]
+    assert table.rows_on_hosts(lambda h: h == "node0").tolist() == [1, 1, 0, 0, 0, 1]
