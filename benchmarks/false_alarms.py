@@ -65,14 +65,15 @@ LAYOUTS = {
     "dp8": Layout("DP8", 8, 1, 1),
     "tp2pp2dp2": Layout("TP2xPP2xDP2", 8, 2, 2),
     "tp1pp2dp4": Layout("TP1xPP2xDP4", 8, 1, 2),
+    "tp1pp4dp2": Layout("TP1xPP4xDP2 (2-rank cohorts)", 8, 1, 4),
     "tp2pp2": Layout("TP2xPP2 (w4, 2-rank cohorts)", 4, 2, 2),
     "tp1pp2dp2": Layout("TP1xPP2xDP2 (w4, 2-rank cohorts)", 4, 1, 2),
     "dp2": Layout("DP2 (w2, 2-rank cohort)", 2, 1, 1),
 }
 # DeepSpeed's example is data parallel only: its layouts are DPn.
 FRAMEWORK_LAYOUTS = {
-    "torch": ["dp8", "tp2pp2dp2", "tp1pp2dp4", "tp2pp2"],
-    "megatron": ["dp8", "tp2pp2dp2", "tp1pp2dp4", "tp2pp2"],
+    "torch": ["dp8", "tp2pp2dp2", "tp1pp2dp4", "tp1pp4dp2", "tp2pp2"],
+    "megatron": ["dp8", "tp2pp2dp2", "tp1pp2dp4", "tp1pp4dp2", "tp2pp2"],
     "deepspeed": ["dp8", "dp2"],
 }
 # (runs, steps) per framework: full reaches > 10,000 rank-steps with torch alone.

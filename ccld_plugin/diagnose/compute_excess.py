@@ -39,7 +39,8 @@ LARGE_COHORT = 16
 class Excess(NamedTuple):
     """A rank slower than its cohort over ``steps`` steps ending at ``last``: its median
     compute per step and the median of its cohort's others (us), the median per-step
-    ratio and how many standard errors it stands above 1."""
+    ratio and how many standard errors it stands above 1; and the lowest median per-step
+    ratio of the span's parts (``part_steps`` each: how steadily it was slower)."""
 
     rank: int
     first: int
@@ -49,6 +50,7 @@ class Excess(NamedTuple):
     cohort_us: float
     ratio: float
     z: float
+    lowest_part: float
 
 
 def compute_excess(
@@ -60,6 +62,7 @@ def compute_excess(
     min_z: float,
     first: int = 0,
     baselines: Mapping[int, float] | None = None,
+    part_steps: int = 0,
 ) -> list[Excess]:
     """Ranks whose compute exceeds their cohort's by ``min_ratio`` (median per-step ratio)
     and by ``min_z`` standard errors, over one of ``spans`` steps ending at step ``last``
@@ -111,6 +114,7 @@ def compute_excess(
                 cohort_us=float(np.nanmedian(others)) * scale[i],
                 ratio=float(math.exp(med[i])),
                 z=float(z[i]),
+                lowest_part=_lowest_part(d[i], part_steps),
             )
     return list(found.values())
 
@@ -145,6 +149,16 @@ def _log_ratio_to_cohort(
         out[rows[mine]] = ratio[mine]
     out[~np.isfinite(out)] = np.nan
     return out
+
+
+def _lowest_part(log_ratio: np.ndarray, part_steps: int) -> float:
+    """The lowest median ratio of the parts of ``part_steps`` steps a span's per-step log
+    ratios fall into (parts with no known step left out; the span's own with no parts)."""
+    n = part_steps if 0 < part_steps < len(log_ratio) else len(log_ratio)
+    parts = log_ratio[: len(log_ratio) // n * n].reshape(-1, n)
+    medians = _nanmedian_rows(parts, np.ones(len(parts), bool))
+    medians = medians[~np.isnan(medians)]
+    return float(math.exp(medians.min())) if len(medians) else float("nan")
 
 
 def _median_without_each(vals: np.ndarray) -> np.ndarray:

@@ -70,6 +70,12 @@ CLEAR_EXCESS_Z = 2.0
 # standard errors, among at least SOLO_MIN_RANKS of them.
 SOLO_MIN_RANKS = 3
 SOLO_EXCESS_Z = 4.0
+# A straggler is slower than its cohort in every window of the span it is judged over: on
+# a shared host the scheduler holds healthy ranks back for a few steps at a time, and over
+# the hundreds of spans a job is judged on, such episodes add up to 3 standard errors now
+# and then (healthy 8-rank Megatron TP1xPP4xDP2 on 2 cores: a rank of a two-rank cohort
+# named at 1.4-1.6x in 3 of 3 runs of 150-200 steps, each with a window at 0.7-0.9x).
+STEADY_PART_RATIO = 1.0
 MIN_STEP_SHARE = 0.05  # excess compute below 5% of the step time is noise, not a verdict
 # A group's transfer bandwidth must fall this far below its siblings' (and below its own
 # history, once it has one) to count: small transfers on a busy host vary by 2x.
@@ -200,6 +206,7 @@ class SlowDetector:
             self.cfg.excess_z,
             first=WARMUP_STEPS,
             baselines=baselines,
+            part_steps=self.cfg.window_steps,
         )
         self.slower = {e.rank for e in found}
         for r in list(self._slow_since):
@@ -223,6 +230,13 @@ class SlowDetector:
                 why = (
                     f"excess {(e.compute_us - e.cohort_us) / 1000:.1f} ms < "
                     f"{MIN_STEP_SHARE:.0%} of the step"
+                )
+                _not_a_straggler(e, cohort, why)
+                continue
+            if not e.lowest_part >= STEADY_PART_RATIO:
+                why = (
+                    f"not slower in every window of the span (one at {e.lowest_part:.2f}x): "
+                    "an episode, not a straggler"
                 )
                 _not_a_straggler(e, cohort, why)
                 continue
