@@ -206,6 +206,17 @@ def test_a_recorded_healthy_job_held_back_by_its_host_gets_no_verdict() -> None:
     assert got == []
 
 
+def test_a_recorded_episode_inside_an_otherwise_even_span_gets_no_verdict() -> None:
+    # A real healthy run (`ccld demo --framework megatron --world 8 --tp 1 --pp 4 --steps
+    # 200 --fault none`, this project's 2-core VM, recorded before compute left out the
+    # time a rank waits for a CPU): rank 0 stood 1.42x its DP peer over steps 52-71 (3.2
+    # standard errors, 74% of the waiting its peers'), and was named; but over steps 62-66
+    # it was 0.71x. Rank 6 had such a span too (1.48x, one window at 0.84x).
+    recording = Path(__file__).parent / "recorded" / "healthy-megatron-tp1pp4dp2-host-episode.rec"
+    _, got = replay(recording)
+    assert got == []
+
+
 def pipeline(stages: int) -> dict[int, list[GroupInfo]]:
     """TP1 x PP x DP1: no rank does another's work (each stage its own layers)."""
     g = group("pp", range(stages))
