@@ -40,7 +40,8 @@ class Excess(NamedTuple):
     """A rank slower than its cohort over ``steps`` steps ending at ``last``: its median
     compute per step and the median of its cohort's others (us), the median per-step
     ratio and how many standard errors it stands above 1; and the lowest median per-step
-    ratio of the span's parts (``part_steps`` each: how steadily it was slower)."""
+    ratio of the span's parts after its first (``part_steps`` each: how steadily it was
+    slower since)."""
 
     rank: int
     first: int
@@ -153,9 +154,11 @@ def _log_ratio_to_cohort(
 
 def _lowest_part(log_ratio: np.ndarray, part_steps: int) -> float:
     """The lowest median ratio of the parts of ``part_steps`` steps a span's per-step log
-    ratios fall into (parts with no known step left out; the span's own with no parts)."""
+    ratios fall into, the oldest part left out (a straggler's onset may lie in it), and
+    parts with no known step (with no parts: the span's own median)."""
     n = part_steps if 0 < part_steps < len(log_ratio) else len(log_ratio)
     parts = log_ratio[: len(log_ratio) // n * n].reshape(-1, n)
+    parts = parts[1:] if len(parts) > 1 else parts
     medians = _nanmedian_rows(parts, np.ones(len(parts), bool))
     medians = medians[~np.isnan(medians)]
     return float(math.exp(medians.min())) if len(medians) else float("nan")

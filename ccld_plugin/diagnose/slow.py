@@ -70,7 +70,9 @@ CLEAR_EXCESS_Z = 2.0
 # standard errors, among at least SOLO_MIN_RANKS of them.
 SOLO_MIN_RANKS = 3
 SOLO_EXCESS_Z = 4.0
-# A straggler is slower than its cohort in every window of the span it is judged over: on
+# A straggler is slower than its cohort in every window of the span it is judged over
+# (but the first, where its onset may lie: a job of more than SLIDE_MAX_RANKS judges spans
+# on window boundaries, and would wait a window more for every onset inside one): on
 # a shared host the scheduler holds healthy ranks back for a few steps at a time, and over
 # the hundreds of spans a job is judged on, such episodes add up to 3 standard errors now
 # and then (healthy 8-rank Megatron TP1xPP4xDP2 on 2 cores: a rank of a two-rank cohort
@@ -235,7 +237,8 @@ class SlowDetector:
                 continue
             if not e.lowest_part >= STEADY_PART_RATIO:
                 why = (
-                    f"not slower in every window of the span (one at {e.lowest_part:.2f}x): "
+                    f"not slower in every window of the span after its first (one at "
+                    f"{e.lowest_part:.2f}x): "
                     "an episode, not a straggler"
                 )
                 _not_a_straggler(e, cohort, why)
