@@ -9,7 +9,6 @@ unreachable, and it keeps running while the main thread waits inside a collectiv
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -21,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ccld_plugin.agent.board_summary import BoardSnapshot, stuck_s, summarize_board
+from ccld_plugin.agent.cpu_wait import ThreadCpuWait
 from ccld_plugin.agent.nccl_channels import NcclChannels
 from ccld_plugin.agent.node_board import EXITED, STORE_LOST
 from ccld_plugin.agent.node_share import NodeShare
@@ -53,39 +53,18 @@ MAX_BACKOFF_S = 30.0
 class StepClock:
     """Step boundaries as the training loop marks them (kept in Python: one append per
     step): the step, its start, and how long the marking thread (the training loop's) had
-    by then waited runnable for a CPU."""
+    by then waited runnable for a CPU (``cpu_wait``)."""
 
     def __init__(self) -> None:
         self.starts: deque[tuple[int, int, int]] = deque(maxlen=1024)
         self.current = -1
-        self._schedstat: int | None = None  # the marking thread's, opened at its first mark
+        self._cpu_wait: ThreadCpuWait | None = None  # the marking thread's, from its first mark
 
     def mark(self, step: int) -> None:
         self.current = step
-        if self._schedstat is None:
-            self._schedstat = _open_schedstat()
-        self.starts.append((step, time.monotonic_ns(), runnable_wait_ns(self._schedstat)))
-
-
-def _open_schedstat() -> int:
-    """A descriptor of the calling thread's scheduler statistics (-1: none to read)."""
-    try:
-        return os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-    except OSError:
-        return -1
-
-
-def runnable_wait_ns(schedstat: int) -> int:
-    """Nanoseconds the thread of ``schedstat`` (a descriptor of its /proc schedstat) has
-    spent runnable, waiting for a CPU; 0 where the kernel does not keep it. On a host with
-    more busy threads than cores this is most of a rank's wall time outside collectives,
-    shared out by the scheduler a few steps at a time, not the rank's own work."""
-    if schedstat < 0:
-        return 0
-    try:
-        return int(os.pread(schedstat, 96, 0).split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0
+        if self._cpu_wait is None:
+            self._cpu_wait = ThreadCpuWait()
+        self.starts.append((step, time.monotonic_ns(), self._cpu_wait.ns()))
 
 
 @dataclass(frozen=True)
@@ -375,10 +354,7 @@ class Agent:
                 .sum()
             )
             blocked += waits.get(step, 0)
-            # Compute is the rank's own: time it was runnable but the host ran others is
-            # the host's (a slow device or kernel keeps the rank busy or sleeping, not
-            # waiting for a core).
-            blocked += q1 - q0
+            blocked += q1 - q0  # queued for a CPU: the host's time, not the rank's compute
             stats.append(
                 StepStat(step, diag(t0), (t1 - t0) // 1000, max(0, t1 - t0 - blocked) // 1000)
             )

@@ -1,6 +1,7 @@
-"""The step clock measures how long the training thread waited runnable for a CPU: what the
-agent leaves out of a step's compute (the host's scheduler running others), measured on a
-real thread that shares its one core with a busy process."""
+"""The wait of a thread for a CPU, as the step clock and the fault injector measure it: the
+time the host's scheduler ran others while the thread was runnable, which the agent
+leaves out of a step's compute. Measured on a real thread that shares its one core with a
+busy process."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import time
 
 import pytest
 
-from ccld_plugin.agent.agent import StepClock, runnable_wait_ns
+from ccld_plugin.agent.agent import StepClock
+from ccld_plugin.agent.cpu_wait import ThreadCpuWait
 
 
 def _busy(seconds: float) -> None:
@@ -20,15 +22,7 @@ def _busy(seconds: float) -> None:
         pass
 
 
-def _runnable_share(clock: StepClock, step: int, seconds: float) -> float:
-    clock.mark(step)
-    _busy(seconds)
-    clock.mark(step + 1)
-    (_, t0, q0), (_, t1, q1) = clock.starts[-2], clock.starts[-1]
-    return (q1 - q0) / (t1 - t0)
-
-
-def test_runnable_wait_is_the_time_a_process_on_the_same_core_took() -> None:
+def test_the_wait_for_a_cpu_is_the_time_a_process_on_the_same_core_took() -> None:
     if not os.path.exists("/proc/thread-self/schedstat"):
         pytest.skip("this kernel keeps no scheduler statistics")
     cpu = min(os.sched_getaffinity(0))
@@ -40,21 +34,21 @@ def test_runnable_wait_is_the_time_a_process_on_the_same_core_took() -> None:
     try:
         time.sleep(0.3)  # the rival is up and spinning
         clock = StepClock()
-        shared = _runnable_share(clock, 0, 1.0)
+        clock.mark(0)
+        _busy(1.0)
+        clock.mark(1)
     finally:
         rival.kill()
         rival.wait()
         os.sched_setaffinity(0, allowed)
+    (_, t0, q0), (_, t1, q1) = clock.starts
     # two busy threads on one core: each waits about half the time (more on a busy host)
-    assert 0.25 < shared <= 1.0, shared
+    assert 0.25 < (q1 - q0) / (t1 - t0) <= 1.0, (q1 - q0, t1 - t0)
     assert clock.current == 1
 
 
-def test_no_scheduler_statistics_reads_as_no_wait() -> None:
-    assert runnable_wait_ns(-1) == 0
-    r, w = os.pipe()
-    os.close(w)
-    try:
-        assert runnable_wait_ns(r) == 0  # not a schedstat file: nothing to read
-    finally:
-        os.close(r)
+def test_the_wait_is_the_thread_own_and_never_goes_back() -> None:
+    mine = ThreadCpuWait()
+    first = mine.ns()
+    _busy(0.05)
+    assert mine.ns() >= first >= 0

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ccld_plugin.agent.cpu_wait import ThreadCpuWait
 from ccld_plugin.errors import report_error
 from ccld_plugin.harness.faults.inject import Injector, injector_for
 from ccld_plugin.integrations.deepspeed import EngineHooks, deepspeed_groups
@@ -46,20 +47,25 @@ def _time_compute(engine: Any, hooks: EngineHooks, stretch: Callable[[float], No
         except Exception as exc:  # noqa: BLE001 - a fault hook must not end training
             report_error("deepspeed.after_compute", exc)
 
+    queued = ThreadCpuWait()  # the training thread's: compute is without its wait for a CPU
+
+    def now() -> float:
+        return time.perf_counter() - queued.ns() / 1e9
+
     started = [0.0]
 
     def forward_started(module: Any, inputs: Any) -> None:
-        started[0] = time.perf_counter()
+        started[0] = now()
 
     def forward_done(module: Any, inputs: Any, output: Any) -> None:
-        done(time.perf_counter() - started[0])
+        done(max(0.0, now() - started[0]))
 
     backward = engine.backward
 
     def timed_backward(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        t0 = now()
         result = backward(*args, **kwargs)
-        done(time.perf_counter() - t0)
+        done(max(0.0, now() - t0))
         return result
 
     hooks.add_handle(engine.module.register_forward_pre_hook(forward_started))

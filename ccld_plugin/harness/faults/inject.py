@@ -4,9 +4,11 @@ freeze.
 A training loop calls ``before_step`` at each step start and ``bind_groups`` once its
 groups exist. A compute-slow fault then hooks into the tracer, which calls ``stretch()``
 right before every communication, in any framework. Slowness is a sleep
-proportional to the measured compute time (busy work would slow the other ranks that share
-these few cores). Each fault's actual onset is appended to the fault log (``CCLD_FAULT_LOG``)
-with the time on the diagnoser's clock, so detection latency is measured, not guessed.
+proportional to the measured compute time, without the time the rank waited for a CPU
+(busy work would slow the other ranks that share these few cores, and a slower device
+stretches its own work, not the host's queue). Each fault's actual onset is appended to
+the fault log (``CCLD_FAULT_LOG``) with the time on the diagnoser's clock, so detection
+latency is measured, not guessed.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ccld_plugin.agent.cpu_wait import ThreadCpuWait
 from ccld_plugin.harness.faults.spec import FaultSpec, parse_faults
 
 __all__ = ["Injector", "injector_for"]
@@ -39,7 +42,9 @@ class Injector:
         self._slow_factor = 1.0
         self._started: set[FaultSpec] = set()
         self._groups: dict[str, Any] = {}
-        self._mark: tuple[int, int] | None = None  # (time, blocked ns) at the last stretch
+        # (time, blocked ns, CPU wait ns) at the last stretch
+        self._mark: tuple[int, int, int] | None = None
+        self._cpu_wait: ThreadCpuWait | None = None  # the training thread's
 
     def bind_groups(self, groups: dict[str, Any]) -> None:
         """The rank's process groups by role, for the mismatch fault."""
@@ -73,23 +78,26 @@ class Injector:
         s = current()
         if s is not None:
             self._mark = None
+            self._cpu_wait = ThreadCpuWait()  # made here, in the training thread
             s.tracer.before_op = self.stretch
 
     def stretch(self) -> None:
         """Call right before each communication: under compute-slow, the compute since the
-        previous call (wall time minus time blocked in collectives) is stretched to
+        previous call (wall time minus time blocked in collectives and queued for a CPU)
+        is stretched to
         ``factor`` times its length, as a slower device would. Stretching every interval
         between collectives, not one lump per step, makes the rank arrive late at each."""
         if self._slow_factor <= 1.0:
             return
         board = self._board()
         blocked = board.blocked_ns if board is not None else 0
+        queued = self._cpu_wait.ns() if self._cpu_wait is not None else 0
         now = time.monotonic_ns()
         if self._mark is not None:
-            t_prev, blocked_prev = self._mark
-            compute = max(0, (now - t_prev) - (blocked - blocked_prev))
-            self.after_compute(compute / 1e9)
-        self._mark = (time.monotonic_ns(), blocked)
+            t_prev, blocked_prev, queued_prev = self._mark
+            compute = (now - t_prev) - (blocked - blocked_prev) - (queued - queued_prev)
+            self.after_compute(max(0, compute) / 1e9)
+        self._mark = (time.monotonic_ns(), blocked, queued)
 
     def after_compute(self, seconds: float) -> None:
         """Stretch a compute segment that took ``seconds`` of pure compute."""
