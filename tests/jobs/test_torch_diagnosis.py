@@ -59,18 +59,19 @@ def test_mismatch(tmp_path):
 
 
 @pytest.mark.slow
-def test_compute_slow_factor_2_tp2_pp2_dp2(tmp_path):
+def test_compute_slow_factor_3_tp2_pp2_dp2(tmp_path):
     # 8 ranks on this 2-core machine: the cohort's compute times are noisy, and a window
-    # can miss; 45 steps leave 15 past the latest verdict the test accepts.
+    # can miss; 45 steps leave 15 past the latest verdict the test accepts. The stretch is
+    # of the rank's compute without its wait for a CPU, and the others spend ~3/4 of their
+    # compute phase queued for one: a 2x stretch was absorbed by that queue in one suite
+    # run (its peers did not wait for it, so no straggler held the job back); 3x does.
     code, summary = demo(
-        tmp_path / "out", "compute-slow@5:factor=2,step=3", world=8, tp=2, pp=2, steps=45, **TORCH
+        tmp_path / "out", "compute-slow@5:factor=3,step=3", world=8, tp=2, pp=2, steps=45, **TORCH
     )
     v = only(summary, "slow")
     assert (v["cause"], v["ranks"]) == ("compute", [5])
     assert v["group"]["role"] in ("tp", "dp") and 5 in v["group"]["ranks"]
-    # The severity is the compute ratio as measured. 8 ranks share 2 cores here: while the
-    # slow rank sleeps its stretch, the others get more CPU and compute faster, so factor 2
-    # has measured up to ~3 on a quiet host and 4.5 under a load of 12-16.
+    # The severity is the compute ratio as measured (noisy at 8 ranks on 2 cores).
     assert 1.5 <= v["severity"] <= 6.0
     (ev,) = facts(v["evidence"])["compute_excess"]
     assert ev["data"]["ratio"] == v["severity"]  # the compute ratio, as the sentence says
