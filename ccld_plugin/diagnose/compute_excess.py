@@ -153,9 +153,9 @@ def _log_ratio_to_cohort(
 
 
 def _lowest_part(log_ratio: np.ndarray, part_steps: int) -> float:
-    """The lowest median ratio of the parts of ``part_steps`` steps a span's per-step log
-    ratios fall into, the oldest part left out (a straggler's onset may lie in it), and
-    parts with no known step (with no parts: the span's own median)."""
+    """The lowest median ratio among the parts of ``part_steps`` steps that a span's
+    per-step log ratios fall into. Left out: the oldest part (a straggler's onset may lie
+    in it) and parts with no known step. With no parts, the span's own median."""
     n = part_steps if 0 < part_steps < len(log_ratio) else len(log_ratio)
     parts = log_ratio[: len(log_ratio) // n * n].reshape(-1, n)
     parts = parts[1:] if len(parts) > 1 else parts

@@ -237,9 +237,8 @@ class SlowDetector:
                 continue
             if not e.lowest_part >= STEADY_PART_RATIO:
                 why = (
-                    f"not slower in every window of the span after its first (one at "
-                    f"{e.lowest_part:.2f}x): "
-                    "an episode, not a straggler"
+                    "not slower in every window of the span after its first (one at "
+                    f"{e.lowest_part:.2f}x): an episode, not a straggler"
                 )
                 _not_a_straggler(e, cohort, why)
                 continue

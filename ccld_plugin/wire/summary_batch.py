@@ -283,9 +283,9 @@ class SummaryTable(Mapping[int, RankSummary]):
 
     # ------------------------------------------------------------------ lookups
     def row_of(self, rank: int) -> int | None:
-        n = len(self.ranks)
         if not isinstance(rank, int):
             return None
+        n = len(self.ranks)
         if n and int(self.ranks[-1]) - int(self.ranks[0]) == n - 1:
             # ranks ascending, each once: consecutive ones (a round that heard from all)
             # are found by arithmetic, where a dict of 65,536 of them costs ~10 ms a round

@@ -84,9 +84,9 @@ class Injector:
     def stretch(self) -> None:
         """Call right before each communication: under compute-slow, the compute since the
         previous call (wall time minus time blocked in collectives and queued for a CPU)
-        is stretched to
-        ``factor`` times its length, as a slower device would. Stretching every interval
-        between collectives, not one lump per step, makes the rank arrive late at each."""
+        is stretched to ``factor`` times its length, as a slower device would. Stretching
+        every interval between collectives, not one lump per step, makes the rank arrive
+        late at each."""
         if self._slow_factor <= 1.0:
             return
         board = self._board()
