@@ -52,6 +52,7 @@ def rank_main(args: argparse.Namespace) -> None:
     solo = [dist.new_group([r]) for r in range(2)][rank]
     pair = dist.new_group([0, 1])
     ccld_plugin.enable(overrides=[f"board.dir={args.board_dir}"])
+    ccld_plugin.mark_step(0)  # as a training loop does: blocking ops then read schedstat
     tracer = current().tracer
     t = torch.zeros(1)
     rows = []

@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 
 from ccld_plugin.agent.board_summary import BoardSnapshot, stuck_s, summarize_board
-from ccld_plugin.agent.cpu_wait import ThreadCpuWait
 from ccld_plugin.agent.nccl_channels import NcclChannels
 from ccld_plugin.agent.node_board import EXITED, STORE_LOST
 from ccld_plugin.agent.node_share import NodeShare
@@ -53,18 +52,16 @@ MAX_BACKOFF_S = 30.0
 class StepClock:
     """Step boundaries as the training loop marks them (kept in Python: one append per
     step): the step, its start, and how long the marking thread (the training loop's) had
-    by then waited runnable for a CPU (``cpu_wait``)."""
+    by then waited runnable for a CPU outside communication (``cpu_wait_ns``: the tracer's
+    ``cpu_wait_outside_ns``; a wait inside an op is already the op's time)."""
 
     def __init__(self) -> None:
         self.starts: deque[tuple[int, int, int]] = deque(maxlen=1024)
         self.current = -1
-        self._cpu_wait: ThreadCpuWait | None = None  # the marking thread's, from its first mark
 
-    def mark(self, step: int) -> None:
+    def mark(self, step: int, cpu_wait_ns: int = 0) -> None:
         self.current = step
-        if self._cpu_wait is None:
-            self._cpu_wait = ThreadCpuWait()
-        self.starts.append((step, time.monotonic_ns(), self._cpu_wait.ns()))
+        self.starts.append((step, time.monotonic_ns(), cpu_wait_ns))
 
 
 @dataclass(frozen=True)

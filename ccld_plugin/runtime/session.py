@@ -287,9 +287,9 @@ def mark_step(step: int) -> None:
     if s is not None:
         try:
             s.board.set_step(step)
-            s.tracer.current_step = step
+            cpu_wait_ns = s.tracer.mark_step(step)
             if s.services is not None:
-                s.services.steps.mark(step)
+                s.services.steps.mark(step, cpu_wait_ns)
         except Exception as exc:  # noqa: BLE001
             report_error("session.mark_step", exc)
 

@@ -25,6 +25,7 @@ import torch.distributed.distributed_c10d as c10d
 
 import ccld_plugin._native as _native
 from ccld_plugin.errors import report_error
+from ccld_plugin.runtime.cpu_wait import ThreadCpuWait
 from ccld_plugin.wire.codes import (
     FLAG_ASYNC,
     FLAG_CUDA,
@@ -39,6 +40,10 @@ from ccld_plugin.wire.topology import GroupInfo, Topology, group_id_of, more_spe
 __all__ = ["GroupEntry", "Tracer"]
 
 NO_RANK = -1
+# A thread that queued for a CPU more than this share of its last step reads its wait
+# around each blocking CPU op (the wake-up after a recv on a crowded host), so that the
+# agent does not take that wait out of compute twice: it is already the op's time.
+WATCH_QUEUED_SHARE = 0.01
 
 
 def _arg(args: tuple, kwargs: dict, pos: int, name: str, default: Any = None) -> Any:
@@ -107,6 +112,25 @@ class GroupEntry:
 class _Local(threading.local):
     busy = False  # inside a traced call: nested calls are part of it, not new ops
     coalesced_index = -1  # ring index of the open coalescing block, if any
+    # The thread's wait for a CPU, followed from its first step mark, and how much of it
+    # fell inside blocking communication (booked there, as communication); the time and
+    # the wait at its last mark; whether its blocking ops read the wait around them now.
+    cpu_wait: ThreadCpuWait | None = None
+    cpu_wait_in_ops_ns = 0
+    marked_ns = 0
+    marked_wait_ns = 0
+    watch_ops = False
+
+
+def _cpu_wait_now(local: _Local) -> int:
+    """The thread's wait for a CPU so far (-1: not read now), read before blocking."""
+    return local.cpu_wait.ns() if local.watch_ops and local.cpu_wait is not None else -1
+
+
+def _book_cpu_wait(local: _Local, before: int) -> None:
+    """Book the thread's wait for a CPU since ``before`` (_cpu_wait_now) to communication."""
+    if before >= 0 and local.cpu_wait is not None:
+        local.cpu_wait_in_ops_ns += local.cpu_wait.ns() - before
 
 
 class TracedWork:
@@ -123,6 +147,8 @@ class TracedWork:
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         t0 = time.monotonic_ns()
+        local = self._tracer._local
+        queued = -1 if self._cuda else _cpu_wait_now(local)
         try:
             result = self._work.wait(*args, **kwargs)
         except BaseException:
@@ -130,6 +156,7 @@ class TracedWork:
             raise
         finally:
             self._tracer.add_wait(time.monotonic_ns() - t0)
+            _book_cpu_wait(local, queued)
         if not self._cuda:  # on GPU, wait() only orders streams: the poller stamps exit
             self._finish(STATE_DONE)
         return result
@@ -272,6 +299,31 @@ class Tracer:
         except Exception as exc:  # noqa: BLE001
             report_error("tracer.wait", exc)
 
+    def mark_step(self, step: int) -> int:
+        """The calling (training) thread starts ``step``: its waits in ``wait()`` are booked
+        to it from now on. Returns ``cpu_wait_outside_ns()``. A CPU op reads the wait
+        around it (~5 us) only while the thread's last step queued for a CPU more than
+        WATCH_QUEUED_SHARE of the time: on a node with a core per rank, never; what a step
+        that queued less leaves in its compute is below that share."""
+        self.current_step = step
+        outside = self.cpu_wait_outside_ns()
+        local = self._local
+        now, total = time.monotonic_ns(), outside + local.cpu_wait_in_ops_ns
+        if local.marked_ns:
+            queued = total - local.marked_wait_ns
+            local.watch_ops = queued > WATCH_QUEUED_SHARE * (now - local.marked_ns)
+        local.marked_ns, local.marked_wait_ns = now, total
+        return outside
+
+    def cpu_wait_outside_ns(self) -> int:
+        """How long the calling thread has waited runnable for a CPU outside blocking
+        communication (a wait inside it is already part of the op's time): the host's
+        share of the thread's compute time. A thread is followed from its first call."""
+        local = self._local
+        if local.cpu_wait is None:
+            local.cpu_wait = ThreadCpuWait()
+        return local.cpu_wait.ns() - local.cpu_wait_in_ops_ns
+
     def take_wait_ns(self, before_step: int) -> dict[int, int]:
         """Wait time of the steps before ``before_step`` (removed from the tracer)."""
         done = {s: ns for s, ns in list(self._wait_ns.items()) if s < before_step}
@@ -338,6 +390,7 @@ class Tracer:
             if cuda and async_at is not None and not asked_async:
                 args, kwargs = _force_async(args, kwargs, async_at)
             local.busy = True
+            queued = -1 if asked_async or cuda else _cpu_wait_now(local)
             try:
                 result = orig(*args, **kwargs)
             except BaseException:
@@ -345,6 +398,7 @@ class Tracer:
                 raise
             finally:
                 local.busy = False
+                _book_cpu_wait(local, queued)
             if cuda and async_at is not None:
                 tw = self._track(result, (index,), True)
                 if asked_async:
@@ -387,6 +441,7 @@ class Tracer:
                 report_error(f"tracer.{name}", exc)
                 return orig(*args, **kwargs)
             local.busy = True
+            queued = -1 if always_async or cuda else _cpu_wait_now(local)
             try:
                 result = orig(*args, **kwargs)
             except BaseException:
@@ -394,6 +449,7 @@ class Tracer:
                 raise
             finally:
                 local.busy = False
+                _book_cpu_wait(local, queued)
             if always_async and result is not None:
                 return self._track(result, (index,), cuda)
             board.exit(index, STATE_DONE)
@@ -478,6 +534,7 @@ class Tracer:
                 report_error("tracer._coalescing_manager", exc)
                 index = -1
             local.busy, local.coalesced_index = True, index
+            queued = -1 if index < 0 or async_ops or e.cuda else _cpu_wait_now(local)
             try:
                 with orig(group, device, async_ops) as cm:
                     yield cm
@@ -487,6 +544,7 @@ class Tracer:
                 raise
             finally:
                 local.busy, local.coalesced_index = False, -1
+                _book_cpu_wait(local, queued)
             if index < 0:
                 return
             assert e is not None  # the op was entered (index >= 0) on e's slot

@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ccld_plugin.agent.cpu_wait import ThreadCpuWait
 from ccld_plugin.harness.faults.spec import FaultSpec, parse_faults
 
 __all__ = ["Injector", "injector_for"]
@@ -44,7 +43,7 @@ class Injector:
         self._groups: dict[str, Any] = {}
         # (time, blocked ns, CPU wait ns) at the last stretch
         self._mark: tuple[int, int, int] | None = None
-        self._cpu_wait: ThreadCpuWait | None = None  # the training thread's
+        self._tracer: Any = None  # the session's: the training thread's wait for a CPU
 
     def bind_groups(self, groups: dict[str, Any]) -> None:
         """The rank's process groups by role, for the mismatch fault."""
@@ -78,7 +77,7 @@ class Injector:
         s = current()
         if s is not None:
             self._mark = None
-            self._cpu_wait = ThreadCpuWait()  # made here, in the training thread
+            self._tracer = s.tracer
             s.tracer.before_op = self.stretch
 
     def stretch(self) -> None:
@@ -91,7 +90,8 @@ class Injector:
             return
         board = self._board()
         blocked = board.blocked_ns if board is not None else 0
-        queued = self._cpu_wait.ns() if self._cpu_wait is not None else 0
+        # the wait for a CPU outside communication: one inside is part of ``blocked``
+        queued = self._tracer.cpu_wait_outside_ns() if self._tracer is not None else 0
         now = time.monotonic_ns()
         if self._mark is not None:
             t_prev, blocked_prev, queued_prev = self._mark
