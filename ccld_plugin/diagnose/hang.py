@@ -417,7 +417,7 @@ def find_mismatches(view: JobView) -> list[Verdict]:
             continue
         g = groups[gid]
         top, top_n = counts.most_common(1)[0]
-        if not _settled(view, g, entries, top_n):
+        if not _settled(view, g, seq, entries, top_n):
             continue
         tie = list(counts.values()).count(top_n) > 1
         evidence = [
@@ -475,20 +475,28 @@ def find_mismatches(view: JobView) -> list[Verdict]:
 
 
 def _settled(
-    view: JobView, g: GroupInfo, entries: dict[int, tuple[str, int, int]], top_n: int
+    view: JobView,
+    g: GroupInfo,
+    seq: int,
+    entries: dict[int, tuple[str, int, int]],
+    top_n: int,
 ) -> bool:
-    """Whether the members seen in a seq are enough to judge it. A member not seen in it
-    may only not have reported yet (its summary predates the dissent), and its op can still
-    turn a tie into a majority: judge once the ops seen hold a majority of the whole group,
-    or every member not seen in it has reported since the last of them entered."""
+    """Whether the members seen in ``seq`` of ``g`` are enough to judge it. A member not
+    seen in it may not have reported since (its summary predates the dissent) or may still
+    be on its way (short of the seq, and moving since the last of them entered), and its op
+    can still turn a tie into a majority: judge once the ops seen hold a majority of the
+    whole group, or every member not seen in it has reported since and stands still."""
     if 2 * top_n > len(g.ranks):
         return True
     latest = max(e for _, _, e in entries.values())
     for r in g.ranks:
-        if r in entries:
-            continue
         s = view.summaries.get(r)
-        if s is not None and s.time_ns < latest and r not in view.gone:
+        if r in entries or s is None or r in view.gone:
+            continue
+        if s.time_ns < latest:
+            return False
+        entered = view.entered_seq(r, g.group_id)
+        if entered is not None and entered < seq and s.last_progress_ns >= latest:
             return False
     return True
 
