@@ -534,7 +534,7 @@ class Tracer:
                 report_error("tracer._coalescing_manager", exc)
                 index = -1
             local.busy, local.coalesced_index = True, index
-            queued = -1 if index < 0 or async_ops or e.cuda else _cpu_wait_now(local)
+            queued = -1 if index < 0 or e is None or async_ops or e.cuda else _cpu_wait_now(local)
             try:
                 with orig(group, device, async_ops) as cm:
                     yield cm
