@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="SPEC",
         help="e.g. compute-hang@2:step=5, compute-slow@1:factor=2, mismatch@3, "
-        "kill@1:step=5, none (default: compute-hang@2:step=5)",
+        "kill@1:step=5, cpu-contention@1, none (default: compute-hang@2:step=5)",
     )
     demo.add_argument(
         "--netns",

@@ -26,9 +26,13 @@ def panel_summary(
     compute_ms: float = 60.0,
     blocked_us: tuple[int, int] = (20_000, 10_000),
     flights: tuple = (),
+    cpu_wait_ms: float = 0.0,
 ) -> RankSummary:
     """Rank ``rank``'s summary at ``now`` reporting ``steps`` of 100 ms each."""
-    stats = [StepStat(s, s * STEP_NS, 100_000, int(compute_ms * 1000)) for s in steps]
+    stats = [
+        StepStat(s, s * STEP_NS, 100_000, int(compute_ms * 1000), int(cpu_wait_ms * 1000))
+        for s in steps
+    ]
     return RankSummary(
         rank=rank,
         pid=1,
@@ -47,13 +51,24 @@ def panel_summary(
     )
 
 
-def job_views(steps: int, first: int = 0, slow_rank: int = 2) -> list[JobView]:
+def job_views(
+    steps: int, first: int = 0, slow_rank: int = 2, queued_rank: int | None = None
+) -> list[JobView]:
     """One view per step: every rank reports the step that just ended; ``slow_rank``
-    computes twice as long."""
+    computes twice as long; ``queued_rank`` waits 10 ms a step for a CPU besides."""
     views = []
     for s in range(first, first + steps):
         now = (s + 1) * STEP_NS + 1
-        sums = {r: panel_summary(r, [s], now, 120.0 if r == slow_rank else 60.0) for r in range(4)}
+        sums = {
+            r: panel_summary(
+                r,
+                [s],
+                now,
+                120.0 if r == slow_rank else 60.0,
+                cpu_wait_ms=10.0 if r == queued_rank else 0.0,
+            )
+            for r in range(4)
+        }
         views.append(JobView(summaries=sums, tables=TABLES, now_ns=now, job_start_ns=0, world=4))
     return views
 

@@ -351,9 +351,11 @@ class Agent:
                 .sum()
             )
             blocked += waits.get(step, 0)
-            blocked += q1 - q0  # queued for a CPU: the host's time, not the rank's compute
+            # queued for a CPU outside communication: the host's time, not the rank's compute
+            queued = min(max(0, q1 - q0), max(0, t1 - t0 - blocked))
+            compute = max(0, t1 - t0 - blocked - queued)
             stats.append(
-                StepStat(step, diag(t0), (t1 - t0) // 1000, max(0, t1 - t0 - blocked) // 1000)
+                StepStat(step, diag(t0), (t1 - t0) // 1000, compute // 1000, queued // 1000)
             )
         if stats:
             self._published_step = stats[-1].step

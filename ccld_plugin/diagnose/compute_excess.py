@@ -64,18 +64,20 @@ def compute_excess(
     first: int = 0,
     baselines: Mapping[int, float] | None = None,
     part_steps: int = 0,
+    fields: tuple[str, ...] = ("compute_us",),
 ) -> list[Excess]:
     """Ranks whose compute exceeds their cohort's by ``min_ratio`` (median per-step ratio)
     and by ``min_z`` standard errors, over one of ``spans`` steps ending at step ``last``
     (the shortest span that shows it; spans that would begin before step ``first`` are
     not judged). A rank of ``baselines`` is compared by its compute over that baseline
     (its own, earlier), with cohort members compared so too: for ranks that do different
-    work, what changed is what matters."""
+    work, what changed is what matters. ``fields``: the step table's columns that make a
+    step's compute (with ``cpu_wait_us``: the time outside communication)."""
     spans = [n for n in spans if last - n + 1 >= first]
     if not spans:
         return []
     widest = max(spans)
-    ranks, compute = table.compute_matrix(last - widest + 1, last + 1)
+    ranks, compute = table.matrix(last - widest + 1, last + 1, fields)
     if len(ranks) < 2:
         return []
     scale = np.ones(len(ranks))

@@ -4,7 +4,9 @@ first exit), then name
 
 - a compute-bound straggler: a rank whose compute time, step by step, stays above its
   cohort's by ``slow_ratio`` and by ``excess_z`` standard errors over whole windows
-  (``compute_excess``), and that its peers wait for (it arrives last);
+  (``compute_excess``), and that its peers wait for (it arrives last); or one whose time
+  outside communication does so only with its wait for a CPU counted, while its cohort
+  hardly waits: its host's other work takes its cores (a noisy neighbour);
 - communication-bound slowness: a group whose transfer bandwidth is an outlier against its
   sibling groups of the same role or against its own history; slow groups of different
   roles are intersected to find the common rank.
@@ -79,6 +81,13 @@ SOLO_EXCESS_Z = 4.0
 # named at 1.4-1.6x in 3 of 3 runs of 150-200 steps, each with a window at 0.7-0.9x).
 STEADY_PART_RATIO = 1.0
 MIN_STEP_SHARE = 0.05  # excess compute below 5% of the step time is noise, not a verdict
+# A rank held back by its host: its cohort waits for a CPU less than this share of its time
+# outside communication (with a core per rank, ~0), and its own excess wait makes at
+# least HOST_WAIT_SHARE of its excess. Where every rank queues for a CPU (more busy threads
+# than cores, as on this project's 2-core VM) one held back for a while is the scheduler
+# taking turns, not a fault of its node (healthy 8-rank jobs: 1.4-2.2x for 10-25 steps).
+QUIET_HOST_SHARE = 0.15
+HOST_WAIT_SHARE = 0.5
 # A group's transfer bandwidth must fall this far below its siblings' (and below its own
 # history, once it has one) to count: small transfers on a busy host vary by 2x.
 COMM_RATIO = 2.5
@@ -210,12 +219,13 @@ class SlowDetector:
             baselines=baselines,
             part_steps=self.cfg.window_steps,
         )
-        self.slower = {e.rank for e in found}
+        held = self._held_by_host(self._cohorts(view.topology), last, {e.rank for e in found})
+        self.slower = {e.rank for e in found} | held.keys()
         for r in list(self._slow_since):
             if r not in self.slower:
                 del self._slow_since[r]
         out = []
-        for e in found:
+        for e, host_wait in [(e, None) for e in found] + list(held.values()):
             if e.rank in self._straggler_told:
                 continue
             cohort = cohorts.get(e.rank, [e.rank])
@@ -258,7 +268,54 @@ class SlowDetector:
                 _not_a_straggler(e, cohort, why)
                 continue
             self._straggler_told.add(e.rank)
-            out.append(self._straggler_verdict(view, e, cohort, mine, balance))
+            out.append(self._straggler_verdict(view, e, cohort, mine, balance, host_wait))
+        return out
+
+    def _held_by_host(
+        self, cohorts: dict[int, list[int]], last: int, stragglers: set[int]
+    ) -> dict[int, tuple[Excess, _HostWait]]:
+        """Ranks (not ``stragglers``) slower than their cohort only with their wait for a
+        CPU counted, that wait theirs alone: their cohort hardly waits (QUIET_HOST_SHARE)
+        and their own excess wait makes HOST_WAIT_SHARE of their excess. A rank compared
+        by its change (no cohort) is not judged so."""
+        # Who waits for a CPU at all over the longer span (on a node with a core per rank,
+        # nobody: then nothing more is done); only their cohorts are judged.
+        ranks, wait = self.steps.matrix(last - max(self.spans) + 1, last + 1, ("cpu_wait_us",))
+        _, busy = self.steps.matrix(
+            last - max(self.spans) + 1, last + 1, ("compute_us", "cpu_wait_us")
+        )
+        with np.errstate(all="ignore"):
+            share = np.nansum(wait, axis=1) / np.nansum(busy, axis=1)
+        waiting = set(ranks[share > QUIET_HOST_SHARE].tolist()) - stragglers - set(self._solo)
+        if not waiting:
+            return {}
+        found = compute_excess(
+            self.steps,
+            {r: cohorts[r] for r in waiting if r in cohorts},
+            last,
+            self.spans,
+            self.cfg.slow_ratio,
+            self.cfg.excess_z,
+            first=WARMUP_STEPS,
+            part_steps=self.cfg.window_steps,
+            fields=("compute_us", "cpu_wait_us"),
+        )
+        out = {}
+        for e in found:
+            ranks, wait = self.steps.matrix(e.first, e.last + 1, ("cpu_wait_us",))
+            row = {r: i for i, r in enumerate(ranks.tolist())}
+            others = [row[c] for c in cohorts.get(e.rank, ()) if c != e.rank and c in row]
+            if e.rank not in row or not others:
+                continue
+            w = _HostWait(float(np.nanmedian(wait[row[e.rank]])), float(np.nanmedian(wait[others])))
+            if w.cohort_us > QUIET_HOST_SHARE * e.cohort_us:
+                why = f"its cohort waits for a CPU too ({w.cohort_us / 1000:.1f} ms/step)"
+            elif w.mine_us - w.cohort_us < HOST_WAIT_SHARE * (e.compute_us - e.cohort_us):
+                why = f"its wait for a CPU ({w.mine_us / 1000:.1f} ms/step) is not its excess"
+            else:
+                out[e.rank] = (e, w)
+                continue
+            _not_a_straggler(e, cohorts.get(e.rank, [e.rank]), f"with its CPU wait: {why}")
         return out
 
     def _streak_samples(self, r: int, t0: int, t1: int) -> RankJoined:
@@ -292,6 +349,7 @@ class SlowDetector:
         cohort: list[int],
         mine: RankJoined,
         balance: _WaitBalance,
+        host_wait: _HostWait | None = None,
     ) -> Verdict:
         r = e.rank
         imposed: dict[int, float] = defaultdict(float)
@@ -323,7 +381,22 @@ class SlowDetector:
             first_step=e.first,
             last_step=e.last,
         )
-        if solo:
+        if host_wait is not None:
+            excess = Evidence.of(
+                "cpu_wait",
+                "waited for a CPU {wait_ms:.1f} ms/step vs {cohort_wait_ms:.1f} ms median of its "
+                "cohort {cohort}: other work on its host ({host}) takes its cores; with that "
+                "wait, {busy_ms:.1f} ms/step outside communication vs {median_ms:.1f} ms "
+                "({ratio:.2f}x, step by step, {z:.1f} standard errors) over steps "
+                "{first_step}-{last_step}",
+                wait_ms=host_wait.mine_us / 1000,
+                cohort_wait_ms=host_wait.cohort_us / 1000,
+                host=view.summaries[r].host if r in view.summaries else "?",
+                busy_ms=compute_ms,
+                median_ms=e.cohort_us / 1000,
+                **measured,
+            )
+        elif solo:
             excess = Evidence.of(
                 "compute_change",
                 "compute {compute_ms:.1f} ms/step vs {baseline_ms:.1f} ms at its fastest "
@@ -553,6 +626,13 @@ class SlowDetector:
             if first is not None and (start := self.steps.start_ns(r, first)) is not None
         ]
         return view.seconds(min(starts)) if starts else None
+
+
+class _HostWait(NamedTuple):
+    """A rank's median wait for a CPU per step over a span, and its cohort's (us)."""
+
+    mine_us: float
+    cohort_us: float
 
 
 class _WaitBalance(NamedTuple):

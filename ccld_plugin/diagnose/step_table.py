@@ -19,7 +19,7 @@ from ccld_plugin.wire.summary_batch import table_of
 __all__ = ["StepTable", "StepWindow"]
 
 SHIFT_STEPS = 16  # steps below the horizon are dropped this many at a time (one copy)
-_FIELDS = ("start_ns", "step_us", "compute_us")
+_FIELDS = ("start_ns", "step_us", "compute_us", "cpu_wait_us")
 
 
 class StepWindow(NamedTuple):
@@ -84,7 +84,7 @@ class StepTable:
         if not len(rows):
             return None
         has, count = has[rows], count[rows]
-        start, step_us, compute = (self.cols[f][rows, a:b] for f in _FIELDS)
+        start, step_us, compute = (self.cols[f][rows, a:b] for f in _FIELDS[:3])
         full = count == has.shape[1]
         med_compute = np.zeros(len(rows))
         med_step = np.zeros(len(rows))
@@ -105,15 +105,20 @@ class StepTable:
             return None
         return int(self.cols["start_ns"][self.has[:, col], col].min())
 
-    def compute_matrix(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        """The ranks with steps, and their compute time (us) in steps [lo, hi) as a ranks x
-        steps float array, NaN where a rank has no record of the step."""
+    def matrix(
+        self, lo: int, hi: int, fields: tuple[str, ...] = ("compute_us",)
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The ranks with steps, and their compute time (us; or the sum of ``fields``, e.g.
+        with the wait for a CPU) in steps [lo, hi) as a ranks x steps float array, NaN where
+        a rank has no record of the step."""
         ranks = np.flatnonzero(self.last >= 0)
         out = np.full((len(ranks), hi - lo), np.nan)
         a, b = max(0, lo - self.base), max(0, min(hi - self.base, self.has.shape[1]))
         if b > a:
             at = a + self.base - lo
-            cols = self.cols["compute_us"][ranks, a:b].astype(float)
+            cols = self.cols[fields[0]][ranks, a:b].astype(float)
+            for f in fields[1:]:
+                cols += self.cols[f][ranks, a:b]
             cols[~self.has[ranks, a:b]] = np.nan
             out[:, at : at + b - a] = cols
         return ranks, out

@@ -61,6 +61,7 @@ _EXPECTED = {
     "comm-hang": ("hang", "communication"),
     "kill": ("unresponsive", "unknown"),
     "freeze": ("unresponsive", "unknown"),
+    "cpu-contention": ("slow", "compute"),
 }
 _TERMINAL = {"hang", "deadlock", "mismatch", "unresponsive"}
 

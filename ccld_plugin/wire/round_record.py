@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ccld_plugin.wire.summary import upgraded_summary
 from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["RecordedRound", "RoundRecorder", "read_recording"]
@@ -105,6 +106,7 @@ def _rounds(f: BinaryIO) -> Iterator[RecordedRound]:
                     rank: [known.setdefault(t, GroupInfo(*t)) for t in groups]
                     for rank, groups in frame.pop("tables").items()
                 }
-            values = {**values, **frame.pop("values")}
+            # (recorded by an earlier version: in this one's encoding)
+            values = {**values, **{k: upgraded_summary(v) for k, v in frame.pop("values").items()}}
             frame["gone"] = set(frame["gone"])
             yield RecordedRound(values=values, tables=tables, **frame)

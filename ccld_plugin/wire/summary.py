@@ -43,9 +43,12 @@ __all__ = [
     "decode_summary",
     "encode_summary",
     "encoded_samples",
+    "upgraded_summary",
 ]
 
-SUMMARY_VERSION = 1
+# 2: a step's wait for a CPU (StepStat.cpu_wait_us). Version 1 values still decode (a
+# recording made before), with no wait.
+SUMMARY_VERSION = 2
 FLAG_EXITED = 1  # the rank left through the plugin's exit path
 FLAG_ERRORED = 2  # ...after a collective raised
 MAX_HOST = 255  # bytes of the host name kept
@@ -83,7 +86,9 @@ class StepStat(NamedTuple):
     step: int
     start_ns: int
     step_us: int
-    compute_us: int  # step time minus time blocked in collectives
+    compute_us: int  # step time minus time blocked in collectives and queued for a CPU
+    # outside them, the training thread's wait runnable for a CPU (the host's, not compute)
+    cpu_wait_us: int = 0
 
 
 class ArrivalSample(NamedTuple):
@@ -131,7 +136,8 @@ _FLIGHT = struct.Struct("<HBBiQQqB")
 # Step starts and sample times go relative to the summary's time, in microseconds, and a
 # sample's seq as its distance below the group's completed seq: that keeps a steady-state
 # summary under 1 KB.
-_STEP = struct.Struct("<iiII")
+_STEP = struct.Struct("<iiIII")
+_STEP_V1 = struct.Struct("<iiII")  # without the wait for a CPU
 _SAMPLE = struct.Struct("<HIiII")
 _FRAME_LEN = struct.Struct("<H")
 SAMPLE_DTYPE = np.dtype(
@@ -183,7 +189,13 @@ FLIGHT_DTYPE = np.dtype(
     ]
 )
 STEP_DTYPE = np.dtype(
-    [("step", "<i4"), ("rel_us", "<i4"), ("step_us", "<u4"), ("compute_us", "<u4")]
+    [
+        ("step", "<i4"),
+        ("rel_us", "<i4"),
+        ("step_us", "<u4"),
+        ("compute_us", "<u4"),
+        ("cpu_wait_us", "<u4"),
+    ]
 )
 for _dtype, _struct in (
     (SAMPLE_DTYPE, _SAMPLE),
@@ -252,7 +264,11 @@ def encode_summary(s: RankSummary) -> bytes:
     ]
     parts += [
         _STEP.pack(
-            t.step, _rel_us(t.start_ns, s.time_ns), _clip32(t.step_us), _clip32(t.compute_us)
+            t.step,
+            _rel_us(t.start_ns, s.time_ns),
+            _clip32(t.step_us),
+            _clip32(t.compute_us),
+            _clip32(t.cpu_wait_us),
         )
         for t in s.steps
     ]
@@ -277,9 +293,22 @@ def decode_summary(data: bytes) -> RankSummary:
     return s
 
 
+def upgraded_summary(data: bytes) -> bytes:
+    """A summary value in this version's encoding: one of version 1 (a recording made
+    before) re-encoded, its steps without a wait for a CPU; any other (a corrupt one
+    included, which the decoders refuse with their reason) as it is."""
+    if data[:1] != b"\x01":
+        return data
+    try:
+        return encode_summary(decode_summary(data))
+    except SummaryError:
+        return data
+
+
 def _decode(data: bytes) -> RankSummary:
-    if len(data) < _HEAD.size or data[0] != SUMMARY_VERSION:
+    if len(data) < _HEAD.size or data[0] not in (1, SUMMARY_VERSION):
         raise SummaryError("not a ccld summary of this version")
+    step_record = _STEP if data[0] == SUMMARY_VERSION else _STEP_V1
     (
         _,
         flags,
@@ -303,7 +332,13 @@ def _decode(data: bytes) -> RankSummary:
         raise SummaryError("corrupt ccld summary (host or stack longer than encoded)")
     ends = list(
         itertools.accumulate(
-            (nhost, _GROUP.size * ng, _FLIGHT.size * nf, _STEP.size * nst, _SAMPLE.size * nsa),
+            (
+                nhost,
+                _GROUP.size * ng,
+                _FLIGHT.size * nf,
+                step_record.size * nst,
+                _SAMPLE.size * nsa,
+            ),
             initial=_HEAD.size,
         )
     )
@@ -313,8 +348,8 @@ def _decode(data: bytes) -> RankSummary:
     groups = [GroupProgress(*r) for r in _GROUP.iter_unpack(data[ends[1] : ends[2]])]
     flights = [InFlightOp(*r) for r in _FLIGHT.iter_unpack(data[ends[2] : ends[3]])]
     steps = [
-        StepStat(step_, time_ns + rel * 1000, st_us, c_us)
-        for step_, rel, st_us, c_us in _STEP.iter_unpack(data[ends[3] : ends[4]])
+        StepStat(step_, time_ns + rel * 1000, *times)
+        for step_, rel, *times in step_record.iter_unpack(data[ends[3] : ends[4]])
     ]
     off = ends[5]
     stack = []
@@ -359,7 +394,7 @@ def _problem(s: RankSummary) -> str | None:
         return "a group reported twice"
     if not all(_op_ok(o, late) for o in s.in_flight):
         return "an in-flight op with impossible fields"
-    if not all(t.step >= 0 and t.compute_us <= t.step_us for t in s.steps):
+    if not all(t.step >= 0 and t.compute_us + t.cpu_wait_us <= t.step_us for t in s.steps):
         return "a step with more compute than time"
     return None
 

@@ -67,6 +67,7 @@ _STEPS = np.dtype(
         ("start_ns", "<i8"),
         ("step_us", "<i8"),
         ("compute_us", "<i8"),
+        ("cpu_wait_us", "<i8"),
     ]
 )
 _OP_CODES = np.array(sorted(OP_NAMES), np.int64)
@@ -194,6 +195,7 @@ class SummaryTable(Mapping[int, RankSummary]):
         steps["start_ns"] = heads["time_ns"][s_row] + s_raw["rel_us"].astype(np.int64) * 1000
         steps["step_us"] = s_raw["step_us"]
         steps["compute_us"] = s_raw["compute_us"]
+        steps["cpu_wait_us"] = s_raw["cpu_wait_us"]
         spans = np.stack([channels_at - starts, lens], axis=1)
         table = cls(
             packed.ranks,
@@ -437,7 +439,7 @@ class SummaryTable(Mapping[int, RankSummary]):
         )
         flag(_any_per_row(f["row"][~op_ok], len(h)), "an in-flight op with impossible fields")
         st = self.steps
-        step_ok = (st["step"] >= 0) & (st["compute_us"] <= st["step_us"])
+        step_ok = (st["step"] >= 0) & (st["compute_us"] + st["cpu_wait_us"] <= st["step_us"])
         flag(_any_per_row(st["row"][~step_ok], len(h)), "a step with more compute than time")
         return found
 

@@ -104,3 +104,17 @@ def test_healthy_run_of_100_steps_has_no_verdict(tmp_path):
     assert summary["verdicts"] == []
     assert summary["steps_completed"] == 100
     assert summary["exit"] == [0, 0, 0, 0] and code == 0
+
+
+def test_a_rank_whose_host_takes_its_cpu_is_named_by_its_wait(tmp_path):
+    # A noisy neighbour: from step 5 a busy process shares the one core rank 1's training
+    # thread is pinned to. Its compute is its peer's; its wait for a CPU is not, and its
+    # peer (on the other core) hardly waits. Two ranks: one core each on this VM.
+    code, summary = demo(
+        tmp_path / "out", "cpu-contention@1:step=5", world=2, tp=1, pp=1, steps=40, **TORCH
+    )
+    v = only(summary, "slow")
+    assert (v["cause"], v["ranks"], v["group"]["role"]) == ("compute", [1], "dp")
+    (ev,) = facts(v["evidence"])["cpu_wait"]
+    assert ev["data"]["wait_ms"] > 2 * ev["data"]["cohort_wait_ms"]
+    assert len(summary["verdicts"]) == 1 and code == 0

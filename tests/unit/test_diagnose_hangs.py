@@ -269,7 +269,7 @@ def test_unresponsive_by_heartbeat_or_gone_process_but_not_after_a_clean_exit():
 def test_summary_round_trip_and_size_budget():
     s = summary(3, {0: 40, 1: 50, 2: 60}, [(1, "recv", 4, 1, FLAG_P2P, 2)])
     # Times in whole microseconds: the encoding keeps them relative, at that resolution.
-    s.steps = [StepStat(i, NOW - 1000 * i, 50_000, 30_000) for i in range(20)]
+    s.steps = [StepStat(i, NOW - 1000 * i, 50_000, 30_000, 4_000 + i) for i in range(20)]
     s.samples = [
         ArrivalSample(slot, 4 * k, NOW - 3000 * k, 1500, 65536)
         for slot in range(3)
@@ -285,3 +285,21 @@ def test_summary_round_trip_and_size_budget():
     s.stack = []
     s.in_flight = []
     assert len(encode_summary(s)) <= 1024
+
+
+def test_a_summary_of_version_1_is_read_as_this_version_without_a_wait_for_a_cpu():
+    # Recordings made before steps carried their wait for a CPU replay still: their values
+    # are re-encoded on reading, each step with no wait.
+    from pathlib import Path
+
+    from ccld_plugin.wire.round_record import read_recording
+    from ccld_plugin.wire.summary import SUMMARY_VERSION, upgraded_summary
+
+    path = Path(__file__).parent / "recorded" / "compute-slow-1.5x-rank1-step10-tp2pp2.rec"
+    _, rounds = read_recording(path)
+    *_, last = rounds
+    values = last.values
+    assert values and all(v[0] == SUMMARY_VERSION for v in values.values())
+    steps = [t for v in values.values() for t in decode_summary(v).steps]
+    assert steps and all(t.cpu_wait_us == 0 and t.compute_us <= t.step_us for t in steps)
+    assert upgraded_summary(b"\x01 not a summary") == b"\x01 not a summary"  # refused later

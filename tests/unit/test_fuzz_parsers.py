@@ -221,9 +221,12 @@ SUMMARIES = st.builds(
     ),
     st.lists(
         st.builds(
-            lambda step, us, share: StepStat(step, 10**15, us, us * share // 100),
+            lambda step, us, share, queued: StepStat(
+                step, 10**15, us, us * share // 100, us * (100 - share) * queued // 10_000
+            ),
             st.integers(0, 2**31 - 1),
             U32,
+            st.integers(0, 100),
             st.integers(0, 100),
         ),
         max_size=3,
@@ -257,7 +260,7 @@ def _summary_or_error(data: bytes) -> None:
     assert encode_summary(s) == data
     assert s.rank >= 0 and s.pid > 0 and s.step >= 0 and s.flags < 4
     assert all(op.op in OP_NAMES and op.seq >= 1 for op in s.in_flight)
-    assert all(t.compute_us <= t.step_us for t in s.steps)
+    assert all(t.compute_us + t.cpu_wait_us <= t.step_us for t in s.steps)
 
 
 @FUZZ

@@ -41,11 +41,14 @@ def run(
     unseen_ms: dict[int, float] | None = None,
     observer: int | None = None,
     observer_load: float = 0.0,
+    cpu_wait_ms: Callable[[int, int], float] | None = None,
 ) -> list[Verdict]:
     """Every verdict of a detector fed ``steps`` steps in which rank r computes
     ``compute_ms(r, step)`` before its collectives (spread evenly between them), and
     reports ``unseen_ms[r]`` more compute at the end of its step, after them; the
-    diagnoser on rank ``observer``, its threads ``observer_load`` of that rank's time."""
+    diagnoser on rank ``observer``, its threads ``observer_load`` of that rank's time;
+    rank r waits ``cpu_wait_ms(r, step)`` for a CPU besides its compute, spread so too."""
+    wait_ms = cpu_wait_ms or (lambda r, step: 0.0)
     det = SlowDetector(DiagnoserConfig())
     world = len(tables)
     seq = {(r, slot): 0 for r in tables for slot in range(len(tables[r]))}
@@ -57,7 +60,7 @@ def run(
         clock = dict.fromkeys(tables, t)
         for _op in range(ops_per_step):
             for r in tables:
-                clock[r] += int(compute_ms(r, step) * MS / ops_per_step)
+                clock[r] += int((compute_ms(r, step) + wait_ms(r, step)) * MS / ops_per_step)
             # One collective on every group, in table order.
             for slot in range(len(tables[0])):
                 for g in {id(tables[r][slot]): tables[r][slot] for r in tables}.values():
@@ -80,12 +83,21 @@ def run(
         summaries = []
         for r in tables:
             step_ns = end - t
+            waited = int(wait_ms(r, step) * MS) // ops_per_step * ops_per_step
             summaries.append(
                 rank_summary(
                     r,
                     time_ns=end,
                     step=step,
-                    steps=[StepStat(step, t, step_ns // 1000, (step_ns - blocked[r]) // 1000)],
+                    steps=[
+                        StepStat(
+                            step,
+                            t,
+                            step_ns // 1000,
+                            (step_ns - blocked[r] - waited) // 1000,
+                            waited // 1000,
+                        )
+                    ],
                     groups=[
                         GroupProgress(s, seq[(r, s)], seq[(r, s)], ops_per_step, 0, 0, 0)
                         for s in range(len(tables[r]))
@@ -180,6 +192,40 @@ def test_a_straggler_whose_streak_breaks_for_a_window_is_named_once() -> None:
 
     got = run(dp(4), compute_ms, steps=60)
     assert [(v.cause, v.ranks) for v in got] == [(Cause.COMPUTE, [2])]
+
+
+def test_a_rank_held_back_by_its_host_is_named_by_its_wait_for_a_cpu() -> None:
+    # From step 10 another process on rank 2's node takes half its core: it computes what
+    # the others do, but waits as long again for a CPU, and its peers wait for it. Its
+    # cohort hardly waits (a core per rank): the host, not its work, is the cause.
+    rng = random.Random(7)
+
+    def compute_ms(r: int, step: int) -> float:
+        return 40.0 * (1 + rng.uniform(-0.1, 0.1))
+
+    for tables, rank in ((dp(4), 2), (tp2pp2(), 1)):
+
+        def wait_ms(r: int, step: int, rank: int = rank) -> float:
+            return 40.0 if r == rank and step >= 10 else 0.5
+
+        got = run(tables, compute_ms, steps=40, cpu_wait_ms=wait_ms)
+        assert [(v.kind, v.cause, v.ranks) for v in got] == [(Kind.SLOW, Cause.COMPUTE, [rank])]
+        (ev,) = facts(got[0].evidence)["cpu_wait"]
+        assert ev["data"]["wait_ms"] == 40.0 and ev["data"]["cohort_wait_ms"] == 0.5
+        assert "compute_excess" not in facts(got[0].evidence)
+        assert 1.7 <= got[0].severity <= 2.3
+
+
+def test_on_a_host_where_every_rank_waits_for_a_cpu_one_held_back_is_no_verdict() -> None:
+    # More busy threads than cores: every rank waits for a CPU, 10-30 ms a step; rank 2
+    # waits 40 ms from step 10. One held back there is the scheduler taking turns: no
+    # fault of its node to report (its compute is its cohort's).
+    rng = random.Random(11)
+
+    def wait_ms(r: int, step: int) -> float:
+        return 40.0 if r == 2 and step >= 10 else rng.uniform(10, 30)
+
+    assert run(dp(4), lambda r, step: 40.0, steps=40, cpu_wait_ms=wait_ms) == []
 
 
 def test_a_recorded_straggler_with_a_strong_excess_is_named_over_the_shorter_span() -> None:

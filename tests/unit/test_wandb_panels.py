@@ -247,3 +247,14 @@ def test_disabled_mode_and_no_sink_when_off(monkeypatch):
     sink.observe(view, Diagnoser(DiagnoserConfig(), 0.5))
     sink.close()
     assert sink._dead and sink._backend is None
+
+
+def test_rank_table_shows_a_rank_queued_for_a_cpu_apart_from_its_time_in_collectives():
+    m = PanelMetrics()
+    for i, v in enumerate(job_views(6, queued_rank=3)):
+        m.update(v, joined_samples(i))
+    rows = {r.rank: r for r in m.rank_rows(4)}
+    assert (rows[3].cpu_wait_ms, rows[3].blocked_ms) == (10.0, 30.0)  # 100 - 60 - 10
+    assert (rows[0].cpu_wait_ms, rows[0].blocked_ms) == (0.0, 40.0)
+    columns = rows[3].columns(["dp"])
+    assert rows[3].as_row(["dp"])[columns.index("cpu_wait_ms")] == 10.0

@@ -1,5 +1,5 @@
 """Faults inside a rank: slow compute, a compute hang, a mismatched collective, a kill, a
-freeze.
+freeze, contention for its CPU.
 
 A training loop calls ``before_step`` at each step start and ``bind_groups`` once its
 groups exist. A compute-slow fault then hooks into the tracer, which calls ``stretch()``
@@ -9,13 +9,20 @@ proportional to the measured compute time, without the time the rank waited for 
 stretches its own work, not the host's queue). Each fault's actual onset is appended to
 the fault log (``CCLD_FAULT_LOG``) with the time on the diagnoser's clock, so detection
 latency is measured, not guessed.
+
+A cpu-contention fault is a noisy neighbour: the training thread is pinned to one core and
+a busy process, pinned there too, shares it (until the rank's process ends, or at most
+CONTENTION_MAX_S).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +31,8 @@ from typing import Any
 from ccld_plugin.harness.faults.spec import FaultSpec, parse_faults
 
 __all__ = ["Injector", "injector_for"]
+
+CONTENTION_MAX_S = 600.0  # a cpu-contention fault's busy process ends by then at the latest
 
 
 class Injector:
@@ -64,6 +73,8 @@ class Injector:
                 # A crash that runs no handler: no exit path, no board cleanup, no last
                 # summary. The fault log line above is flushed and closed already.
                 os.kill(os.getpid(), signal.SIGKILL)
+            elif f.kind == "cpu-contention":
+                self._share_the_core()
             elif f.kind == "freeze":
                 os.kill(os.getpid(), signal.SIGSTOP)  # until the launcher ends it
             elif f.kind == "compute-hang":
@@ -103,6 +114,23 @@ class Injector:
         """Stretch a compute segment that took ``seconds`` of pure compute."""
         if self._slow_factor > 1.0:
             time.sleep((self._slow_factor - 1.0) * seconds)
+
+    @staticmethod
+    def _share_the_core() -> None:
+        """Pin the calling (training) thread to one core and start a busy process there that
+        ends with this process (it watches its parent) or after CONTENTION_MAX_S."""
+        cpu = max(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpu})  # this thread only: the rank's others stay free
+        spin = (
+            "import os, time\n"
+            f"os.sched_setaffinity(0, {{{cpu}}})\n"
+            f"end = time.monotonic() + {CONTENTION_MAX_S}\n"
+            f"while os.getppid() == {os.getpid()} and time.monotonic() < end:\n"
+            "    for _ in range(100_000):\n"
+            "        pass\n"
+        )
+        busy = subprocess.Popen([sys.executable, "-c", spin])
+        atexit.register(busy.kill)
 
     @staticmethod
     def _board() -> Any:

@@ -11,7 +11,9 @@ Kinds and their parameters:
 - ``comm-hang@R[:step=S]``: rank R's link is cut;
 - ``kill@R[:step=S]``: rank R's process ends itself with SIGKILL (no exit path runs);
 - ``freeze@R[:step=S]``: rank R's process stops itself (SIGSTOP): alive, its connections
-  open, every thread of it frozen.
+  open, every thread of it frozen;
+- ``cpu-contention@R[:step=S]``: another process takes rank R's CPU (a noisy neighbour):
+  a busy process shares the one core its training thread is pinned to.
 
 ``step`` is when the fault starts (default 3, after warm-up).
 """
@@ -34,6 +36,7 @@ FAULT_KINDS: dict[str, tuple[set[str], set[str]]] = {
     "comm-hang": (set(), {"step"}),
     "kill": (set(), {"step"}),
     "freeze": (set(), {"step"}),
+    "cpu-contention": (set(), {"step"}),
 }
 # ASCII digits only: str.isdigit and int() also take other scripts' digits (and "1_000")
 _INT = re.compile(r"[0-9]+")

@@ -189,6 +189,7 @@ class RankRow:
     steps: int
     compute_ms: float  # median per step
     blocked_ms: float  # median per step: time inside collectives
+    cpu_wait_ms: float  # median per step: outside them, queued for a CPU (its host's)
     wait_ms: float  # mean per sampled collective: how long it waited for the last arriver
     last_share: float  # share of its sampled collectives it arrived last to
     ratio: float | None  # compute over its cohort's median
@@ -201,6 +202,7 @@ class RankRow:
             self.steps,
             round(self.compute_ms, 3),
             round(self.blocked_ms, 3),
+            round(self.cpu_wait_ms, 3),
             round(self.wait_ms, 3),
             round(self.last_share, 3),
             None if self.ratio is None else round(self.ratio, 3),
@@ -215,6 +217,7 @@ class RankRow:
             "steps",
             "compute_ms",
             "blocked_ms",
+            "cpu_wait_ms",
             "wait_ms",
             "last_share",
             "cohort_ratio",
@@ -405,7 +408,10 @@ class PanelMetrics:
                     host=self.hosts.get(r, ""),
                     steps=len(sts),
                     compute_ms=compute[r],
-                    blocked_ms=statistics.median((st.step_us - st.compute_us) / 1000 for st in sts),
+                    blocked_ms=statistics.median(
+                        (st.step_us - st.compute_us - st.cpu_wait_us) / 1000 for st in sts
+                    ),
+                    cpu_wait_ms=statistics.median(st.cpu_wait_us / 1000 for st in sts),
                     wait_ms=statistics.fmean(waits[r]) / 1e6 if waits[r] else 0.0,
                     last_share=lasts[r] / len(waits[r]) if waits[r] else 0.0,
                     ratio=cohort_ratio(self.topology, r, compute),
