@@ -107,9 +107,10 @@ def test_healthy_run_of_100_steps_has_no_verdict(tmp_path):
 
 
 def test_a_rank_whose_host_takes_its_cpu_is_named_by_its_wait(tmp_path):
-    # A noisy neighbour: from step 5 a busy process shares the one core rank 1's training
-    # thread is pinned to. Its compute is its peer's; its wait for a CPU is not, and its
-    # peer (on the other core) hardly waits. Two ranks: one core each on this VM.
+    # A noisy neighbour: from step 5 a busy process shares the one core rank 1's process
+    # is pinned to. Its compute is its peer's; its wait for a CPU is not, and its peer (on
+    # the other core) hardly waits. Two ranks: one core each on this VM (with four, every
+    # rank queues for a CPU and none is named: the scheduler taking turns).
     code, summary = demo(
         tmp_path / "out", "cpu-contention@1:step=5", world=2, tp=1, pp=1, steps=40, **TORCH
     )

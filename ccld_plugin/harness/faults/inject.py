@@ -10,7 +10,7 @@ stretches its own work, not the host's queue). Each fault's actual onset is appe
 the fault log (``CCLD_FAULT_LOG``) with the time on the diagnoser's clock, so detection
 latency is measured, not guessed.
 
-A cpu-contention fault is a noisy neighbour: the training thread is pinned to one core and
+A cpu-contention fault is a noisy neighbour: the rank's process is pinned to one core and
 a busy process, pinned there too, shares it (until the rank's process ends, or at most
 CONTENTION_MAX_S).
 """
@@ -117,10 +117,15 @@ class Injector:
 
     @staticmethod
     def _share_the_core() -> None:
-        """Pin the calling (training) thread to one core and start a busy process there that
-        ends with this process (it watches its parent) or after CONTENTION_MAX_S."""
+        """Pin the rank's process (every thread of it, and the threads they start) to one
+        core and start a busy process there that ends with this process (it watches its
+        parent) or after CONTENTION_MAX_S."""
         cpu = max(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cpu})  # this thread only: the rank's others stay free
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), {cpu})
+            except OSError:  # a thread that ended meanwhile
+                pass
         spin = (
             "import os, time\n"
             f"os.sched_setaffinity(0, {{{cpu}}})\n"

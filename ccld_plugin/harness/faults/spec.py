@@ -13,7 +13,7 @@ Kinds and their parameters:
 - ``freeze@R[:step=S]``: rank R's process stops itself (SIGSTOP): alive, its connections
   open, every thread of it frozen;
 - ``cpu-contention@R[:step=S]``: another process takes rank R's CPU (a noisy neighbour):
-  a busy process shares the one core its training thread is pinned to.
+  a busy process shares the one core its process is pinned to.
 
 ``step`` is when the fault starts (default 3, after warm-up).
 """
