@@ -130,7 +130,8 @@ def _cpu_wait_now(local: _Local) -> int:
 def _book_cpu_wait(local: _Local, before: int) -> None:
     """Book the thread's wait for a CPU since ``before`` (_cpu_wait_now) to communication."""
     if before >= 0 and local.cpu_wait is not None:
-        local.cpu_wait_in_ops_ns += local.cpu_wait.ns() - before
+        # (a read that failed says 0: never book less than nothing)
+        local.cpu_wait_in_ops_ns += max(0, local.cpu_wait.ns() - before)
 
 
 class TracedWork:
