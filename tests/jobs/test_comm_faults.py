@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from job_runner import NO_SHORT_HANGS, facts, netns_demo, only
+from job_runner import CUT_LINK, NO_SHORT_HANGS, facts, netns_demo, only
 
 from ccld_plugin.board.reader import BoardReader, board_files
 
@@ -66,7 +66,7 @@ def test_comm_slow_on_one_rank_of_tp2_pp2_megatron(tmp_path: Path) -> None:
 def test_comm_hang_names_the_rank_whose_link_is_cut(tmp_path: Path) -> None:
     # Its summaries stop too (the control plane crosses the same link): it must be a
     # communication hang on rank 2, not a compute hang, a deadlock or "unresponsive".
-    code, summary = netns_demo(tmp_path, 1, 1, 40, "comm-hang@2:step=4")
+    code, summary = netns_demo(tmp_path, 1, 1, 40, "comm-hang@2:step=4", extra=CUT_LINK)
     v = only(summary, "hang", "communication")
     assert (v["ranks"], v["group"]["role"]) == ([2], "dp")
     ev = facts(v["evidence"])
@@ -97,7 +97,11 @@ def test_cut_link_of_the_diagnoser_rank_names_it(
         1,
         40,
         f"comm-hang@{diagnoser}:step=4",
-        extra=(f"diagnoser.rank={diagnoser}", f"diagnoser.standby={str(standby).lower()}"),
+        extra=(
+            *CUT_LINK,
+            f"diagnoser.rank={diagnoser}",
+            f"diagnoser.standby={str(standby).lower()}",
+        ),
     )
     v = only(summary, "hang", "communication")
     assert (v["ranks"], v["group"]["role"]) == ([diagnoser], "dp")
