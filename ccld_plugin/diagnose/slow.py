@@ -280,10 +280,9 @@ class SlowDetector:
         by its change (no cohort) is not judged so."""
         # Who waits for a CPU at all over the longer span (on a node with a core per rank,
         # nobody: then nothing more is done); only their cohorts are judged.
-        ranks, wait = self.steps.matrix(last - max(self.spans) + 1, last + 1, ("cpu_wait_us",))
-        _, busy = self.steps.matrix(
-            last - max(self.spans) + 1, last + 1, ("compute_us", "cpu_wait_us")
-        )
+        lo = last - max(self.spans) + 1
+        ranks, wait = self.steps.matrix(lo, last + 1, ("cpu_wait_us",))
+        _, busy = self.steps.matrix(lo, last + 1, ("compute_us", "cpu_wait_us"))
         with np.errstate(all="ignore"):
             share = np.nansum(wait, axis=1) / np.nansum(busy, axis=1)
         waiting = set(ranks[share > QUIET_HOST_SHARE].tolist()) - stragglers - set(self._solo)
@@ -301,13 +300,13 @@ class SlowDetector:
             fields=("compute_us", "cpu_wait_us"),
         )
         out = {}
+        row = {r: i for i, r in enumerate(ranks.tolist())}
         for e in found:
-            ranks, wait = self.steps.matrix(e.first, e.last + 1, ("cpu_wait_us",))
-            row = {r: i for i, r in enumerate(ranks.tolist())}
+            span = wait[:, e.first - lo :]  # its span ends at ``last`` too
             others = [row[c] for c in cohorts.get(e.rank, ()) if c != e.rank and c in row]
             if e.rank not in row or not others:
                 continue
-            w = _HostWait(float(np.nanmedian(wait[row[e.rank]])), float(np.nanmedian(wait[others])))
+            w = _HostWait(float(np.nanmedian(span[row[e.rank]])), float(np.nanmedian(span[others])))
             if w.cohort_us > QUIET_HOST_SHARE * e.cohort_us:
                 why = f"its cohort waits for a CPU too ({w.cohort_us / 1000:.1f} ms/step)"
             elif w.mine_us - w.cohort_us < HOST_WAIT_SHARE * (e.compute_us - e.cohort_us):
