@@ -96,7 +96,7 @@ class Diagnoser:
             return self._new([v] if v is not None else [])
         lost = find_unresponsive(view, self.cfg.unresponsive_s)
         unresponsive = [v for v in lost if not self._fallout_of_stall(view, v.ranks[0])]
-        mismatches = find_mismatches(view)
+        mismatches = find_mismatches(view, self.threshold_s)
         explained = {r for v in lost for r in v.ranks}
         explained_groups = {v.group["group_id"] for v in mismatches if v.group}
         hangs = [

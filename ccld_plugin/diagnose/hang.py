@@ -389,8 +389,10 @@ def _fold(verdicts: list[Verdict]) -> list[Verdict]:
     return list(out.values())
 
 
-def find_mismatches(view: JobView) -> list[Verdict]:
-    """Members that entered the same trace id with different ops (or sizes)."""
+def find_mismatches(view: JobView, settle_s: Callable[[int], float]) -> list[Verdict]:
+    """Members that entered the same trace id with different ops (or sizes). A tie waits
+    for the members not seen in the seq: until each has reported since and stood still
+    for ``settle_s(group_id)`` (the group's hang threshold), its op may still come."""
     seen: dict[tuple[int, int], dict[int, tuple[str, int, int]]] = {}
     groups: dict[int, GroupInfo] = {}
     in_ops = view.in_ops()
@@ -417,7 +419,7 @@ def find_mismatches(view: JobView) -> list[Verdict]:
             continue
         g = groups[gid]
         top, top_n = counts.most_common(1)[0]
-        if not _settled(view, g, seq, entries, top_n):
+        if not _settled(view, g, seq, entries, top_n, settle_s(gid)):
             continue
         tie = list(counts.values()).count(top_n) > 1
         evidence = [
@@ -480,12 +482,16 @@ def _settled(
     seq: int,
     entries: dict[int, tuple[str, int, int]],
     top_n: int,
+    settle_s: float,
 ) -> bool:
     """Whether the members seen in ``seq`` of ``g`` are enough to judge it. A member not
     seen in it may not have reported since (its summary predates the dissent) or may still
-    be on its way (short of the seq, and moving since the last of them entered), and its op
-    can still turn a tie into a majority: judge once the ops seen hold a majority of the
-    whole group, or every member not seen in it has reported since and stands still."""
+    be on its way (short of the seq, in the compute before it), and its op can still turn
+    a tie into a majority: judge once the ops seen hold a majority of the whole group, or
+    every member not seen in it has reported since and made no progress for ``settle_s``
+    since the last of them entered. Progress alone cannot tell: a rank computing between
+    two collectives makes none, and a live 4-rank job was judged [0, 3] before ranks 1
+    and 2 came out of their backward pass and made rank 3 the minority."""
     if 2 * top_n > len(g.ranks):
         return True
     latest = max(e for _, _, e in entries.values())
@@ -496,7 +502,8 @@ def _settled(
         if s.time_ns < latest:
             return False
         entered = view.entered_seq(r, g.group_id)
-        if entered is not None and entered < seq and s.last_progress_ns >= latest:
+        still_ns = view.now_ns - max(latest, s.last_progress_ns)
+        if entered is not None and entered < seq and still_ns < settle_s * 1e9:
             return False
     return True
 

@@ -163,13 +163,20 @@ def test_p2p_ordering_cycle_is_a_deadlock():
     assert (h.kind.value, h.cause.value, h.ranks) == ("deadlock", "software", [0, 1])
 
 
+SETTLE_S = 3.0  # the group's hang threshold, as the diagnoser passes it
+
+
+def settle(_gid):
+    return SETTLE_S
+
+
 def test_mismatch_names_the_minority_and_a_tie_names_both():
     dp = group("dp", [0, 1, 2, 3])
     tables = {r: [dp] for r in range(4)}
     flights = {r: [(0, "all_reduce", 12, 1, 0, -1)] for r in range(4)}
     flights[2] = [(0, "all_gather_into_tensor", 12, 1, 0, -1)]
     v = view([summary(r, {0: 12}, flights[r]) for r in range(4)], tables)
-    (m,) = find_mismatches(v)
+    (m,) = find_mismatches(v, settle)
     assert (m.kind.value, m.cause.value, m.ranks) == ("mismatch", "software", [2])
     pair = group("tp", [0, 1])
     v = view(
@@ -179,7 +186,7 @@ def test_mismatch_names_the_minority_and_a_tie_names_both():
         ],
         {0: [pair], 1: [pair]},
     )
-    assert find_mismatches(v)[0].ranks == [0, 1]
+    assert find_mismatches(v, settle)[0].ranks == [0, 1]
 
 
 def test_mismatch_waits_for_members_that_have_not_reported_since():
@@ -195,21 +202,30 @@ def test_mismatch_waits_for_members_that_have_not_reported_since():
         return summary(rank, {0: 5}, [(0, op, 5, age_s, 0, -1)])
 
     early = [at(0), at(1, "all_reduce"), at(2), at(3, "all_gather_into_tensor")]
-    assert find_mismatches(view(early, tables)) == []
+    assert find_mismatches(view(early, tables), settle) == []
     # Once they report, their ops make the majority and only rank 3 is named.
     late = [at(0, "all_reduce"), at(1, "all_reduce"), at(2, "all_reduce"), early[3]]
-    (m,) = find_mismatches(view(late, tables))
+    (m,) = find_mismatches(view(late, tables), settle)
     assert m.ranks == [3]
     # Reported since, and still short of the seq but moving (a step's compute between
     # two collectives): their op is still to come, as in a live 4-rank demo where a verdict
     # named [0, 3] before the others entered and made [3] the minority.
     moving = [summary(0, {0: 4}), early[1], summary(2, {0: 4}), early[3]]
-    assert find_mismatches(view(moving, tables)) == []
-    # Reported since, short of the seq and still since the entries (stuck elsewhere), or
-    # saying nothing of the group: the two seen are judged as they are.
-    still = [summary(0, {0: 4}, idle_s=0.5), early[1], rank_summary(2), early[3]]
-    (m,) = find_mismatches(view(still, tables))
+    assert find_mismatches(view(moving, tables), settle) == []
+    # In compute (no progress since the entries) but for less than the settle time: the
+    # race the live demo lost, since computing makes no progress either.
+    computing = [summary(0, {0: 4}, idle_s=1.0), early[1], summary(2, {0: 4}, idle_s=1.0), early[3]]
+    assert find_mismatches(view(computing, tables), settle) == []
+    # Reported since, short of the seq and still for the settle time since the entries
+    # (stuck elsewhere), or saying nothing of the group: the two seen are judged as they are.
+    old = SETTLE_S + 1
+    entered = [at(1, "all_reduce", old), at(3, "all_gather_into_tensor", old)]
+    still = [summary(0, {0: 4}, idle_s=old + 1), entered[0], rank_summary(2), entered[1]]
+    (m,) = find_mismatches(view(still, tables), settle)
     assert m.ranks == [1, 3]
+    # Still for long, but the entries are recent: stillness counts from the dissent.
+    recent = [summary(0, {0: 4}, idle_s=old + 1), early[1], rank_summary(2), early[3]]
+    assert find_mismatches(view(recent, tables), settle) == []
 
 
 def test_mismatch_tie_in_a_pair_is_broken_by_the_sibling_groups():
@@ -219,7 +235,7 @@ def test_mismatch_tie_in_a_pair_is_broken_by_the_sibling_groups():
     tables = {0: [dp02], 2: [dp02], 1: [dp13], 3: [dp13]}
     ops = {0: "all_reduce", 1: "all_reduce", 2: "all_gather_into_tensor", 3: "all_reduce"}
     v = view([summary(r, {0: 5}, [(0, ops[r], 5, 1, 0, -1)]) for r in range(4)], tables)
-    (m,) = find_mismatches(v)
+    (m,) = find_mismatches(v, settle)
     assert m.ranks == [2] and m.group["ranks"] == [0, 2]
     (ev,) = facts(m.evidence)["sibling_majority"]
     assert ev["data"] == {"count": 1, "role": "dp", "op": "all_reduce", "seq": 5}
