@@ -234,7 +234,7 @@ class Agent:
             if signature != self._published_groups:
                 self.control.publish_groups(self.rank, groups, self._groups_version)
                 self._published_groups = signature
-            self._send(data, tick, job_start, handed and not final)
+            self._send(data, tick, job_start, handed and not final, final)
         except Exception as exc:  # noqa: BLE001
             if self.store_lost is None:
                 log.warning(
@@ -262,12 +262,18 @@ class Agent:
         period = int(self.cfg.interval_s * 1e9)
         return round(self.clock.to_diag(time.monotonic_ns()) / period), self.clock.job_start_ns
 
-    def _send(self, data: bytes, tick: int, job_start: int, handed: bool) -> None:
+    def _send(self, data: bytes, tick: int, job_start: int, handed: bool, final: bool) -> None:
         """The store's part of a tick: the node's frame where this rank leads its node,
         nothing more where another rank does (a request now and then while the store
         failed us, to tell when it answers again), and its own key where its summary was
         not handed over, where the node is not as configured (``NodeShare.leader``), and
         at exit."""
+        if final and self.leading:
+            # The node's last frame from this leader: a node-mate that died before it
+            # left is told as its board stood then (NodeShare.frame); this rank's own
+            # key below shadows its part. (A rank's death takes its gloo peers down at
+            # once, the leader among them, before its next tick.)
+            self.control.publish_node(self.node.node, self.node.frame(data, tick, job_start))
         leader = self.node.leader(tick, job_start) if handed else None
         # Set once the tick's role is known, not reset first: others read it while the
         # store call below is in flight.

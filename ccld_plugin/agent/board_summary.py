@@ -23,7 +23,9 @@ from ccld_plugin.wire.summary import (
 
 __all__ = [
     "BoardSnapshot",
+    "final_summary",
     "in_flight_ops",
+    "last_seen_ns",
     "stuck_s",
     "summarize_board",
 ]
@@ -115,6 +117,27 @@ def summarize_board(
         groups=progress,
         in_flight=in_flight,
     )
+
+
+def last_seen_ns(snap: BoardSnapshot) -> int:
+    """The last moment the board's rank is known to have run (its clock): its agent's
+    heartbeat, or a later op or step of its main thread."""
+    h, ops = snap.header, snap.ops
+    last_op = int(max(ops["enter_ns"].max(), ops["exit_ns"].max())) if len(ops) else 0
+    return max(h.heartbeat_ns, h.step_start_ns, h.start_mono_ns, last_op)
+
+
+def final_summary(snap: BoardSnapshot, last: RankSummary) -> RankSummary:
+    """The summary of a rank whose process died, as its board stood then: ``last`` (made by
+    its own agent, up to an interval before) brought up to its last step and op. Its
+    heartbeat stays ``last``'s, as its agent beat no more; what only the live process knew
+    (its step times, its sockets, its stack) stays ``last``'s too."""
+    offset = snap.header.clock_offset_ns
+    since = last.time_ns + offset  # on the rank's clock: ops done after ``last`` count
+    s = summarize_board(snap, max(last_seen_ns(snap), since), since, offset, last.groups_version)
+    s.heartbeat_ns = last.heartbeat_ns
+    s.host, s.steps, s.stack = last.host, last.steps, last.stack
+    return s
 
 
 def stuck_s(s: RankSummary) -> float:

@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+from ccld_plugin.agent.board_summary import BoardSnapshot, final_summary
 from ccld_plugin.agent.node_board import (
     EXITED,
     FRESH_TICKS,
@@ -27,8 +28,10 @@ from ccld_plugin.agent.node_board import (
     write_local,
 )
 from ccld_plugin.board.process import process_alive
+from ccld_plugin.board.reader import BoardReader
 from ccld_plugin.errors import report_error
 from ccld_plugin.wire.node_summary import encode_node, node_of, node_ranks
+from ccld_plugin.wire.summary import decode_summary, encode_summary
 
 __all__ = ["GATHER_SHARE", "NodeShare"]
 
@@ -54,11 +57,13 @@ class NodeShare:
         self._stop = stop
         self._path = summary_path(board_path)
         # Boards of one job are <folder>/rank<r>.board (runtime.session.board_path).
-        self._others = {
-            r: summary_path(board_path.with_name(f"rank{r}.board"))
+        self._boards = {
+            r: board_path.with_name(f"rank{r}.board")
             for r in node_ranks(self.node, ranks_per_node, world)
             if r != rank
         }
+        self._others = {r: summary_path(b) for r, b in self._boards.items()}
+        self._final: dict[tuple[int, int, int], bytes] = {}  # (rank, pid, tick): see frame
         self._written = False
         self.net = network_namespace()
 
@@ -96,8 +101,8 @@ class NodeShare:
 
     def frame(self, summary: bytes, tick: int, job_start_ns: int) -> bytes:
         """The node's frame at ``tick``: this rank's summary and the latest of each other
-        rank of the node, of this run and this network namespace (a dead rank's last one
-        stays in, as its key would)."""
+        rank of the node, of this run and this network namespace (a dead rank's stays in,
+        as its key would: ``_last_words``)."""
         found: dict[int, bytes] = {self.rank: summary}
         waiting = set(self._others)
         deadline = time.monotonic() + self._gather_s
@@ -107,12 +112,38 @@ class NodeShare:
                 if s is None or not s.of_node(job_start_ns, self.net):
                     waiting.discard(r)
                     continue
-                found[r] = s.summary
+                found[r] = self._last_words(r, s)
                 if s.tick >= tick or s.flags & EXITED or s.tick < tick - FRESH_TICKS:
                     waiting.discard(r)  # current, gone, or not writing: nothing to wait for
             if not waiting or time.monotonic() >= deadline or self._stop.wait(POLL_S):
                 break
         return encode_node(sorted(found.items()))
+
+    def _last_words(self, rank: int, s: LocalSummary) -> bytes:
+        """``rank``'s summary as its file holds it; once its process is gone without
+        leaving through the exit path, as its board stood when it died (read once): its
+        last file can be an interval older than that, and a job that kills a rank (the
+        OOM killer, a failed assertion in C++) wants to know the step and op it died in,
+        not where it was a tick before (seen: a rank of a DeepSpeed job killed at step 6
+        named at step 0, with no op, from a summary written before its first step)."""
+        if s.flags & EXITED or process_alive(s.pid, host="") is not False:
+            return s.summary
+        key = (rank, s.pid, s.tick)
+        if key not in self._final:
+            self._final[key] = s.summary
+            try:
+                reader = BoardReader(self._boards[rank])
+                try:
+                    snap = BoardSnapshot.read(reader)
+                finally:
+                    reader.close()
+                if snap.header.pid == s.pid:  # its board, not a later run's
+                    self._final[key] = encode_summary(
+                        final_summary(snap, decode_summary(s.summary))
+                    )
+            except Exception as exc:  # noqa: BLE001 - its last file stands
+                report_error("agent.last_words", exc)
+        return self._final[key]
 
     def remove(self) -> None:
         if self._written:

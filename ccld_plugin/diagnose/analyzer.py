@@ -97,7 +97,9 @@ class Diagnoser:
         lost = find_unresponsive(view, self.cfg.unresponsive_s)
         unresponsive = [v for v in lost if not self._fallout_of_stall(view, v.ranks[0])]
         mismatches = find_mismatches(view, self.threshold_s)
-        explained = {r for v in lost for r in v.ranks}
+        # A rank found lost, or seen dead whose verdict waits a tick for its node's word on
+        # it (hang._last_words_due): a group it is in stalls because of it.
+        explained = {r for v in lost for r in v.ranks} | view.gone
         explained_groups = {v.group["group_id"] for v in mismatches if v.group}
         hangs = [
             v

@@ -20,6 +20,7 @@ from ccld_plugin.diagnose import tcp_evidence as chan
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.view import Blocked, JobView
 from ccld_plugin.wire.codes import FLAG_P2P, OP_NAMES
+from ccld_plugin.wire.summary import RankSummary
 from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["find_hangs", "find_mismatches", "find_unresponsive", "wait_for_graph"]
@@ -37,6 +38,9 @@ _SIZE_MAY_DIFFER = {
     "monitored_barrier",
 }
 
+# How long a dead rank's verdict waits for its node's leader to read its board (agent
+# intervals after its agent's last tick).
+LAST_WORDS_TICKS = 2
 ChannelEvidence = Callable[[JobView, GroupInfo, list[int]], chan.Located | None]
 
 
@@ -521,6 +525,21 @@ def _unanimous_ops(
     return out
 
 
+def _last_words_due(view: JobView, s: RankSummary) -> bool:
+    """Whether the node of a rank seen dead may still bring the state its board kept when
+    it died (its leader reads a dead node-mate's board at its next tick: the rank's last
+    summary can be an interval older than its death, a step or more behind): until a live
+    rank of its host has reported from a later tick than its agent's last, for at most
+    LAST_WORDS_TICKS intervals."""
+    interval = int(chan.interval_s(view) * 1e9)
+    if view.now_ns - s.heartbeat_ns >= LAST_WORDS_TICKS * interval:
+        return False
+    t = view.columns
+    later = t.heads["time_ns"] >= s.heartbeat_ns + interval // 2
+    mates = t.rows_on_hosts(lambda h: h == s.host) & ~t.exited & later
+    return not mates.any()
+
+
 def find_unresponsive(view: JobView, unresponsive_s: float) -> list[Verdict]:
     """Ranks whose process is gone without leaving through our exit path, or whose agent
     heartbeat stopped (process wedged, e.g. holding the GIL)."""
@@ -537,6 +556,8 @@ def find_unresponsive(view: JobView, unresponsive_s: float) -> list[Verdict]:
         age = (view.now_ns - s.heartbeat_ns) / 1e9
         gone = rank in view.gone
         if not gone and age < unresponsive_s:
+            continue
+        if gone and not view.final and _last_words_due(view, s):
             continue
         if not gone and (
             not chan.peers_reported_since(view, rank, max(s.time_ns, s.heartbeat_ns))
@@ -576,8 +597,8 @@ def find_unresponsive(view: JobView, unresponsive_s: float) -> list[Verdict]:
         evidence.append(
             Evidence.of(
                 "last_op",
-                "last step {step}; last op entered: "
-                + ("{op} seq {seq} on {role}{members}" if ops else "none"),
+                "last step {step}; "
+                + ("in {op} seq {seq} on {role}{members}" if ops else "in no collective"),
                 step=s.step,
                 **last,
             )

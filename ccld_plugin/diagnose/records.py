@@ -126,12 +126,13 @@ class Verdict:
     stack: list[str] | None = None
 
     def key(self) -> tuple:
-        """What makes two verdicts the same finding (for de-duplication)."""
+        """What makes two verdicts the same finding (for de-duplication). A rank lost is
+        one finding whatever op its summaries last showed it in."""
         return (
             self.kind,
             self.cause,
             tuple(self.ranks),
-            self.group["group_id"] if self.group else None,
+            self.group["group_id"] if self.group and self.kind is not Kind.UNRESPONSIVE else None,
         )
 
     def to_dict(self) -> dict:

@@ -70,6 +70,9 @@ class JobView:
     # rounds, its lease, the W&B sink) spent on the CPU lately: they hold that rank's GIL,
     # so its compute is slower by up to as much, which is the plugin's doing, not the job's.
     observer_load: float = 0.0
+    # Nothing more will be reported: a post-mortem's boards, a diagnoser's last round on
+    # its way out.
+    final: bool = False
     # Built from the tables when not given; a caller whose tables did not change since the
     # last round passes the last one (at 16 k ranks it takes ~0.1 s to build).
     topology: Topology = None  # type: ignore[assignment]

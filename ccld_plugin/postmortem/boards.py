@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ccld_plugin.agent.board_summary import BoardSnapshot
+from ccld_plugin.agent.board_summary import BoardSnapshot, last_seen_ns
 from ccld_plugin.board.job_files import read_stack
 from ccld_plugin.board.reader import BoardError, BoardReader, board_files
 from ccld_plugin.wire.codes import FLAG_P2P, STATE_DONE, STATE_ERROR, STATE_IN_FLIGHT
@@ -46,9 +46,7 @@ class RankBoard:
     def last_seen_ns(self) -> int:
         """The last moment the rank is known to have run (its clock): its agent's heartbeat,
         or a later op or step of its main thread."""
-        h, ops = self.snap.header, self.snap.ops
-        last_op = int(max(ops["enter_ns"].max(), ops["exit_ns"].max())) if len(ops) else 0
-        return max(h.heartbeat_ns, h.step_start_ns, h.start_mono_ns, last_op)
+        return last_seen_ns(self.snap)
 
     def failed_ns(self) -> int | None:
         """When the rank's first collective raised (its clock), if one did."""

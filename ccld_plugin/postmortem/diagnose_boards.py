@@ -67,6 +67,7 @@ def job_view(boards: JobBoards, cfg: CcldConfig) -> JobView:
         summaries=summaries,
         tables={r: b.groups for r, b in ranks.items()},
         now_ns=now,
+        final=True,
         job_start_ns=min(b.diag(b.snap.header.start_mono_ns) for b in ranks.values()),
         world=boards.world,
         gone={

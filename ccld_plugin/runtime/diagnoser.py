@@ -143,7 +143,7 @@ class DiagnoserService:
             if thread.ident is not None:  # a standby taking over at exit started neither
                 thread.join(timeout=self.cfg.agent.interval_s + 5)
         deadline = time.monotonic() + (FAILING_GRACE_S if failing else 0.0)
-        while not self._round() and time.monotonic() < deadline and not self.job_ended():
+        while not self._round(last=True) and time.monotonic() < deadline and not self.job_ended():
             time.sleep(FAILING_RETRY_S)
         if self.in_charge:
             try:  # a normal end: the standby, on its own way out, must not take over
@@ -257,12 +257,13 @@ class DiagnoserService:
         except Exception as exc:  # noqa: BLE001
             report_error("diagnoser.clock_resync", exc)
 
-    def _round(self) -> int:
-        """One diagnoser round; the number of verdicts it emitted."""
+    def _round(self, last: bool = False) -> int:
+        """One diagnoser round (``last``: on this process's way out, when nothing more can
+        be waited for); the number of verdicts it emitted."""
         with self._lock:
             try:
                 with gc_paused():
-                    view = self._view()
+                    view = self._view(last)
                     self._record(view)
                     verdicts = self.diagnoser.round(view) if view.summaries else []
             except Exception as exc:  # noqa: BLE001
@@ -329,7 +330,7 @@ class DiagnoserService:
         self._store_failed = None
         return raw, None
 
-    def _view(self) -> JobView:
+    def _view(self, last: bool = False) -> JobView:
         raw, store_failed = self._read_store()
         own = self.own_report()
         if own is not None:
@@ -373,6 +374,7 @@ class DiagnoserService:
             store_local=self.control.store_local,
             store_failed=store_failed,
             observer_load=self.load() if self.rank >= 0 else 0.0,
+            final=last,
         )
 
     def _summaries(self, raw: Mapping[int, bytes]) -> SummaryTable:

@@ -50,6 +50,9 @@ def test_killed_rank_is_unresponsive(tmp_path: Path) -> None:
     v = only(summary, "unresponsive")
     assert v["ranks"] == [2]
     assert facts(v["evidence"])["process_gone"]
+    # Where it died, as its board kept it (its node's leader reads it once it is gone),
+    # not where its last summary, up to an interval older, had it.
+    assert v["step"] == 5 and facts(v["evidence"])["last_op"][0]["data"]["step"] == 5
     # The peers' hangs (or errors) are its effects, not verdicts of their own.
     assert not [x for x in summary["verdicts"] if x["kind"] in ("hang", "deadlock")]
     assert summary["latency_s"][0]["verdict"] and code == 0

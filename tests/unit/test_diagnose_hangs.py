@@ -282,6 +282,28 @@ def test_unresponsive_by_heartbeat_or_gone_process_but_not_after_a_clean_exit():
     assert u.evidence[0].data == {"pid": 1001, "host": "h"}
 
 
+def test_a_dead_ranks_verdict_waits_a_tick_for_its_nodes_last_word():
+    # Rank 1's process is gone; its agent last reported at T0 (an interval is 1 s), and
+    # rank 0, of its host, has not reported since: at its next tick, rank 0 (leading the
+    # node) brings the step and op rank 1's board kept when it died (agent.node_share).
+    dp = group("dp", [0, 1])
+    tables = {0: [dp], 1: [dp]}
+    t0 = NOW - 5 * S
+
+    def at(rank, t):
+        return dataclasses.replace(summary(rank, {0: 1}), time_ns=t, heartbeat_ns=t)
+
+    def judged(rank0_t, now, final=False):
+        v = job_view([at(0, rank0_t), at(1, t0)], tables, now_ns=now, gone={1})
+        v.final = final
+        return [u.ranks for u in find_unresponsive(v, 10.0)]
+
+    assert judged(t0, t0 + S // 3) == []
+    assert judged(t0 + S, t0 + S + S // 10) == [[1]]  # rank 0's next tick came
+    assert judged(t0, t0 + 2 * S) == [[1]]  # not waited for longer (its node may be gone)
+    assert judged(t0, t0 + S // 3, final=True) == [[1]]  # a post-mortem: nothing will come
+
+
 def test_summary_round_trip_and_size_budget():
     s = summary(3, {0: 40, 1: 50, 2: 60}, [(1, "recv", 4, 1, FLAG_P2P, 2)])
     # Times in whole microseconds: the encoding keeps them relative, at that resolution.

@@ -4,6 +4,11 @@ and gives back per-rank summaries (over a real TCPStore in this process)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,9 +24,11 @@ from ccld_plugin.agent.node_board import (
     summary_path,
     write_local,
 )
+from ccld_plugin.agent.node_share import NodeShare
 from ccld_plugin.config import ControlConfig
 from ccld_plugin.control import ControlPlane
 from ccld_plugin.harness.launch import free_port
+from ccld_plugin.wire.codes import OP_NAMES, STATE_IN_FLIGHT
 from ccld_plugin.wire.node_summary import (
     decode_node,
     decode_nodes,
@@ -238,3 +245,45 @@ def test_ranks_alone_on_their_nodes_write_their_own_keys(monkeypatch: pytest.Mon
     assert host.read_summaries(range(3)) == per_rank
     assert outside.read_summaries(range(3)) == per_rank  # no node size: the listed keys
     assert not host.store.check(["n/0"])
+
+
+_DIES_AT_STEP_6 = """
+import os, signal, sys
+from ccld_plugin import _native
+from ccld_plugin.wire.codes import OP_CODES
+b = _native.Board(sys.argv[1], 1, 2, "j", "h", 16, 4, 4, 16)
+slot = b.register_group(7, 3, [0, 1], 1)
+b.set_clock_offset(1000)
+b.set_step(6)
+b.enter(slot, OP_CODES["all_reduce"], 0, 4096)
+print(os.getpid(), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_dead_ranks_summary_is_brought_up_to_its_board(tmp_path: Path) -> None:
+    # Rank 1 of a two-rank node wrote its summary file at tick 3, at step 0; its process
+    # then ran to step 6, entered an all-reduce and was killed. The leader's frame carries
+    # the state its board kept: the step and the op it died in, its heartbeat the last one.
+    board = tmp_path / "rank1.board"
+    child = subprocess.run(
+        [sys.executable, "-c", _DIES_AT_STEP_6, str(board)], capture_output=True, text=True
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    pid = int(child.stdout)
+    last = rank_summary(1, time_ns=50, pid=pid, step=0, heartbeat_ns=40, last_progress_ns=40)
+    write_local(summary_path(board), LocalSummary(0, pid, 3, JOB_START, 0, encode_summary(last)))
+    share = NodeShare(tmp_path / "rank0.board", 0, 2, 2, os.getpid(), 0.01, threading.Event())
+    mine = encode_summary(rank_summary(0))
+    s = decode_summary(decode_node(share.frame(mine, 5, JOB_START), range(2))[1])
+    assert (s.step, s.heartbeat_ns, s.pid) == (6, 40, pid)
+    (op,) = s.in_flight
+    assert (OP_NAMES[op.op], op.bytes, op.state) == ("all_reduce", 4096, STATE_IN_FLIGHT)
+    assert s.time_ns >= op.enter_ns  # on the diagnoser's clock, as the live summary was
+    # The file of another dead process (the board now a restarted rank's) is left as it is.
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    other = LocalSummary(0, gone.pid, 3, JOB_START, 0, encode_summary(last))
+    write_local(summary_path(board), other)
+    s = decode_summary(decode_node(share.frame(mine, 5, JOB_START), range(2))[1])
+    assert s.step == 0

@@ -126,3 +126,25 @@ def test_schema_1_evidence_is_read_as_notes_and_shown_as_before(tmp_path: Path) 
     assert "- rank 2 is stuck\n- second" in alert_message(first)["text"]
     shown = "- rank 2 is in no collective; no progress for 5.2 s (step 5)"
     assert shown in render_verdict(second).plain and shown in alert_message(second)["text"]
+
+
+def test_a_lost_rank_is_one_finding_whatever_op_it_was_last_seen_in():
+    dp, tp = group("dp", [0, 1, 2, 3]), group("tp", [2, 3])
+
+    def lost(g, step):
+        return Verdict(
+            kind=Kind.UNRESPONSIVE,
+            cause=Cause.UNKNOWN,
+            ranks=[2],
+            group=g.to_dict() if g else None,
+            step=step,
+        )
+
+    # its last summary had it in a DP all-reduce; the one its node brought after its death,
+    # in no op (or in a TP one): the same rank lost, told once
+    assert lost(dp, 4).key() == lost(None, 6).key() == lost(tp, 6).key()
+    hang = Verdict(kind=Kind.HANG, cause=Cause.COMPUTE, ranks=[2], group=dp.to_dict())
+    assert (
+        hang.key()
+        != Verdict(kind=Kind.HANG, cause=Cause.COMPUTE, ranks=[2], group=tp.to_dict()).key()
+    )
