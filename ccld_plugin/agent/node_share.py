@@ -103,7 +103,7 @@ class NodeShare:
         """The node's frame at ``tick``: this rank's summary and the latest of each other
         rank of the node, of this run and this network namespace (a dead rank's stays in,
         as its key would: ``_last_words``)."""
-        found: dict[int, bytes] = {self.rank: summary}
+        files: dict[int, LocalSummary] = {}
         waiting = set(self._others)
         deadline = time.monotonic() + self._gather_s
         while waiting:
@@ -112,12 +112,13 @@ class NodeShare:
                 if s is None or not s.of_node(job_start_ns, self.net):
                     waiting.discard(r)
                     continue
-                found[r] = self._last_words(r, s)
+                files[r] = s
                 if s.tick >= tick or s.flags & EXITED or s.tick < tick - FRESH_TICKS:
                     waiting.discard(r)  # current, gone, or not writing: nothing to wait for
             if not waiting or time.monotonic() >= deadline or self._stop.wait(POLL_S):
                 break
-        return encode_node(sorted(found.items()))
+        found = {r: self._last_words(r, s) for r, s in files.items()}
+        return encode_node(sorted({**found, self.rank: summary}.items()))
 
     def _last_words(self, rank: int, s: LocalSummary) -> bytes:
         """``rank``'s summary as its file holds it; once its process is gone without

@@ -43,11 +43,16 @@ PER_STEP = [
 S, MS = 1_000_000_000, 1_000_000
 
 
+# The hang comes after a few steps with arrival samples in them: a step's skew panel shows
+# only samples joined before its row is written (one CI run of a hang at step 4 had none).
+HANG_STEP = 8
+
+
 def _demo(out: Path, extra: list[str]) -> int:
-    """A 4-rank DP job whose rank 2 hangs at step 4, with the W&B sink on."""
+    """A 4-rank DP job whose rank 2 hangs at HANG_STEP, with the W&B sink on."""
     code, _ = demo(
         out,
-        "compute-hang@2:step=4",
+        f"compute-hang@2:step={HANG_STEP}",
         framework="torch",
         world=4,
         tp=1,
@@ -106,9 +111,9 @@ def test_hung_job_logs_panels_verdict_and_alert_to_an_offline_run(tmp_path):
     hung = [e for e in by_ph["X"] if e["args"].get("trace_id") == v["trace_id"]]
     assert sorted(e["pid"] for e in hung) == [0, 1, 3]  # rank 2 never entered it
     assert {e["args"]["state"] for e in hung} == {"in_flight"}
-    # Rank 2 marked step 4 and hung in compute before its first op: the step still shows,
+    # Rank 2 marked its step and hung in compute before its first op: the step still shows,
     # reaching past the moment its peers entered the collective it never came to.
-    (stuck,) = [e for e in by_ph["X"] if e["pid"] == 2 and e["name"] == "step 4"]
+    (stuck,) = [e for e in by_ph["X"] if e["pid"] == 2 and e["name"] == f"step {HANG_STEP}"]
     assert stuck["ts"] + stuck["dur"] > max(e["ts"] for e in hung)
 
 
