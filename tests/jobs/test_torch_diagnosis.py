@@ -112,7 +112,7 @@ def test_a_rank_whose_host_takes_its_cpu_is_named_by_its_wait(tmp_path):
     # the other core) hardly waits. Two ranks: one core each on this VM (with four, every
     # rank queues for a CPU and none is named: the scheduler taking turns).
     code, summary = demo(
-        tmp_path / "out", "cpu-contention@1:step=5", world=2, tp=1, pp=1, steps=40, **TORCH
+        tmp_path / "out", "cpu-contention@1:step=5", world=2, tp=1, pp=1, steps=60, **TORCH
     )
     v = only(summary, "slow")
     assert (v["cause"], v["ranks"], v["group"]["role"]) == ("compute", [1], "dp")
