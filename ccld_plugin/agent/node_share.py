@@ -63,7 +63,7 @@ class NodeShare:
             if r != rank
         }
         self._others = {r: summary_path(b) for r, b in self._boards.items()}
-        self._final: dict[tuple[int, int, int], bytes] = {}  # (rank, pid, tick): see frame
+        self._final: dict[tuple[int, int, int], bytes] = {}  # (rank, pid, tick): see _last_words
         self._written = False
         self.net = network_namespace()
 
@@ -133,11 +133,8 @@ class NodeShare:
         if key not in self._final:
             self._final[key] = s.summary
             try:
-                reader = BoardReader(self._boards[rank])
-                try:
+                with BoardReader(self._boards[rank]) as reader:
                     snap = BoardSnapshot.read(reader)
-                finally:
-                    reader.close()
                 if snap.header.pid == s.pid:  # its board, not a later run's
                     self._final[key] = encode_summary(
                         final_summary(snap, decode_summary(s.summary))
