@@ -16,6 +16,7 @@ from ccld_plugin.wire.codes import FLAG_ASYNC, STATE_DONE, STATE_ERROR, STATE_IN
 from ccld_plugin.wire.summary import (
     FLAG_ERRORED,
     FLAG_EXITED,
+    FLAG_LAST_WORDS,
     GroupProgress,
     InFlightOp,
     RankSummary,
@@ -137,6 +138,7 @@ def final_summary(snap: BoardSnapshot, last: RankSummary) -> RankSummary:
     s = summarize_board(snap, max(last_seen_ns(snap), since), since, offset, last.groups_version)
     s.heartbeat_ns = last.heartbeat_ns
     s.host, s.steps, s.stack = last.host, last.steps, last.stack
+    s.flags |= FLAG_LAST_WORDS
     return s
 
 

@@ -20,7 +20,7 @@ from ccld_plugin.diagnose import tcp_evidence as chan
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.view import Blocked, JobView
 from ccld_plugin.wire.codes import FLAG_P2P, OP_NAMES
-from ccld_plugin.wire.summary import RankSummary
+from ccld_plugin.wire.summary import FLAG_LAST_WORDS, RankSummary
 from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["find_hangs", "find_mismatches", "find_unresponsive", "wait_for_graph"]
@@ -39,8 +39,9 @@ _SIZE_MAY_DIFFER = {
 }
 
 # How long a dead rank's verdict waits for its node's leader to read its board (agent
-# intervals after its agent's last tick).
-LAST_WORDS_TICKS = 2
+# intervals after its agent's last tick: it may have died just before its next one, and
+# the leader reads it at the tick after).
+LAST_WORDS_TICKS = 3
 ChannelEvidence = Callable[[JobView, GroupInfo, list[int]], chan.Located | None]
 
 
@@ -528,16 +529,14 @@ def _unanimous_ops(
 def _last_words_due(view: JobView, s: RankSummary) -> bool:
     """Whether the node of a rank seen dead may still bring the state its board kept when
     it died (its leader reads a dead node-mate's board at its next tick: the rank's last
-    summary can be an interval older than its death, a step or more behind): until a live
-    rank of its host has reported from a later tick than its agent's last, for at most
-    LAST_WORDS_TICKS intervals."""
-    interval = int(chan.interval_s(view) * 1e9)
-    if view.now_ns - s.heartbeat_ns >= LAST_WORDS_TICKS * interval:
-        return False
-    t = view.columns
-    later = t.heads["time_ns"] >= s.heartbeat_ns + interval // 2
-    mates = t.rows_on_hosts(lambda h: h == s.host) & ~t.exited & later
-    return not mates.any()
+    summary can be an interval older than its death, a step or more behind): until that
+    summary comes, for at most LAST_WORDS_TICKS intervals. (A live node-mate's report
+    from a later tick says nothing: it may predate the death; an 8-rank job's rank killed
+    at step 7 was named at step 2 on that rule.) A rank alone on its node waits the
+    whole time."""
+    interval = chan.interval_s(view)
+    waited_s = (view.now_ns - s.heartbeat_ns) / 1e9
+    return not s.flags & FLAG_LAST_WORDS and waited_s < LAST_WORDS_TICKS * interval
 
 
 def find_unresponsive(view: JobView, unresponsive_s: float) -> list[Verdict]:

@@ -30,6 +30,7 @@ from ccld_plugin.wire.summary import (
     _OP_FLAGS,
     FLAG_ERRORED,
     FLAG_EXITED,
+    FLAG_LAST_WORDS,
     FLIGHT_DTYPE,
     GROUP_DTYPE,
     HEAD_DTYPE,
@@ -413,7 +414,8 @@ class SummaryTable(Mapping[int, RankSummary]):
                 found.setdefault(i, why)
 
         flag((h["rank"] < 0) | (h["pid"] <= 0), "rank or pid out of range")
-        flag(((h["flags"] & ~(FLAG_EXITED | FLAG_ERRORED)) != 0) | (h["step"] < 0), "flags or step")
+        known = FLAG_EXITED | FLAG_ERRORED | FLAG_LAST_WORDS
+        flag(((h["flags"] & ~known) != 0) | (h["step"] < 0), "flags or step")
         flag(
             (h["heartbeat_ns"] > late) | (h["last_progress_ns"] > late),
             "a time after the summary's own",

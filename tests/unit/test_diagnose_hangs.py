@@ -7,10 +7,16 @@ from builders import NOW, S, facts, group, job_view, rank_summary
 
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose import Diagnoser
-from ccld_plugin.diagnose.hang import find_hangs, find_mismatches, find_unresponsive
+from ccld_plugin.diagnose.hang import (
+    LAST_WORDS_TICKS,
+    find_hangs,
+    find_mismatches,
+    find_unresponsive,
+)
 from ccld_plugin.wire.codes import FLAG_P2P, FLAG_SEND, OP_CODES
 from ccld_plugin.wire.summary import (
     FLAG_EXITED,
+    FLAG_LAST_WORDS,
     ArrivalSample,
     GroupProgress,
     InFlightOp,
@@ -276,32 +282,37 @@ def test_unresponsive_by_heartbeat_or_gone_process_but_not_after_a_clean_exit():
         gone=[2],
     )
     assert [u.ranks for u in find_unresponsive(v, 10.0)] == [[1]]
-    v = view([summary(0, {0: 1}), summary(1, {0: 1}, hb_age_s=0.5)], tables, gone=[1])
+    # gone, and its node's leader has told its board's last state (see below)
+    dead = summary(1, {0: 1}, hb_age_s=0.5, flags=FLAG_LAST_WORDS)
+    v = view([summary(0, {0: 1}), dead], tables, gone=[1])
     (u,) = find_unresponsive(v, 10.0)
     assert u.ranks == [1] and u.evidence[0].fact == "process_gone"
     assert u.evidence[0].data == {"pid": 1001, "host": "h"}
 
 
-def test_a_dead_ranks_verdict_waits_a_tick_for_its_nodes_last_word():
-    # Rank 1's process is gone; its agent last reported at T0 (an interval is 1 s), and
-    # rank 0, of its host, has not reported since: at its next tick, rank 0 (leading the
-    # node) brings the step and op rank 1's board kept when it died (agent.node_share).
+def test_a_dead_ranks_verdict_waits_for_its_nodes_last_word():
+    # Rank 1's process is gone; its agent last reported at T0 (an interval is 1 s). At a
+    # tick after its death its node's leader brings the step and op its board kept then
+    # (agent.node_share, flagged FLAG_LAST_WORDS); until that comes its verdict waits, at
+    # most LAST_WORDS_TICKS intervals. Rank 0's report of a later tick does not end the
+    # wait: it may predate the death.
     dp = group("dp", [0, 1])
     tables = {0: [dp], 1: [dp]}
     t0 = NOW - 5 * S
 
-    def at(rank, t):
-        return dataclasses.replace(summary(rank, {0: 1}), time_ns=t, heartbeat_ns=t)
+    def at(rank, t, flags=0):
+        return dataclasses.replace(summary(rank, {0: 1}, flags=flags), time_ns=t, heartbeat_ns=t)
 
-    def judged(rank0_t, now, final=False):
-        v = job_view([at(0, rank0_t), at(1, t0)], tables, now_ns=now, gone={1})
+    def judged(dead, now, final=False):
+        v = job_view([at(0, now), dead], tables, now_ns=now, gone={1})
         v.final = final
         return [u.ranks for u in find_unresponsive(v, 10.0)]
 
-    assert judged(t0, t0 + S // 3) == []
-    assert judged(t0 + S, t0 + S + S // 10) == [[1]]  # rank 0's next tick came
-    assert judged(t0, t0 + 2 * S) == [[1]]  # not waited for longer (its node may be gone)
-    assert judged(t0, t0 + S // 3, final=True) == [[1]]  # a post-mortem: nothing will come
+    assert judged(at(1, t0), t0 + S // 3) == []
+    assert judged(at(1, t0), t0 + 2 * S) == []  # rank 0 reported since: no matter
+    assert judged(at(1, t0, FLAG_LAST_WORDS), t0 + S + S // 10) == [[1]]  # its word came
+    assert judged(at(1, t0), t0 + LAST_WORDS_TICKS * S) == [[1]]  # waited long enough
+    assert judged(at(1, t0), t0 + S // 3, final=True) == [[1]]  # a post-mortem: no more
 
 
 def test_summary_round_trip_and_size_budget():
