@@ -320,9 +320,15 @@ class ChannelSampler:
     def _publish_endpoints(self, conns: list[TcpConn]) -> None:
         # The local end of every connection: on a network without NAT it is exactly the
         # remote end that the peer's kernel reports for the same connection.
+        # The store may be down or cut off from this rank: then the sample goes on with
+        # the peers mapped so far (a cut link is what it must show), and this is retried.
         mine = frozenset(c.local for c in conns if c.local[1])
         if mine != self._published:
-            self.control.publish_endpoints(self.rank, sorted(mine))
+            try:
+                self.control.publish_endpoints(self.rank, sorted(mine))
+            except Exception as exc:  # noqa: BLE001
+                report_error("channels.endpoints", exc)
+                return
             self._published = mine
 
     def _map(self, fresh: list[TcpConn]) -> None:
@@ -337,8 +343,11 @@ class ChannelSampler:
         found = map_peers(unmapped, self._endpoints)
         if len(found) < len(unmapped):
             others = [r for r in range(self.world) if r != self.rank]
-            self._endpoints = self.control.read_endpoints(others)
             self._read_at = time.monotonic()
+            try:
+                self._endpoints = self.control.read_endpoints(others)
+            except Exception as exc:  # noqa: BLE001 - as in _publish_endpoints
+                report_error("channels.endpoints", exc)
             found = map_peers(unmapped, self._endpoints)
         for c, peer in found.items():
             self._conns[_key(c)].peer = peer

@@ -220,13 +220,16 @@ class DiagnoserService:
         pause = interval / 2
         while not self._stop.wait(min(pause, self._until_clock_epoch())):
             self._post_clock_epoch()
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             self._round()
             # On a training rank the rounds hold its GIL: at thousands of ranks a round
             # takes a good share of a second, and back to back they would slow this rank's
             # own training (and make it look like a straggler). There they take at most
             # MAX_ROUND_SHARE of the time; a diagnoser of its own (rank -1) needs no cap.
-            cost = time.perf_counter() - t0
+            # The round's CPU time, not its wall time: a round that waited 2 s for a store
+            # cut off from it held no GIL, and paused 8 s after it the diagnoser missed
+            # its own isolation (its peers' stale summaries named them unresponsive).
+            cost = time.thread_time() - t0
             if self.rank >= 0:
                 pause = max(interval / 2, cost * (1 - MAX_ROUND_SHARE) / MAX_ROUND_SHARE)
 

@@ -9,6 +9,7 @@ import time
 from ccld_plugin import _native
 from ccld_plugin.agent.tcp_channels import ChannelSampler
 from ccld_plugin.board.reader import BoardReader
+from ccld_plugin.control.deadline import StoreTimeout
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.wire.peer_channels import (
     PeerChannel,
@@ -141,4 +142,53 @@ def test_sampler_maps_classifies_and_fills_the_board(tmp_path, sockets) -> None:
     sampler.tick()
     with BoardReader(tmp_path / "rank0.board") as r:
         assert len(r.channels()) == 0
+    board.close(unlink=True)
+
+
+class CutOffControl(FakeControl):
+    """A control plane whose store stops answering (the link to its host is cut)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cut = False
+
+    def publish_endpoints(self, rank: int, endpoints: list[tuple[str, int]]) -> None:
+        if self.cut:
+            raise StoreTimeout("the store did not answer a set within 2 s")
+        super().publish_endpoints(rank, endpoints)
+
+    def read_endpoints(self, ranks: list[int]) -> dict[int, list[tuple[str, int]]]:
+        if self.cut:
+            raise StoreTimeout("the store did not answer a multi_get within 2 s")
+        return super().read_endpoints(ranks)
+
+
+def test_sampler_reports_mapped_peers_while_the_store_does_not_answer(tmp_path, sockets) -> None:
+    # A cut link often cuts this rank off the store too: its own channel evidence (bytes
+    # queued to a peer) is then what names it, and must not be lost to the store's failure
+    # when a connection opens and its endpoints cannot be published or mapped.
+    board = _native.Board(str(tmp_path / "rank0.board"), 0, 2, "j", "h", 16, 4, 16, 16)
+    control = CutOffControl()
+    ls = socket.create_server(("127.0.0.1", 0))
+    c = socket.create_connection(("127.0.0.1", ls.getsockname()[1]), timeout=5)
+    srv, _ = ls.accept()
+    sockets += [ls, c, srv]
+    control.endpoints[1] = [srv.getsockname()[:2]]
+    sampler = ChannelSampler(board, control, rank=0, world=2)
+    sampler.tick()
+    control.cut = True
+    ls2 = socket.create_server(("127.0.0.1", 0))  # a new connection, to no known rank
+    c2 = socket.create_connection(("127.0.0.1", ls2.getsockname()[1]), timeout=5)
+    sockets += [ls2, c2]
+    blob = b"x" * 65536
+    for _ in range(3):
+        c.sendall(blob)
+        got = 0
+        while got < len(blob):
+            got += len(srv.recv(1 << 20))
+        data = sampler.tick()
+        time.sleep(0.1)
+    rep = decode_channels(0, 0, data)
+    assert rep is not None
+    assert [e.peer for e in rep.entries] == [1] and rep.entries[0].sent > 0
     board.close(unlink=True)
