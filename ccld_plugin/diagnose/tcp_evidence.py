@@ -245,21 +245,25 @@ def cut_off_rank(view: JobView, rank: int, peers: Iterable[int]) -> Located | No
 
 def peers_reported_since(view: JobView, rank: int, since_ns: int) -> bool:
     """Whether ``rank``'s group peers have reported late enough after ``since_ns`` (when
-    it fell silent) for a link cut then to show in their channel evidence: a report taken
-    STALL_S and one agent interval past it. Until then the absence of stalled links says
-    nothing (under load the peers' reports lag too). Peers that trace no channels, or are
-    silent themselves, are not waited for."""
+    it fell silent) for a link cut then to show in their channel evidence. A connection
+    shows a cut once data sent on it has waited STALL_S unacknowledged, and a peer sends
+    to the rank only in an op with it: so every peer must have reported STALL_S and one
+    agent interval past the later of the silence and its entering its first op with the
+    rank. Until then the absence of stalled links says nothing (under load the peers'
+    reports lag too, and the one peer that sends to the rank may be the last to enter).
+    Peers that trace no channels, or are silent or gone themselves, are not waited for."""
     interval = interval_s(view)
-    due = since_ns + int((STALL_S + interval) * 1e9)
-    waiting = False
+    margin = int((STALL_S + interval) * 1e9)
     for peer in {p for g in view.groups_at(rank) for p in g.ranks} - {rank}:
         s = view.summaries.get(peer)
         if s is None or s.exited or report_of(view, peer) is None:
             continue
-        if s.time_ns >= due:
-            return True
-        waiting = waiting or not is_silent(view, peer, interval)
-    return not waiting
+        if peer in view.gone or is_silent(view, peer, interval):
+            continue
+        entered = [op.enter_ns for op, g in view.ops_of(peer) if rank in g.ranks]
+        if s.time_ns < max(since_ns, min(entered, default=since_ns)) + margin:
+            return False
+    return True
 
 
 def cut_off_ranks(view: JobView) -> list[int]:

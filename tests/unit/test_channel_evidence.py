@@ -18,6 +18,7 @@ from ccld_plugin.wire.peer_channels import (
     decode_channels,
     encode_channels,
 )
+from ccld_plugin.wire.summary import InFlightOp
 from ccld_plugin.wire.topology import GroupInfo
 
 INTERVAL = 0.5
@@ -213,6 +214,28 @@ def test_a_silent_rank_is_not_called_wedged_before_its_peers_could_show_a_cut() 
         100 * S,
     )
     assert [u.ranks for u in find_unresponsive(blind, 4.0)] == [[2]]
+
+
+def test_a_silent_rank_waits_for_the_peer_that_entered_an_op_with_it_last() -> None:
+    # Rank 2 fell silent 4 s ago (1 s interval). Ranks 0 and 3 reported 3 s after that
+    # and show nothing stalled, but rank 1, the one that sends to it in the ring, entered
+    # the all-reduce with it only 0.5 s ago: its data to rank 2 cannot have waited
+    # STALL_S yet. (A CI run named a cut rank "unresponsive" on the first peer's word.)
+    now = 100 * S
+    idle = {0: [entry(3, sent=10**6)], 1: [entry(2, sent=10**6)], 3: [entry(2, sent=10**6)]}
+    all_reduce = InFlightOp(slot=1, op=1, flags=0, peer=-1, seq=9, bytes=4096, enter_ns=0)
+
+    def at(rank1_entered_s_ago: float, rank1_age: float) -> JobView:
+        v = view({**idle, 2: []}, ages={0: 1.0, 1: rank1_age, 2: 4.0, 3: 1.0}, interval=1.0)
+        s = v.summaries[1]
+        s.in_flight = [all_reduce._replace(enter_ns=now - int(rank1_entered_s_ago * S))]
+        return job_view(v.summaries, v.tables, now, world=4)
+
+    assert find_unresponsive(at(0.5, 0.1), 4.0) == []
+    # In the op since before the silence, its report 2 s past the silence shows no stall:
+    # the rank's process is wedged.
+    (u,) = find_unresponsive(at(5.0, 1.0), 4.0)
+    assert u.ranks == [2] and u.evidence[0].fact == "heartbeat_stopped"
 
 
 def test_single_stalled_link_breaks_the_tie_by_silence() -> None:
