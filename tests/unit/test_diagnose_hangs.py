@@ -313,6 +313,9 @@ def test_a_dead_ranks_verdict_waits_for_its_nodes_last_word():
     assert judged(at(1, t0, FLAG_LAST_WORDS), t0 + S + S // 10) == [[1]]  # its word came
     assert judged(at(1, t0), t0 + LAST_WORDS_TICKS * S) == [[1]]  # waited long enough
     assert judged(at(1, t0), t0 + S // 3, final=True) == [[1]]  # a post-mortem: no more
+    # Alone on its host (one container per GPU): nobody can bring its word, no wait.
+    alone = dataclasses.replace(at(1, t0), host="h1")
+    assert judged(alone, t0 + S // 3) == [[1]]
 
 
 def test_summary_round_trip_and_size_budget():
