@@ -72,6 +72,15 @@ CLEAR_EXCESS_Z = 2.0
 # standard errors, among at least SOLO_MIN_RANKS of them.
 SOLO_MIN_RANKS = 3
 SOLO_EXCESS_Z = 4.0
+# A rank of a cohort that far above it (SOLO_EXCESS_Z x excess_z, where a rank with no
+# arrival evidence at all is named; healthy recorded ranks stood at most 7.3 standard
+# errors above their cohort or baseline) needs no share of the waiting: another fault can
+# take most of it (a 5x straggler beside a 100 Mbit/s link of the same ring had 25-65%,
+# the link holding everyone up in the other collectives). It must only be on the
+# critical path: where it arrived last, its peers waited for it, on average, at least
+# DECISIVE_WAIT_OF_EXCESS of its excess compute per step (the arrival-order test that it
+# replaces is there for compute that nobody waits for).
+DECISIVE_WAIT_OF_EXCESS = 0.5
 # A straggler is slower than its cohort in every window of the span it is judged over
 # (but the first, where its onset may lie: a job of more than SLIDE_MAX_RANKS judges spans
 # on window boundaries, and would wait a window more for every onset inside one): on
@@ -260,10 +269,13 @@ class SlowDetector:
             balance = _wait_balance(e.rank, mine)
             longest = last - since + 1 >= max(self.spans)
             strong = e.z >= CLEAR_EXCESS_Z * self.cfg.excess_z
+            decisive = e.z >= SOLO_EXCESS_Z * self.cfg.excess_z
             if e.rank in self._solo:
                 why = _solo_not_confirmed(e, self.cfg.excess_z)
             else:
                 why = _not_waited_for(len(cohort), mine, balance.share, longest, strong)
+                if why and decisive:
+                    why = _not_decisive(e, balance)
             if why:
                 _not_a_straggler(e, cohort, why)
                 continue
@@ -719,6 +731,21 @@ def _not_waited_for(
             f"(< {CLEAR_WAITED_FOR_SHARE:.0%}): the longer span decides"
         )
     return ""
+
+
+def _not_decisive(e: Excess, balance: _WaitBalance) -> str:
+    """Why a rank with a decisive excess is not shown on the critical path: where it
+    arrived last, its peers' mean wait for it is short of DECISIVE_WAIT_OF_EXCESS of its
+    excess compute per step (empty when it is not)."""
+    excess_ns = (e.compute_us - e.cohort_us) * 1000
+    waited_ns = balance.for_r_ns / balance.last_n if balance.last_n else 0.0
+    if waited_ns >= DECISIVE_WAIT_OF_EXCESS * excess_ns:
+        return ""
+    return (
+        f"where it arrived last ({balance.last_n} samples) its peers waited "
+        f"{waited_ns / 1e6:.1f} ms for it, < {DECISIVE_WAIT_OF_EXCESS:.0%} of its excess "
+        f"{excess_ns / 1e6:.1f} ms a step"
+    )
 
 
 def _solo_not_confirmed(e: Excess, excess_z: float) -> str:

@@ -241,6 +241,21 @@ def test_a_recorded_straggler_with_a_strong_excess_is_named_over_the_shorter_spa
     assert got[0].step - 10 < cfg.diagnoser.window_steps * cfg.diagnoser.confirm_windows
 
 
+def test_a_recorded_straggler_beside_a_slow_link_is_named_by_its_decisive_excess() -> None:
+    # A real run (tests/jobs/test_comm_faults.py, DP4 in network namespaces): rank 3 at
+    # 5x from step 3, and rank 1's link shaped to 100 Mbit/s. Rank 3 stood 19-29 standard
+    # errors above its cohort, but the slow link held the ring up in the other
+    # collectives: its peers' share of the waiting was 25-43%, under the 65% a straggler
+    # needs. Its excess is decisive, and where it arrived last its peers waited 76 ms for
+    # it, its excess a step (72 ms): it is named; the slow link is named as well.
+    recording = RECORDED / "compute-slow-5x-rank3-beside-slow-link-rank1-dp4.rec"
+    _, got = replay(recording)
+    assert sorted((v.cause, v.ranks) for v in got) == [
+        (Cause.COMMUNICATION, [1]),
+        (Cause.COMPUTE, [3]),
+    ]
+
+
 def test_a_recorded_healthy_job_held_back_by_its_host_gets_no_verdict() -> None:
     # A real healthy run (`ccld demo --world 8 --tp 1 --pp 2 --steps 300 --fault none` on
     # this project's 2-core VM): the host held ranks back for ten steps at a time, rank 2
