@@ -137,7 +137,8 @@ def netns_demo(
         pp=pp,
         steps=steps,
         netns=True,
-        overrides=FAST_UNRESPONSIVE,
+        # every round's input, to replay a failure (ccld replay)
+        overrides=(*FAST_UNRESPONSIVE, f"diagnoser.record={tmp_path / 'rounds.rec'}"),
         timeout_s=150,
         **{"framework": "torch", **options},
     )
