@@ -97,6 +97,12 @@ MIN_STEP_SHARE = 0.05  # excess compute below 5% of the step time is noise, not 
 # taking turns, not a fault of its node (healthy 8-rank jobs: 1.4-2.2x for 10-25 steps).
 QUIET_HOST_SHARE = 0.15
 HOST_WAIT_SHARE = 0.5
+# Such a rank is named once it has been held back over the longer span, or by a decisive
+# excess (DECISIVE_WAIT_OF_EXCESS's bar): a busy host's scheduler also favours some
+# ranks over others for about ten steps at a time (two healthy torch jobs beside two busy
+# processes on 2 cores: 1.84x and 1.93x over ten steps at 3.7 and 5.1 standard errors,
+# their cohorts hardly waiting), and a noisy neighbour stays (one sharing a rank's core
+# stood 13-25 standard errors within 3-12 steps of its first span).
 # A group's transfer bandwidth must fall this far below its siblings' (and below its own
 # history, once it has one) to count: small transfers on a busy host vary by 2x.
 COMM_RATIO = 2.5
@@ -272,6 +278,8 @@ class SlowDetector:
             decisive = e.z >= SOLO_EXCESS_Z * self.cfg.excess_z
             if e.rank in self._solo:
                 why = _solo_not_confirmed(e, self.cfg.excess_z)
+            elif host_wait is not None and not (longest or decisive):
+                why = f"held back by its host {last - since + 1} steps: the longer span decides"
             else:
                 why = _not_waited_for(len(cohort), mine, balance.share, longest, strong)
                 if why and decisive:
