@@ -208,6 +208,8 @@ class JoinedTable:
             rank,
             self.groups,
             self.group[at],
+            self.seq[at],
+            self.time_ns[at],
             self.last[at],
             self.count[at],
             self.time_ns[at] - self.enters_ns[rows],
@@ -229,22 +231,38 @@ class JoinedTable:
 
 class RankJoined:
     """One rank's joined collectives (those of a window), per collective: its group (an
-    index into ``groups``), the last arriver, the member count, the rank's own wait for
-    the last arriver, and the members' waits summed (the rank's included)."""
+    index into ``groups``), seq and time of the last arrival, the last arriver, the member
+    count, the rank's own wait for the last arriver, and the members' waits summed (the
+    rank's included)."""
 
     def __init__(
         self,
         rank: int,
         groups: list[GroupInfo],
         group: np.ndarray,
+        seq: np.ndarray,
+        time_ns: np.ndarray,
         last: np.ndarray,
         count: np.ndarray,
         own_wait_ns: np.ndarray,
         waits_ns: np.ndarray,
     ) -> None:
         self.rank, self.groups = rank, groups
-        self.group, self.last, self.count = group, last, count
+        self.group, self.seq, self.time_ns = group, seq, time_ns
+        self.last, self.count = last, count
         self.own_wait_ns, self.waits_ns = own_wait_ns, waits_ns
+
+    def ops_per_step(self, step_ns: float) -> float:
+        """About how many collectives the rank runs a step (steps of ``step_ns``): in each
+        of its groups, the seqs its samples span, over the time they span."""
+        span_ns = int(self.time_ns.max() - self.time_ns.min()) if len(self) else 0
+        if span_ns <= 0 or step_ns <= 0:
+            return 1.0
+        ops = sum(
+            int(seqs.max() - seqs.min())
+            for seqs in (self.seq[self.group == g] for g in np.unique(self.group))
+        )
+        return max(1.0, ops * step_ns / span_ns)
 
     def __len__(self) -> int:
         return len(self.group)

@@ -76,10 +76,11 @@ SOLO_EXCESS_Z = 4.0
 # arrival evidence at all is named; healthy recorded ranks stood at most 7.3 standard
 # errors above their cohort or baseline) needs no share of the waiting: another fault can
 # take most of it (a 5x straggler beside a 100 Mbit/s link of the same ring had 25-65%,
-# the link holding everyone up in the other collectives). It must only be on the
-# critical path: where it arrived last, its peers waited for it, on average, at least
-# DECISIVE_WAIT_OF_EXCESS of its excess compute per step (the arrival-order test that it
-# replaces is there for compute that nobody waits for).
+# the link holding everyone up in the other collectives; a 2x one of TP3xDP2, 47% over
+# 125 samples). It must only be on the critical path: where it arrived last, its peers
+# waited for it, on average, at least DECISIVE_WAIT_OF_EXCESS of its excess compute
+# before one collective (the arrival-order test it replaces is there for compute that
+# nobody waits for).
 DECISIVE_WAIT_OF_EXCESS = 0.5
 # A straggler is slower than its cohort in every window of the span it is judged over
 # (but the first, where its onset may lie: a job of more than SLIDE_MAX_RANKS judges spans
@@ -283,7 +284,7 @@ class SlowDetector:
             else:
                 why = _not_waited_for(len(cohort), mine, balance.share, longest, strong)
                 if why and decisive:
-                    why = _not_decisive(e, balance)
+                    why = _not_decisive(e, mine, balance, step_us.get(e.rank, 0.0))
             if why:
                 _not_a_straggler(e, cohort, why)
                 continue
@@ -741,18 +742,19 @@ def _not_waited_for(
     return ""
 
 
-def _not_decisive(e: Excess, balance: _WaitBalance) -> str:
+def _not_decisive(e: Excess, mine: RankJoined, balance: _WaitBalance, step_us: float) -> str:
     """Why a rank with a decisive excess is not shown on the critical path: where it
     arrived last, its peers' mean wait for it is short of DECISIVE_WAIT_OF_EXCESS of its
-    excess compute per step (empty when it is not)."""
-    excess_ns = (e.compute_us - e.cohort_us) * 1000
+    excess compute before one collective (its excess a step over the collectives it runs
+    a step; empty when it is not)."""
+    excess_ns = (e.compute_us - e.cohort_us) * 1000 / mine.ops_per_step(step_us * 1000)
     waited_ns = balance.for_r_ns / balance.last_n if balance.last_n else 0.0
     if waited_ns >= DECISIVE_WAIT_OF_EXCESS * excess_ns:
         return ""
     return (
         f"where it arrived last ({balance.last_n} samples) its peers waited "
         f"{waited_ns / 1e6:.1f} ms for it, < {DECISIVE_WAIT_OF_EXCESS:.0%} of its excess "
-        f"{excess_ns / 1e6:.1f} ms a step"
+        f"before a collective ({excess_ns / 1e6:.1f} ms)"
     )
 
 

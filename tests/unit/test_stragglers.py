@@ -256,6 +256,19 @@ def test_a_recorded_straggler_beside_a_slow_link_is_named_by_its_decisive_excess
     ]
 
 
+def test_a_recorded_straggler_of_a_tp3_dp2_job_is_named_by_its_decisive_excess() -> None:
+    # A real run (`ccld demo --world 6 --tp 3 --fault compute-slow@5:factor=2,step=8`,
+    # a layout no job test has): rank 5 at 2x, 12-22 standard errors above its cohort
+    # from the first span on, arriving last in about half its 92-125 sampled collectives;
+    # of all the waiting in them its peers' was 47-51%, under 65%, and it went unnamed
+    # for the whole run. Its peers waited 4 ms for it where it came last, more than its
+    # excess before one collective (0.75 ms: 9.1 ms a step over ~12 collectives).
+    _, got = replay(RECORDED / "compute-slow-2x-rank5-step8-tp3dp2.rec")
+    assert [(v.cause, v.ranks) for v in got] == [(Cause.COMPUTE, [5])]
+    assert got[0].group is not None and 5 in got[0].group["ranks"]
+    assert got[0].step is not None and got[0].step - 8 <= 12
+
+
 def test_a_recorded_busy_host_favouring_ranks_for_ten_steps_is_no_noisy_neighbour() -> None:
     # A real healthy run beside two busy processes on this project's 2 cores
     # (benchmarks/false_alarms.py --loaded, torch TP1xPP4xDP2): over steps 37-46 rank 4
