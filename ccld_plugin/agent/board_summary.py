@@ -128,17 +128,19 @@ def last_seen_ns(snap: BoardSnapshot) -> int:
     return max(h.heartbeat_ns, h.step_start_ns, h.start_mono_ns, last_op)
 
 
-def final_summary(snap: BoardSnapshot, last: RankSummary) -> RankSummary:
-    """The summary of a rank whose process died, as its board stood then: ``last`` (made by
-    its own agent, up to an interval before) brought up to its last step and op. Its
-    heartbeat stays ``last``'s, as its agent beat no more; what only the live process knew
-    (its step times, its sockets, its stack) stays ``last``'s too."""
+def final_summary(snap: BoardSnapshot, last: RankSummary, died: bool = True) -> RankSummary:
+    """The summary of a rank whose process died (``died``; else one stopped, its agent
+    silent), as its board stood then: ``last`` (made by its own agent, up to an interval
+    before) brought up to its last step and op. Its heartbeat stays ``last``'s, as its
+    agent beat no more; what only the live process knew (its step times, its sockets, its
+    stack) stays ``last``'s too. A dead rank's is flagged its last words."""
     offset = snap.header.clock_offset_ns
     since = last.time_ns + offset  # on the rank's clock: ops done after ``last`` count
     s = summarize_board(snap, max(last_seen_ns(snap), since), since, offset, last.groups_version)
     s.heartbeat_ns = last.heartbeat_ns
     s.host, s.steps, s.stack = last.host, last.steps, last.stack
-    s.flags |= FLAG_LAST_WORDS
+    if died:
+        s.flags |= FLAG_LAST_WORDS
     return s
 
 

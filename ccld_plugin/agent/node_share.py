@@ -117,27 +117,33 @@ class NodeShare:
                     waiting.discard(r)  # current, gone, or not writing: nothing to wait for
             if not waiting or time.monotonic() >= deadline or self._stop.wait(POLL_S):
                 break
-        found = {r: self._last_words(r, s) for r, s in files.items()}
+        found = {r: self._last_words(r, s, s.tick < tick - FRESH_TICKS) for r, s in files.items()}
         return encode_node(sorted({**found, self.rank: summary}.items()))
 
-    def _last_words(self, rank: int, s: LocalSummary) -> bytes:
+    def _last_words(self, rank: int, s: LocalSummary, stale: bool) -> bytes:
         """``rank``'s summary as its file holds it; once its process is gone without
         leaving through the exit path, as its board stood when it died (read once): its
         last file can be an interval older than that, and a job that kills a rank (the
         OOM killer, a failed assertion in C++) wants to know the step and op it died in,
         not where it was a tick before (seen: a rank of a DeepSpeed job killed at step 6
-        named at step 0, with no op, from a summary written before its first step)."""
-        if s.flags & EXITED or process_alive(s.pid, host="") is not False:
+        named at step 0, with no op, from a summary written before its first step). A
+        live process whose file is ``stale`` (stopped, or its agent wedged) is told as its
+        board stands at each tick, for the same reason (a rank frozen at step 5 was named
+        at step 0)."""
+        if s.flags & EXITED:
+            return s.summary
+        alive = process_alive(s.pid, host="")
+        if alive is None or (alive and not stale):
             return s.summary
         key = (rank, s.pid, s.tick)
-        if key not in self._final:
+        if alive or key not in self._final:
             self._final[key] = s.summary
             try:
                 with BoardReader(self._boards[rank]) as reader:
                     snap = BoardSnapshot.read(reader)
                 if snap.header.pid == s.pid:  # its board, not a later run's
                     self._final[key] = encode_summary(
-                        final_summary(snap, decode_summary(s.summary))
+                        final_summary(snap, decode_summary(s.summary), died=not alive)
                     )
             except Exception as exc:  # noqa: BLE001 - its last file stands
                 report_error("agent.last_words", exc)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,7 @@ from ccld_plugin.wire.node_summary import (
     node_of,
     node_ranks,
 )
-from ccld_plugin.wire.summary import decode_summary, encode_summary
+from ccld_plugin.wire.summary import FLAG_LAST_WORDS, decode_summary, encode_summary
 
 JOB_START = 123_456_789
 
@@ -287,3 +288,36 @@ def test_a_dead_ranks_summary_is_brought_up_to_its_board(tmp_path: Path) -> None
     write_local(summary_path(board), other)
     s = decode_summary(decode_node(share.frame(mine, 5, JOB_START), range(2))[1])
     assert s.step == 0
+
+
+def test_a_stopped_ranks_summary_is_told_as_its_board_stands(tmp_path: Path) -> None:
+    # As above, but the process stops itself (SIGSTOP: alive, its agent silent). While its
+    # file is current it stands; once it is two ticks stale the leader tells the step and
+    # op its board shows, at every tick, not flagged as last words (it may go on).
+    board = tmp_path / "rank1.board"
+    script = _DIES_AT_STEP_6.replace("signal.SIGKILL", "signal.SIGSTOP")
+    child = subprocess.Popen([sys.executable, "-c", script, str(board)], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None
+        pid = int(child.stdout.readline())
+        while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            time.sleep(0.01)
+        last = rank_summary(1, time_ns=50, pid=pid, step=0, heartbeat_ns=40, last_progress_ns=40)
+        write_local(
+            summary_path(board), LocalSummary(0, pid, 3, JOB_START, 0, encode_summary(last))
+        )
+        share = NodeShare(tmp_path / "rank0.board", 0, 2, 2, os.getpid(), 0.01, threading.Event())
+        mine = encode_summary(rank_summary(0))
+
+        def told(tick: int):
+            return decode_summary(decode_node(share.frame(mine, tick, JOB_START), range(2))[1])
+
+        assert told(4).step == 0  # one tick late: a loaded host, its file stands
+        s = told(5)
+        assert (s.step, s.heartbeat_ns, s.pid) == (6, 40, pid)
+        assert not s.flags & FLAG_LAST_WORDS
+        (op,) = s.in_flight
+        assert OP_NAMES[op.op] == "all_reduce"
+    finally:
+        child.kill()
+        child.wait()
