@@ -526,22 +526,28 @@ def _unanimous_ops(
     return out
 
 
-def _last_words_due(view: JobView, s: RankSummary, live_hosts: AbstractSet[str]) -> bool:
+def _last_words_due(view: JobView, s: RankSummary, shared_hosts: AbstractSet[str]) -> bool:
     """Whether the node of a rank seen dead may still bring the state its board kept when
-    it died (its leader reads a dead node-mate's board at its next tick: the rank's last
-    summary can be an interval older than its death, a step or more behind): until that
-    summary comes, for at most LAST_WORDS_TICKS intervals. (A live node-mate's report
-    from a later tick says nothing: it may predate the death; an 8-rank job's rank killed
-    at step 7 was named at step 2 on that rule.) A rank with no live rank on its host
-    has nobody to bring it: no wait."""
-    if s.flags & FLAG_LAST_WORDS or s.host not in live_hosts:
+    it died (its leader reads a dead node-mate's board at its next tick, or on its own
+    way out: the rank's last summary can be an interval older than its death, a step or
+    more behind): until that summary comes, for at most LAST_WORDS_TICKS intervals. (A
+    live node-mate's report from a later tick says nothing: it may predate the death; an
+    8-rank job's rank killed at step 7 was named at step 2 on that rule.) A rank alone on
+    its host has nobody to bring it: no wait."""
+    if s.flags & FLAG_LAST_WORDS or s.host not in shared_hosts:
         return False
     waited_s = (view.now_ns - s.heartbeat_ns) / 1e9
     return waited_s < LAST_WORDS_TICKS * chan.interval_s(view)
 
 
-def _live_hosts(view: JobView) -> set[str]:
-    return {s.host for r, s in view.summaries.items() if r not in view.gone and not s.exited}
+def _shared_hosts(view: JobView) -> set[str]:
+    """The hosts of two or more ranks (exited ones count: a leader on its way out
+    publishes its node's last words)."""
+    seen: set[str] = set()
+    shared: set[str] = set()
+    for s in view.summaries.values():
+        (shared if s.host in seen else seen).add(s.host)
+    return shared
 
 
 def find_unresponsive(view: JobView, unresponsive_s: float) -> list[Verdict]:
@@ -553,7 +559,7 @@ def find_unresponsive(view: JobView, unresponsive_s: float) -> list[Verdict]:
     # an old heartbeat
     old = (view.now_ns - t.heads["heartbeat_ns"]) / 1e9 >= unresponsive_s
     maybe = t.ranks[~t.exited & old].tolist()
-    live_hosts = _live_hosts(view) if view.gone else set()
+    shared_hosts = _shared_hosts(view) if view.gone else set()
     for rank in sorted({*maybe, *(r for r in view.gone if r in view.summaries)}):
         s = view.summaries[rank]
         if s.exited:
@@ -562,7 +568,7 @@ def find_unresponsive(view: JobView, unresponsive_s: float) -> list[Verdict]:
         gone = rank in view.gone
         if not gone and age < unresponsive_s:
             continue
-        if gone and not view.final and _last_words_due(view, s, live_hosts):
+        if gone and not view.final and _last_words_due(view, s, shared_hosts):
             continue
         if not gone and (
             not chan.peers_reported_since(view, rank, max(s.time_ns, s.heartbeat_ns))

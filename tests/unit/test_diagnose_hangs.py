@@ -316,6 +316,11 @@ def test_a_dead_ranks_verdict_waits_for_its_nodes_last_word():
     # Alone on its host (one container per GPU): nobody can bring its word, no wait.
     alone = dataclasses.replace(at(1, t0), host="h1")
     assert judged(alone, t0 + S // 3) == [[1]]
+    # A node-mate that left through the exit path may have brought it on its way out
+    # (its peers fail at once when a rank dies): the wait stands.
+    left = dataclasses.replace(at(0, t0 + S // 3), flags=FLAG_EXITED)
+    v = job_view([left, at(1, t0)], tables, now_ns=t0 + S // 3, gone={1})
+    assert find_unresponsive(v, 10.0) == []
 
 
 def test_summary_round_trip_and_size_budget():
