@@ -26,6 +26,7 @@ from ccld_plugin.agent.node_board import (
     write_local,
 )
 from ccld_plugin.agent.node_share import NodeShare
+from ccld_plugin.board.process import PF_EXITING, process_alive, running
 from ccld_plugin.config import ControlConfig
 from ccld_plugin.control import ControlPlane
 from ccld_plugin.harness.launch import free_port
@@ -321,3 +322,17 @@ def test_a_stopped_ranks_summary_is_told_as_its_board_stands(tmp_path: Path) -> 
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_process_in_exit_is_not_alive() -> None:
+    # A killed process closes its sockets before it is a zombie: its peers fail and leave
+    # while its state still reads running. Its task flags say it is exiting.
+    stat = Path("/proc/self/stat").read_text()
+    assert running(stat)
+    head, rest = stat.rsplit(")", 1)
+    fields = rest.split()
+    fields[6] = str(int(fields[6]) | PF_EXITING)
+    assert not running(f"{head}) {' '.join(fields)}")
+    fields[6], fields[0] = str(int(fields[6]) & ~PF_EXITING), "Z"
+    assert not running(f"{head}) {' '.join(fields)}")
+    assert not process_alive(2**22 + 7, host="")  # no such process
