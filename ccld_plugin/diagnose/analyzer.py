@@ -94,6 +94,11 @@ class Diagnoser:
             # stale summaries would name each of them, so only the observer is judged.
             v = isolation_hang(view, isolated, self.threshold_s)
             return self._new([v] if v is not None else [])
+        if view.store_failed is not None and _all_peers_silent(view, interval):
+            # The observer hears nobody through a store that does not answer it, and its
+            # own links do not show where the fault is (its link, or the store's host):
+            # the peers' silence is its own, and says nothing of them.
+            return []
         lost = find_unresponsive(view, self.cfg.unresponsive_s)
         unresponsive = [v for v in lost if not self._fallout_of_stall(view, v.ranks[0])]
         mismatches = find_mismatches(view, self.threshold_s)

@@ -90,13 +90,16 @@ def test_cut_link_of_the_diagnoser_rank_names_it(
     # Seen from the diagnoser, every peer falls silent at once. At rank 0 it hosts the
     # store, which the peers (and the standby) cannot reach: it names itself. At rank 2
     # the store at rank 0 stops answering it: its lease lapses and the standby (rank 3)
-    # names it from outside; without a standby, it names itself.
+    # names it from outside; without a standby, it names itself, from its own stalled
+    # links: the cut comes at step 10, once its connections are mapped to peers (that
+    # takes the store, one to two agent intervals after they open; cut before that, it
+    # cannot tell its own link from the store's host and names nobody).
     code, summary = netns_demo(
         tmp_path,
         1,
         1,
         40,
-        f"comm-hang@{diagnoser}:step=4",
+        f"comm-hang@{diagnoser}:step=10",
         extra=(
             *CUT_LINK,
             f"diagnoser.rank={diagnoser}",

@@ -118,3 +118,14 @@ def test_the_isolation_holds_while_its_own_signs_come_and_go() -> None:
     # A peer that speaks again ends it: the others are judged as any rank.
     again = _view({1: 5.5, 2: 0.1, 3: 5.7}, **where)
     assert {r for v in d.round(again) for r in v.ranks} >= {1, 3}
+
+
+def test_peers_silent_through_a_store_that_does_not_answer_are_not_named() -> None:
+    # The store does not answer the observer and every peer fell silent at once, but its
+    # own links show nothing (its connections were not mapped to peers before the cut, or
+    # the store's host died): the observer cannot tell which. The peers' silence is its
+    # own: none of them is named unresponsive (a live run named all three).
+    v = _view({1: 12.0, 2: 12.1, 3: 12.2}, store_local=False, store_failed="timeout")
+    v.summaries[0] = _rank(0, 0.0, 12.0)  # no channel evidence of its own
+    assert observer_isolated(v) is None
+    assert _diagnoser().round(v) == []
