@@ -135,19 +135,24 @@ class NodeShare:
         alive = process_alive(s.pid, host="")
         if alive is None or (alive and not stale):
             return s.summary
+        if alive:  # it may go on: read its board at every tick
+            return self._as_board_stands(rank, s, died=False)
         key = (rank, s.pid, s.tick)
-        if alive or key not in self._final:
-            self._final[key] = s.summary
-            try:
-                with BoardReader(self._boards[rank]) as reader:
-                    snap = BoardSnapshot.read(reader)
-                if snap.header.pid == s.pid:  # its board, not a later run's
-                    self._final[key] = encode_summary(
-                        final_summary(snap, decode_summary(s.summary), died=not alive)
-                    )
-            except Exception as exc:  # noqa: BLE001 - its last file stands
-                report_error("agent.last_words", exc)
+        if key not in self._final:
+            self._final[key] = self._as_board_stands(rank, s, died=True)
         return self._final[key]
+
+    def _as_board_stands(self, rank: int, s: LocalSummary, died: bool) -> bytes:
+        """``rank``'s last summary brought up to its board (``final_summary``); its file's
+        as it is when the board is another run's or cannot be read (counted)."""
+        try:
+            with BoardReader(self._boards[rank]) as reader:
+                snap = BoardSnapshot.read(reader)
+            if snap.header.pid == s.pid:  # its board, not a later run's
+                return encode_summary(final_summary(snap, decode_summary(s.summary), died))
+        except Exception as exc:  # noqa: BLE001 - its last file stands
+            report_error("agent.last_words", exc)
+        return s.summary
 
     def remove(self) -> None:
         if self._written:

@@ -82,7 +82,8 @@ class Diagnoser:
         self.slow.ingest(view, fresh)
         interval = chan.interval_s(view)
         isolated = None
-        if _all_peers_silent(view, interval):
+        all_silent = _all_peers_silent(view, interval)
+        if all_silent:
             isolated = observer_isolated(view)
             if isolated is None and (view.store_local or view.store_failed is not None):
                 # Once seen, the isolation explains the peers' silence until one speaks
@@ -94,7 +95,7 @@ class Diagnoser:
             # stale summaries would name each of them, so only the observer is judged.
             v = isolation_hang(view, isolated, self.threshold_s)
             return self._new([v] if v is not None else [])
-        if view.store_failed is not None and _all_peers_silent(view, interval):
+        if all_silent and view.store_failed is not None:
             # The observer hears nobody through a store that does not answer it, and its
             # own links do not show where the fault is (its link, or the store's host):
             # the peers' silence is its own, and says nothing of them.

@@ -99,7 +99,7 @@ MIN_STEP_SHARE = 0.05  # excess compute below 5% of the step time is noise, not 
 QUIET_HOST_SHARE = 0.15
 HOST_WAIT_SHARE = 0.5
 # Such a rank is named once it has been held back over the longer span, or by a decisive
-# excess (DECISIVE_WAIT_OF_EXCESS's bar): a busy host's scheduler also favours some
+# excess (SOLO_EXCESS_Z x excess_z, as above): a busy host's scheduler also favours some
 # ranks over others for about ten steps at a time (two healthy torch jobs beside two busy
 # processes on 2 cores: 1.84x and 1.93x over ten steps at 3.7 and 5.1 standard errors,
 # their cohorts hardly waiting), and a noisy neighbour stays (one sharing a rank's core
