@@ -111,7 +111,7 @@ def test_a_rank_whose_host_takes_its_cpu_is_named_by_its_wait(tmp_path):
     # is pinned to. Its compute is its peer's; its wait for a CPU is not, and its peer (on
     # the other core) hardly waits. Two ranks: one core each on this VM (with four, every
     # rank queues for a CPU and none is named: the scheduler taking turns). It is named
-    # over the longer span or once its excess is decisive: 30-40 steps after the onset.
+    # over the longer span or once its excess is decisive: 14-38 steps after the onset.
     code, summary = demo(
         tmp_path / "out", "cpu-contention@1:step=5", world=2, tp=1, pp=1, steps=80, **TORCH
     )
