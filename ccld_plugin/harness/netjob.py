@@ -133,11 +133,15 @@ class NetJob:
     def _watch(self) -> None:
         pending = list(self.faults)
         readers: dict[int, BoardReader] = {}
+        reached: dict[FaultSpec, float] = {}  # when the fault's rank reached its step
         try:
             while pending and not self._stop.is_set():
                 for f in list(pending):
                     step = self._step(readers, f.rank)
-                    if step is not None and step >= f.step:
+                    if step is None or step < f.step:
+                        continue
+                    reached.setdefault(f, time.monotonic())
+                    if time.monotonic() - reached[f] >= f.after_s:
                         pending.remove(f)
                         self._apply(f, step, readers)
                 self._stop.wait(POLL_S)

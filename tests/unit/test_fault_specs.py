@@ -12,6 +12,9 @@ def test_specs_parse_with_defaults():
     assert parse_fault("comm-slow@0:rate=50mbit").rate == "50mbit"
     assert parse_fault("comm-hang@3:step=4").is_comm
     assert parse_faults(["none"]) == []
+    late = parse_fault("comm-hang@2:step=4,after_s=0.5")
+    assert (late.after_s, str(late)) == (0.5, "comm-hang@2:step=4,after_s=0.5")
+    assert parse_fault(str(late)) == late
     assert [str(f) for f in parse_faults(["mismatch@1:step=2", "compute-hang@0"])] == [
         "mismatch@1:step=2",
         "compute-hang@0:step=3",
@@ -30,6 +33,8 @@ def test_specs_parse_with_defaults():
         ("comm-slow@1:rate=fast", "must look like 20mbit"),
         ("compute-hang@1:step", "must be key=value"),
         ("compute-hang@1:step=-1", "step must be >= 0"),
+        ("comm-hang@1:after_s=soon", r"after_s must be seconds in \[0, 600\]"),
+        ("compute-hang@1:after_s=1", "unknown parameter 'after_s'"),
     ],
 )
 def test_bad_specs_are_one_line_errors(spec, message):

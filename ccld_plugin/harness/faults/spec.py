@@ -9,6 +9,8 @@ Kinds and their parameters:
   with ``peer=P``, only the traffic between R and P (one connection; R's other links
   stay as they were);
 - ``comm-hang@R[:step=S]``: rank R's link is cut;
+- a comm fault with ``after_s=T`` starts T seconds after rank R reaches step S (mid-step:
+  e.g. while its peers already wait in a collective for it);
 - ``kill@R[:step=S]``: rank R's process ends itself with SIGKILL (no exit path runs);
 - ``freeze@R[:step=S]``: rank R's process stops itself (SIGSTOP): alive, its connections
   open, every thread of it frozen;
@@ -32,8 +34,8 @@ FAULT_KINDS: dict[str, tuple[set[str], set[str]]] = {
     "compute-slow": ({"factor"}, {"step"}),
     "compute-hang": (set(), {"step"}),
     "mismatch": (set(), {"step"}),
-    "comm-slow": ({"rate"}, {"step", "peer"}),
-    "comm-hang": (set(), {"step"}),
+    "comm-slow": ({"rate"}, {"step", "peer", "after_s"}),
+    "comm-hang": (set(), {"step", "after_s"}),
     "kill": (set(), {"step"}),
     "freeze": (set(), {"step"}),
     "cpu-contention": (set(), {"step"}),
@@ -57,6 +59,7 @@ class FaultSpec:
     factor: float = 1.0
     rate: str = ""
     peer: int | None = None  # comm-slow: shape only the traffic between rank and peer
+    after_s: float = 0.0  # comm faults: seconds after the rank reaches ``step``
 
     @property
     def is_comm(self) -> bool:
@@ -68,7 +71,8 @@ class FaultSpec:
         factor = short if float(short) == self.factor else repr(self.factor)
         peer = f"peer={self.peer}," if self.peer is not None else ""
         extra = {"compute-slow": f"factor={factor},", "comm-slow": f"rate={self.rate},{peer}"}
-        return f"{self.kind}@{self.rank}:{extra.get(self.kind, '')}step={self.step}"
+        after = f",after_s={self.after_s:g}" if self.after_s else ""
+        return f"{self.kind}@{self.rank}:{extra.get(self.kind, '')}step={self.step}{after}"
 
 
 def parse_fault(text: str) -> FaultSpec:
@@ -119,7 +123,18 @@ def parse_fault(text: str) -> FaultSpec:
     if peer_s is not None and (not _INT.fullmatch(peer_s) or int(peer_s) == int(rank_s)):
         raise FaultSpecError(f"fault {spec!r}: peer must be a rank number other than {rank_s}")
     peer = int(peer_s) if peer_s is not None else None
-    return FaultSpec(kind=kind, rank=int(rank_s), step=step, factor=factor, rate=rate, peer=peer)
+    after_s = values.get("after_s", "0")
+    if not _NUMBER.fullmatch(after_s) or float(after_s) > 600:
+        raise FaultSpecError(f"fault {spec!r}: after_s must be seconds in [0, 600] (e.g. 0.5)")
+    return FaultSpec(
+        kind=kind,
+        rank=int(rank_s),
+        step=step,
+        factor=factor,
+        rate=rate,
+        peer=peer,
+        after_s=float(after_s),
+    )
 
 
 def parse_faults(texts: Iterable[str], world: int | None = None) -> list[FaultSpec]:
