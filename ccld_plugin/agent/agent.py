@@ -29,6 +29,7 @@ from ccld_plugin.board.job_files import remove_stack, write_stack
 from ccld_plugin.board.reader import BoardReader
 from ccld_plugin.config import AgentConfig
 from ccld_plugin.control import ClockSync, ControlPlane, request_timeout_s, resync_epoch
+from ccld_plugin.control.reach import ReachPort, route_source
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.wire.codes import FLAG_ASYNC, FLAG_P2P, STATE_DONE
 from ccld_plugin.wire.peer_channels import MAX_ENTRIES, encode_channels, entry_order
@@ -125,6 +126,10 @@ class Agent:
         # NCCL plugin's channel records on the board (none unless NCCL loaded it).
         self._channels = ChannelSampler.create(self._board, control, rank, control.world)
         self._nccl = NcclChannels()
+        # A port the diagnoser connects to when this rank falls silent: the kernel answers
+        # it while the process is wedged, not while the link is cut (control.reach).
+        self._reach = _open_reach_port(control)
+        self._reach_published = False
         # The node's leader publishes this rank's summary in its node's frame; the rank
         # writes its own key only at exit, and while it cannot hand its summary over (no
         # clock handshake: its ticks are not the node's; its summary file not writable).
@@ -149,6 +154,8 @@ class Agent:
             report_error("agent.stop", exc)
         if self.store_lost is None:  # else the leader may still publish our last summary
             self.node.remove()
+        if self._reach is not None:
+            self._reach.close()
         self._reader.close()
 
     # ------------------------------------------------------------------ loop
@@ -217,6 +224,8 @@ class Agent:
         next try is not due. Summaries go on every tick either way: the board and
         ``latest`` (a diagnoser in this process) keep them."""
         self._board.heartbeat()
+        if self._reach is not None:
+            self._reach.drain()
         groups = self.tracer.groups()
         signature = tuple((g.group_id, g.role) for g in groups)  # a role can be refined
         if signature != self._published_groups and self.latest_groups != signature:
@@ -234,6 +243,9 @@ class Agent:
             if signature != self._published_groups:
                 self.control.publish_groups(self.rank, groups, self._groups_version)
                 self._published_groups = signature
+            if self._reach is not None and not self._reach_published:
+                self.control.publish_reach(self.rank, self._reach.address)
+                self._reach_published = True
             self._send(data, tick, job_start, handed and not final, final)
         except Exception as exc:  # noqa: BLE001
             if self.store_lost is None:
@@ -400,3 +412,13 @@ class Agent:
             f"{f.filename}:{f.lineno} in {f.name}"
             for f in traceback.extract_stack(frame)[-STACK_FRAMES:]
         ]
+
+
+def _open_reach_port(control: ControlPlane) -> ReachPort | None:
+    """This rank's reach port, on the address it sends from toward the store (the network
+    the diagnoser is on); None, logged once, where it cannot be opened."""
+    try:
+        return ReachPort(route_source(*control.address))
+    except Exception as exc:  # noqa: BLE001 - no reach port: a silent rank stays ambiguous
+        report_error("agent.reach", exc)
+        return None

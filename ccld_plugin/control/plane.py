@@ -13,6 +13,9 @@ worker), else a dedicated TCPStore hosted by the diagnoser rank. Keys:
 - ``clk/...``: the clock handshake; ``job_start``: the diagnoser's start time;
 - ``ep/<rank>``: the (ip, port) local ends of the rank's TCP connections, which peers join
   with their remote ends to map connections to ranks (rewritten when they change);
+- ``reach/<rank>``: the (ip, port) of the rank's reach port (``control.reach``), which the
+  diagnoser connects to when the rank falls silent, to tell a cut link from a wedged
+  process;
 - ``diag/owner``, ``diag/beat``, ``diag/released``, ``diag/reported``: the diagnosis
   lease (which rank's diagnoser is in charge, its renewal counter, whether it ended on
   purpose) and the keys of the verdicts reported so far, which a standby that takes over
@@ -257,6 +260,17 @@ class ControlPlane:
             r: [(str(h), int(p)) for h, p in json.loads(value)]
             for r, value in self._read_per_rank("ep", ranks).items()
         }
+
+    def publish_reach(self, rank: int, address: tuple[str, int]) -> None:
+        self.store.set(f"reach/{rank}", json.dumps(list(address)))
+
+    def read_reach(self, ranks: Iterable[int]) -> dict[int, tuple[str, int]]:
+        """Published reach ports of ``ranks``; ranks that published none are left out."""
+        out = {}
+        for r, value in self._read_per_rank("reach", ranks).items():
+            host, port = json.loads(value)
+            out[r] = (str(host), int(port))
+        return out
 
     # ---------------------------------------------------------------- clock
     def serve_clock(self, job_start_ns: int, timeout_s: float) -> None:

@@ -614,6 +614,15 @@ def find_unresponsive(view: JobView, unresponsive_s: float) -> list[Verdict]:
                 **last,
             )
         )
+        if not gone and view.reach.get(rank):
+            evidence.append(
+                Evidence.of(
+                    "host_answers",
+                    "its host {host} answers a TCP handshake from the diagnoser: the link is up, "
+                    "the fault is in the process",
+                    host=s.host,
+                )
+            )
         group = ops[0][1].to_dict() if ops else None
         verdicts.append(
             Verdict(

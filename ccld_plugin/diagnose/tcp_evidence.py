@@ -212,8 +212,10 @@ def _silent(view: JobView, ranks: list[int]) -> list[Evidence]:
 
 def cut_off_rank(view: JobView, rank: int, peers: Iterable[int]) -> Located | None:
     """Whether ``rank``, silent and seemingly absent from a stuck op, is cut off: its
-    summaries stopped while its peers' connections to it stall unacknowledged. Then its
-    stale summary says nothing about what it does, and the hang is on its link."""
+    summaries stopped while its peers' connections to it stall unacknowledged, or, where
+    the peers have nothing outstanding toward it, while its host does not answer the
+    observer's handshake. Then its stale summary says nothing about what it does, and the
+    hang is on its link."""
     interval = interval_s(view)
     if not is_silent(view, rank, interval):
         return None
@@ -224,7 +226,7 @@ def cut_off_rank(view: JobView, rank: int, peers: Iterable[int]) -> Located | No
         if e.peer == rank and why == "network"
     ]
     if not to_it:
-        return None
+        return _unreachable(view, rank, interval)
     evidence = [
         stall_evidence(r, e, why) for r, e, why in sorted(to_it, key=lambda x: -x[1].stalled_s)[:4]
     ]
@@ -241,6 +243,32 @@ def cut_off_rank(view: JobView, rank: int, peers: Iterable[int]) -> Located | No
     return Located(
         [rank], [senders[0], rank] if len(senders) == 1 and len(ps) == 1 else None, evidence
     )
+
+
+def _unreachable(view: JobView, rank: int, interval: float) -> Located | None:
+    """``rank`` cut off, by the observer's handshake to its host (``control.reach``): no
+    answer, while the store answers the observer and other ranks report (else the
+    observer's own link is as likely down: ``diagnose.isolation``)."""
+    if view.reach.get(rank) is not False or view.store_failed is not None:
+        return None
+    silent = view.silent(SILENT_INTERVALS * interval)
+    heard = len(view.summaries) - len(silent | view.gone) - (view.observer in view.summaries)
+    if heard < 1:
+        return None
+    s = view.summaries[rank]
+    evidence = [
+        Evidence.of(
+            "host_unreachable",
+            "rank {rank}'s host {host} does not answer a TCP handshake from the diagnoser "
+            "(rank {observer}) while the other ranks report: a live kernel answers even when its "
+            "process is stuck, so its link (or the host) is down",
+            rank=rank,
+            host=s.host,
+            observer=view.observer,
+        ),
+        *_silent(view, [rank]),
+    ]
+    return Located([rank], None, evidence)
 
 
 def peers_reported_since(view: JobView, rank: int, since_ns: int) -> bool:

@@ -70,6 +70,9 @@ class JobView:
     # rounds, its lease, the W&B sink) spent on the CPU lately: they hold that rank's GIL,
     # so its compute is slower by up to as much, which is the plugin's doing, not the job's.
     observer_load: float = 0.0
+    # By silent rank: whether its host answered the observer's last TCP handshake
+    # (control.reach); a rank not in it was not probed, or its handshake is under way.
+    reach: dict[int, bool] = field(default_factory=dict)
     # Nothing more will be reported: a post-mortem's boards, a diagnoser's last round on
     # its way out.
     final: bool = False

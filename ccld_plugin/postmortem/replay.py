@@ -63,6 +63,7 @@ def replay(
             observer=r.observer,
             store_local=r.store_local,
             store_failed=r.store_failed,
+            reach=r.reach,
             observer_load=r.observer_load,
         )
         verdicts += diagnoser.round(view)

@@ -20,8 +20,10 @@ from ccld_plugin.agent.agent import LocalReport
 from ccld_plugin.board.process import HOST_BYTES, process_alive
 from ccld_plugin.config import CcldConfig, to_yaml
 from ccld_plugin.control import ControlPlane, owner_record, request_timeout_s, resync_epoch
+from ccld_plugin.control.reach import ReachProbe
 from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
 from ccld_plugin.diagnose.analyzer import located_by_channels
+from ccld_plugin.diagnose.tcp_evidence import SILENT_INTERVALS
 from ccld_plugin.diagnose.view import topology_of
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.sinks import Sink
@@ -121,6 +123,8 @@ class DiagnoserService:
         self._stop = threading.Event()
         # (when, CPU seconds) of the diagnosis' own threads, at the recent rounds
         self._cpu: deque[tuple[float, float]] = deque()
+        # Handshakes to silent ranks' hosts: a cut link from a wedged process (control.reach)
+        self._reach = ReachProbe(self._read_reach)
         self._recorder: RoundRecorder | None = None
         if cfg.diagnoser.record:
             try:
@@ -155,6 +159,7 @@ class DiagnoserService:
                 sink.close()
             except Exception as exc:  # noqa: BLE001
                 report_error("diagnoser.sink", exc)
+        self._reach.close()
         if self._recorder is not None:
             self._recorder.close()
         if self.config_file is not None and self.cfg.board.cleanup:
@@ -311,6 +316,7 @@ class DiagnoserService:
                     store_local=view.store_local,
                     store_failed=view.store_failed,
                     observer_load=view.observer_load,
+                    reach=view.reach,
                 )
             )
         except Exception as exc:  # noqa: BLE001
@@ -365,7 +371,7 @@ class DiagnoserService:
         if self._topology is None or len(self._view_tables) != len(summaries):
             tables = {r: self._tables[r][1] for r in summaries.ranks.tolist()}
             self._topology, self._view_tables = topology_of(tables), tables
-        return JobView(
+        view = JobView(
             summaries=summaries,
             tables=self._view_tables,
             now_ns=self.clock_ns(),
@@ -379,6 +385,31 @@ class DiagnoserService:
             observer_load=self.load() if self.rank >= 0 else 0.0,
             final=last,
         )
+        view.reach = self._probe_silent(view)
+        return view
+
+    def _probe_silent(self, view: JobView) -> dict[int, bool]:
+        """Start or advance handshakes to the ranks that fell silent (not gone, not
+        exited); by rank, whether its host answered the last one."""
+        t = view.columns
+        silent = view.silent(SILENT_INTERVALS * self.cfg.agent.interval_s)
+        silent -= {*t.ranks[t.exited].tolist(), self.rank}
+        control = None
+        if silent and not self._reach.verified:
+            # a rank that reports, on another host where one does: its answer shows that
+            # the ranks' ports can be reached from here at all
+            heard = [r for r in t.ranks.tolist() if r not in silent and r != self.rank]
+            elsewhere = [r for r in heard if view.summaries[r].host != self._host]
+            control = min(elsewhere or heard, default=None)
+        try:
+            return self._reach.update(silent, control)
+        except Exception as exc:  # noqa: BLE001 - no answer either way: as before probes
+            report_error("diagnoser.reach", exc)
+            return {}
+
+    def _read_reach(self, ranks: list[int]) -> dict[int, tuple[str, int]]:
+        # not while the store fails us: each read would wait out the request timeout
+        return {} if self._store_failed is not None else self.control.read_reach(ranks)
 
     def _summaries(self, raw: Mapping[int, bytes]) -> SummaryTable:
         """The summaries that decode and fit this job. A corrupt one is counted (contained

@@ -79,6 +79,29 @@ def test_comm_hang_names_the_rank_whose_link_is_cut(tmp_path: Path) -> None:
     assert summary["latency_s"][0]["latency_s"] <= 15
 
 
+def test_cut_link_of_a_straggler_its_peers_wait_for_is_named(tmp_path: Path) -> None:
+    # Rank 2 is slow (20x), and its link is cut half a second into its step, when its
+    # peers have long been inside the step's collective waiting to receive from it: what
+    # they sent it was acknowledged before the cut, nothing of theirs is outstanding, and
+    # their connections show no stall. Its host not answering the diagnoser's handshake
+    # (a wedged process's kernel would) names the cut.
+    code, summary = netns_demo(
+        tmp_path,
+        1,
+        1,
+        40,
+        "compute-slow@2:factor=50,step=2",
+        "comm-hang@2:step=4,after_s=0.3",
+        extra=CUT_LINK,
+    )
+    v = only(summary, "hang", "communication")
+    assert (v["ranks"], v["group"]["role"]) == ([2], "dp")
+    ev = facts(v["evidence"])
+    assert ev["host_unreachable"] and "link_stalled" not in ev, v["evidence"]
+    assert [e["data"]["rank"] for e in ev["summaries_stopped"]] == [2]
+    assert len(summary["verdicts"]) == 1
+
+
 @pytest.mark.parametrize(
     ("diagnoser", "standby"),
     [(0, True), (2, True), (2, False)],

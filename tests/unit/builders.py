@@ -67,8 +67,10 @@ def job_view(
     now_ns: int = NOW,
     world: int | None = None,
     gone: Iterable[int] = (),
+    **where: Any,
 ) -> JobView:
-    """One diagnoser round's view of ``summaries`` (by rank) and the ranks' group tables."""
+    """One diagnoser round's view of ``summaries`` (by rank) and the ranks' group tables;
+    ``where``: the observer's side of it (observer, store_failed, reach, ...)."""
     by_rank = dict(summaries) if isinstance(summaries, Mapping) else {s.rank: s for s in summaries}
     return JobView(
         summaries=by_rank,
@@ -77,6 +79,7 @@ def job_view(
         job_start_ns=0,
         world=len(by_rank) if world is None else world,
         gone=set(gone),
+        **where,
     )
 
 

@@ -238,6 +238,34 @@ def test_a_silent_rank_waits_for_the_peer_that_entered_an_op_with_it_last() -> N
     assert u.ranks == [2] and u.evidence[0].fact == "heartbeat_stopped"
 
 
+def test_a_silent_rank_whose_host_does_not_answer_is_cut_off() -> None:
+    # Rank 2 fell silent with nothing of its peers outstanding toward it (they wait to
+    # receive from it): the connections cannot tell a cut from a wedged process; the
+    # diagnoser's handshake to its host can (control.reach).
+    idle = {0: [entry(3, sent=10**6)], 1: [entry(2, sent=10**6)], 3: [entry(2, sent=10**6)]}
+
+    def at(reach: dict[int, bool], ages: dict[int, float] | None = None, **kw: object) -> JobView:
+        v = view(
+            {**idle, 2: []}, ages={0: 1.0, 1: 1.0, 3: 1.0, 2: 6.0, **(ages or {})}, interval=1.0
+        )
+        return job_view(v.summaries, v.tables, v.now_ns, world=4, observer=0, reach=reach, **kw)
+
+    found = cut_off_rank(at({2: False}), 2, range(4))
+    assert found is not None and found.ranks == [2]
+    ev = facts(found.evidence)
+    assert ev["host_unreachable"][0]["data"]["rank"] == 2 and ev["summaries_stopped"]
+    assert find_unresponsive(at({2: False}), 4.0) == []  # a hang on its link, not this
+    # Its host answers: the process is wedged, and the verdict says so.
+    assert cut_off_rank(at({2: True}), 2, range(4)) is None
+    (u,) = find_unresponsive(at({2: True}), 4.0)
+    assert u.ranks == [2] and "host_answers" in facts(u.evidence)
+    # Not probed yet, or the observer's own store fails it, or nobody else reports (its
+    # own link is as likely down): no evidence either way.
+    assert cut_off_rank(at({}), 2, range(4)) is None
+    assert cut_off_rank(at({2: False}, store_failed="StoreTimeout"), 2, range(4)) is None
+    assert cut_off_rank(at({2: False}, {1: 6.0, 3: 6.0}), 2, range(4)) is None
+
+
 def test_single_stalled_link_breaks_the_tie_by_silence() -> None:
     v = view({0: [entry(2, **CUT)], 2: []}, ages={2: 4.0})
     found = channel_evidence(v, DP4[1], [0, 2])

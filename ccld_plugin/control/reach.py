@@ -1,0 +1,202 @@
+"""Whether a silent rank's host still answers: a TCP handshake from the diagnoser.
+
+A rank whose summaries stop is either wedged (its process stopped, holding the GIL, its
+agent dead) or cut off from the network. Its peers' connections tell the two apart only
+while they have data outstanding toward it: a live kernel acknowledges it, a cut link does
+not. A cut that lands while the peers wait to *receive* from the rank leaves nothing
+outstanding, and the two look the same. Then someone has to send: every agent listens on
+a port of its own (:class:`ReachPort`, address published at start as ``reach/<rank>``),
+and the diagnoser starts a handshake to a silent rank's port (:class:`ReachProbe`). The
+rank's kernel completes (or refuses) it whatever its processes do, so an answer says the
+host is reachable; none within ``PROBE_TIMEOUT_S`` says its link (or the host) is down.
+
+Only silent ranks are probed, one handshake in flight per rank, repeated every
+``REPROBE_S`` while the rank stays silent, and at most ``MAX_IN_FLIGHT`` at once: the
+traffic is a few SYNs to the job's own hosts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import select
+import socket
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from ccld_plugin.errors import report_error
+
+__all__ = ["PROBE_TIMEOUT_S", "ReachPort", "ReachProbe", "route_source"]
+
+PROBE_TIMEOUT_S = 3.0  # SYNs retransmit at 1 s and 3 s: two chances on a lossy link
+REPROBE_S = 10.0  # a link that comes back is seen within this
+READDRESS_S = 5.0  # a rank whose address was not found is looked up again after this
+MAX_IN_FLIGHT = 256
+# What a connect ends in when the host's kernel answered: accepted, refused (no listener:
+# the process is gone), or reset.
+_ANSWERED = {0, errno.ECONNREFUSED, errno.ECONNRESET}
+
+
+def route_source(host: str, port: int) -> str:
+    """The local address this host sends from to reach ``host`` (no packet is sent): the
+    address on the network the store, and so the diagnoser, sits on."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind, proto) as s:
+        s.connect(addr)
+        return str(s.getsockname()[0])
+
+
+class ReachPort:
+    """A listening socket that only the kernel needs to answer: the agent accepts and
+    closes what connected at each tick, so the queue never fills while the process runs,
+    and while it is stopped the kernel still completes handshakes (up to the backlog)."""
+
+    def __init__(self, address: str) -> None:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
+            self._sock.listen(64)
+            self._sock.setblocking(False)
+        except OSError:
+            self._sock.close()
+            raise
+        self.address = (address, self._sock.getsockname()[1])
+
+    def drain(self) -> None:
+        """Close every connection accepted since the last call."""
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                report_error("agent.reach", exc)
+                return
+            conn.close()
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+@dataclass
+class _Try:
+    sock: socket.socket
+    started: float
+
+
+@dataclass(frozen=True)
+class Reach:
+    """The last handshake's outcome for a rank: answered or not, and when it ended."""
+
+    answered: bool
+    at: float
+
+
+class ReachProbe:
+    """Handshakes to silent ranks, advanced one non-blocking step per diagnoser round.
+
+    ``addresses(ranks)`` reads the published ports of ``ranks`` (missing ones left out).
+    """
+
+    def __init__(
+        self,
+        addresses: Callable[[list[int]], Mapping[int, tuple[str, int]]],
+        timeout_s: float = PROBE_TIMEOUT_S,
+    ) -> None:
+        self._addresses = addresses
+        self._timeout_s = timeout_s
+        self._known: dict[int, tuple[str, int]] = {}
+        self._looked_up: dict[int, float] = {}
+        self._tries: dict[int, _Try] = {}
+        self._last: dict[int, Reach] = {}
+        self.verified = False  # some handshake was answered: the ports can be reached
+
+    def update(self, silent: Iterable[int], control: int | None = None) -> dict[int, bool]:
+        """Start or advance the handshakes to ``silent`` ranks (and drop those of ranks
+        that report again); by rank, whether its host answered the last one that ended.
+
+        Until some handshake was answered, one to ``control`` (a rank that reports) goes
+        with them, and an unanswered one counts for nothing: a firewall between the
+        diagnoser and the ranks' ports, or the diagnoser's own link, drops every handshake.
+        """
+        now = time.monotonic()
+        silent = set(silent)
+        wanted = set(silent)
+        if silent and not self.verified and control is not None:
+            wanted.add(control)
+        for rank in [r for r in self._tries if r not in wanted]:
+            self._tries.pop(rank).sock.close()
+        for rank in [r for r in self._last if r not in wanted]:
+            del self._last[rank]
+        self._poll(now)
+        self.verified = self.verified or any(r.answered for r in self._last.values())
+        due = [
+            r
+            for r in sorted(wanted)
+            if r not in self._tries and (r not in self._last or now - self._last[r].at >= REPROBE_S)
+        ]
+        self._look_up([r for r in due if r not in self._known], now)
+        for rank in due:
+            if len(self._tries) >= MAX_IN_FLIGHT:
+                break
+            if rank in self._known:
+                self._start(rank, now)
+        return {
+            r: reach.answered
+            for r, reach in self._last.items()
+            if r in silent and (reach.answered or self.verified)
+        }
+
+    def close(self) -> None:
+        for t in self._tries.values():
+            t.sock.close()
+        self._tries.clear()
+
+    def _look_up(self, ranks: list[int], now: float) -> None:
+        ranks = [r for r in ranks if now - self._looked_up.get(r, -READDRESS_S) >= READDRESS_S]
+        if not ranks:
+            return
+        for r in ranks:
+            self._looked_up[r] = now
+        try:
+            self._known.update(self._addresses(ranks))
+        except Exception as exc:  # noqa: BLE001 - the store may not answer: no probe now
+            report_error("diagnoser.reach", exc)
+
+    def _start(self, rank: int, now: float) -> None:
+        host, port = self._known[rank]
+        try:
+            info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+            family, kind, proto, _, addr = info
+            sock = socket.socket(family, kind, proto)
+        except OSError as exc:
+            report_error("diagnoser.reach", exc)
+            return
+        sock.setblocking(False)
+        code = sock.connect_ex(addr)
+        if code in (errno.EINPROGRESS, errno.EWOULDBLOCK):
+            self._tries[rank] = _Try(sock, now)
+            return
+        sock.close()
+        self._last[rank] = Reach(code in _ANSWERED, now)
+
+    def _poll(self, now: float) -> None:
+        if not self._tries:
+            return
+        ranks = {t.sock.fileno(): r for r, t in self._tries.items()}
+        poller = select.poll()  # not select(): no limit on descriptor numbers
+        for fd in ranks:
+            poller.register(fd, select.POLLOUT)
+        for fd, _ in poller.poll(0):
+            sock = self._tries[ranks[fd]].sock
+            code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            self._end(ranks[fd], code in _ANSWERED, now)
+        for rank in [r for r, t in self._tries.items() if now - t.started >= self._timeout_s]:
+            self._end(rank, False, now)
+
+    def _end(self, rank: int, answered: bool, now: float) -> None:
+        with contextlib.suppress(OSError):
+            self._tries.pop(rank).sock.close()
+        self._last[rank] = Reach(answered, now)
