@@ -138,7 +138,11 @@ def test_ddp_numerics_unchanged(tmp_path):
     plain = subprocess.run(
         [*_torchrun(3), script], env=_env("", 8), capture_output=True, text=True, timeout=180
     )
-    assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
+    # gloo can still abort a rank at teardown, after training and the digest ("terminate
+    # called without an active exception": torch's, with or without ccld; see the script;
+    # a fresh-clone CI run hit it in this reference run): the digest is what is compared.
+    teardown_abort = "terminate called without an active exception" in plain.stderr
+    assert plain.returncode == 0 or teardown_abort, plain.stdout[-3000:] + plain.stderr[-3000:]
     assert ccld_run(tmp_path, "ddp_plain.py", "", 8, world=3) == []
     assert _params_digest((tmp_path / "job.log").read_text()) == _params_digest(plain.stdout)
     for f in board_files(tmp_path / "j"):
