@@ -5,6 +5,7 @@ so both hand the diagnoser the same record for the same board.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -142,6 +143,16 @@ def final_summary(snap: BoardSnapshot, last: RankSummary, died: bool = True) -> 
     if died:
         s.flags |= FLAG_LAST_WORDS
     return s
+
+
+def as_board_stands(
+    board: str | os.PathLike[str], pid: int, last: RankSummary, died: bool
+) -> RankSummary | None:
+    """``last`` brought up to the rank's board as it stands (:func:`final_summary`), or
+    None when the board is not process ``pid``'s (a later run's)."""
+    with BoardReader(board) as reader:
+        snap = BoardSnapshot.read(reader)
+    return final_summary(snap, last, died) if snap.header.pid == pid else None
 
 
 def stuck_s(s: RankSummary) -> float:

@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from ccld_plugin.agent.board_summary import BoardSnapshot, final_summary
+from ccld_plugin.agent.board_summary import as_board_stands
 from ccld_plugin.agent.node_board import (
     EXITED,
     FRESH_TICKS,
@@ -28,7 +28,6 @@ from ccld_plugin.agent.node_board import (
     write_local,
 )
 from ccld_plugin.board.process import process_alive
-from ccld_plugin.board.reader import BoardReader
 from ccld_plugin.errors import report_error
 from ccld_plugin.wire.node_summary import encode_node, node_of, node_ranks
 from ccld_plugin.wire.summary import decode_summary, encode_summary
@@ -146,10 +145,9 @@ class NodeShare:
         """``rank``'s last summary brought up to its board (``final_summary``); its file's
         as it is when the board is another run's or cannot be read (counted)."""
         try:
-            with BoardReader(self._boards[rank]) as reader:
-                snap = BoardSnapshot.read(reader)
-            if snap.header.pid == s.pid:  # its board, not a later run's
-                return encode_summary(final_summary(snap, decode_summary(s.summary), died))
+            now = as_board_stands(self._boards[rank], s.pid, decode_summary(s.summary), died)
+            if now is not None:
+                return encode_summary(now)
         except Exception as exc:  # noqa: BLE001 - its last file stands
             report_error("agent.last_words", exc)
         return s.summary

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ccld_plugin.agent.agent import LocalReport
+from ccld_plugin.agent.board_summary import as_board_stands
 from ccld_plugin.board.process import HOST_BYTES, process_alive
 from ccld_plugin.config import CcldConfig, to_yaml
 from ccld_plugin.control import ControlPlane, owner_record, request_timeout_s, resync_epoch
@@ -29,7 +30,7 @@ from ccld_plugin.errors import log, report_error
 from ccld_plugin.sinks import Sink
 from ccld_plugin.wire.packed import PackedSummaries
 from ccld_plugin.wire.round_record import RecordedRound, RoundRecorder
-from ccld_plugin.wire.summary import HEAD_DTYPE
+from ccld_plugin.wire.summary import FLAG_LAST_WORDS, HEAD_DTYPE, encode_summary
 from ccld_plugin.wire.summary_batch import SummaryTable
 from ccld_plugin.wire.topology import GroupInfo, Topology, role_index
 
@@ -78,6 +79,7 @@ class DiagnoserService:
         own_report: Callable[[], LocalReport | None] = lambda: None,
         clock_ns: Callable[[], int] = time.monotonic_ns,
         serves_clock: bool = True,
+        boards: Path | None = None,
     ) -> None:
         self.cfg = cfg
         self.control = control
@@ -100,6 +102,10 @@ class DiagnoserService:
         self.world = world
         self.job_start_ns = job_start_ns
         self.sinks = sinks
+        # This host's board files: a rank of this host that dies is told as its board
+        # stood then (its last summary can be an interval older), read once.
+        self.boards = boards
+        self._words_read: set[tuple[int, int]] = set()
         self.diagnoser = Diagnoser(
             cfg.diagnoser, cfg.agent.interval_s, channel_evidence=located_by_channels
         )
@@ -371,13 +377,17 @@ class DiagnoserService:
         if self._topology is None or len(self._view_tables) != len(summaries):
             tables = {r: self._tables[r][1] for r in summaries.ranks.tolist()}
             self._topology, self._view_tables = topology_of(tables), tables
+        gone = self._gone(summaries)
+        words = self._last_words(summaries, gone)
+        if words:
+            summaries = self._summaries(words)
         view = JobView(
             summaries=summaries,
             tables=self._view_tables,
             now_ns=self.clock_ns(),
             job_start_ns=self.job_start_ns,
             world=self.world,
-            gone=self._gone(summaries),
+            gone=gone,
             topology=self._topology,
             observer=self.rank if self.rank >= 0 else None,
             store_local=self.control.store_local,
@@ -456,6 +466,27 @@ class DiagnoserService:
             for i in np.flatnonzero(local & ~summaries.exited).tolist()
             if process_alive(int(pids[i]), summaries.host(i)) is False
         }
+
+    def _last_words(self, summaries: SummaryTable, gone: set[int]) -> dict[int, bytes]:
+        """By rank gone on this host with no last words in its summary yet: its summary as
+        its board stood when it died (a node leader brings the same, but not when the job
+        comes down at once: a killed diagnoser was named at step 3, killed at 6)."""
+        if self.boards is None:
+            return {}
+        out = {}
+        for rank in sorted(gone):
+            last = summaries[rank]
+            if last.flags & FLAG_LAST_WORDS or (rank, last.pid) in self._words_read:
+                continue
+            self._words_read.add((rank, last.pid))
+            try:
+                now = as_board_stands(self.boards / f"rank{rank}.board", last.pid, last, died=True)
+            except Exception as exc:  # noqa: BLE001 - its last summary stands
+                report_error("diagnoser.last_words", exc)
+                continue
+            if now is not None:
+                out[rank] = encode_summary(now)
+        return out
 
     def _read_table(self, rank: int) -> tuple[int, list[GroupInfo]] | None:
         """A rank's group table from the store, or None (counted) when it is corrupt."""

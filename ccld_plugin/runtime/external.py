@@ -41,7 +41,9 @@ def run_diagnoser(
     control = ControlPlane.client(cfg.control, host, port, job, world)
     # the boards are where this host keeps them: the timeline needs the job on this host
     sinks = build_sinks(cfg.sinks, cfg.board_root() / job)
-    service = DiagnoserService(cfg, control, world, time.monotonic_ns(), sinks)
+    service = DiagnoserService(
+        cfg, control, world, time.monotonic_ns(), sinks, boards=cfg.board_root() / job
+    )
     service.start()
     log.warning(
         "ccld diagnoser: job %r, %d ranks, store %s:%d; verdicts to %s",

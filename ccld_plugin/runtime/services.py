@@ -88,6 +88,7 @@ def start(
             started_ns,
             build_sinks(cfg.sinks, board_path.parent),
             own_report=lambda: agent.latest,
+            boards=board_path.parent,
         )
         diag.config_file = _write_job_config(cfg, board_path.parent)
         diag.start()  # before the agent: it serves the clock handshake
@@ -112,6 +113,7 @@ def start(
                     clock.to_diag(time.monotonic_ns()) if clock else time.monotonic_ns()
                 ),
                 serves_clock=False,
+                boards=board_path.parent,
             )
 
         standby = Standby(cfg, control, take_over)

@@ -65,6 +65,9 @@ def test_killed_diagnoser_is_named_by_its_standby(tmp_path: Path, diagnoser: int
     code, summary = _demo(tmp_path, f"kill@{diagnoser}:step=5", diagnoser=diagnoser)
     v = only(summary, "unresponsive")
     assert v["ranks"] == [diagnoser] and facts(v["evidence"])["process_gone"]
+    # the step it died in, from its board (the job came down too fast for a node leader
+    # to publish it: the standby, on its host, reads the board itself)
+    assert v["step"] == 5, v
     assert summary["latency_s"][0]["verdict"] and code == 0
     standby = diagnoser + 1
     log = (tmp_path / "out" / "logs" / f"rank{standby}.log").read_text()
