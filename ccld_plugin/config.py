@@ -113,6 +113,10 @@ class AgentConfig:
     clock_resync_s: float = 60.0
     """Seconds between two clock handshakes with the diagnoser after the first (monotonic
     clocks of different hosts drift apart by up to ~10 ms an hour); 0: never."""
+    reach_port: bool = True
+    """Listen on a port of the rank's own (accepted and closed at once) that the diagnoser
+    connects to when the rank falls silent: its kernel answers while the process is
+    wedged, not while its link is cut. false: no port; such a silent rank stays ambiguous."""
 
     def __post_init__(self) -> None:
         _check(

@@ -128,7 +128,7 @@ class Agent:
         self._nccl = NcclChannels()
         # A port the diagnoser connects to when this rank falls silent: the kernel answers
         # it while the process is wedged, not while the link is cut (control.reach).
-        self._reach = _open_reach_port(control)
+        self._reach = _open_reach_port(control) if cfg.reach_port else None
         self._reach_published = False
         # The node's leader publishes this rank's summary in its node's frame; the rank
         # writes its own key only at exit, and while it cannot hand its summary over (no
