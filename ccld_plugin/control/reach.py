@@ -117,14 +117,14 @@ class ReachProbe:
         """Start or advance the handshakes to ``silent`` ranks (and drop those of ranks
         that report again); by rank, whether its host answered the last one that ended.
 
-        Until some handshake was answered, one to ``control`` (a rank that reports) goes
-        with them, and an unanswered one counts for nothing: a firewall between the
-        diagnoser and the ranks' ports, or the diagnoser's own link, drops every handshake.
+        Until some handshake was answered, one to ``control`` (a rank that reports) is
+        made, every ``REPROBE_S``, and an unanswered one counts for nothing: a firewall
+        between the diagnoser and the ranks' ports drops every handshake.
         """
         now = time.monotonic()
         silent = set(silent)
         wanted = set(silent)
-        if silent and not self.verified and control is not None:
+        if not self.verified and control is not None:
             wanted.add(control)
         for rank in [r for r in self._tries if r not in wanted]:
             self._tries.pop(rank).sock.close()
@@ -148,6 +148,13 @@ class ReachProbe:
             for r, reach in self._last.items()
             if r in silent and (reach.answered or self.verified)
         }
+
+    def prefetch(self, ranks: Iterable[int]) -> None:
+        """Look up the ports of ``ranks`` now, while the store answers: should the
+        diagnoser's own link go down, the store goes with it, and these are the hosts it
+        can still try."""
+        now = time.monotonic()
+        self._look_up([r for r in ranks if r not in self._known], now)
 
     def close(self) -> None:
         for t in self._tries.values():

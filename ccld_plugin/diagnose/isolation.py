@@ -67,10 +67,18 @@ def observer_isolated(view: JobView) -> Isolation | None:
         if view.store_failed is None:
             return None
         # A remote store that went down (its host died) silences everyone too; only the
-        # observer's own stalled connections put the fault on its side.
-        if not chan.stalled_links(view, [obs], to_anyone=True):
+        # observer's own stalled connections, or no peer's host answering its handshakes
+        # (the live hosts would), put the fault on its side.
+        if not chan.stalled_links(view, [obs], to_anyone=True) and not _unreached(view, peers):
             return None
     return Isolation(obs, peers, max(last), spread_s)
+
+
+def _unreached(view: JobView, peers: list[int]) -> list[int]:
+    """The peers whose hosts the observer tried and none of which answered (``control.
+    reach``; only counted once some handshake of the observer's was answered), or []."""
+    tried = [r for r in peers if r in view.reach]
+    return tried if len(tried) >= MIN_PEERS and not any(view.reach[r] for r in tried) else []
 
 
 def isolation_hang(
@@ -112,6 +120,17 @@ def isolation_hang(
                 "the control-plane store does not answer rank {rank}: {error}",
                 rank=iso.observer,
                 error=view.store_failed,
+            )
+        )
+    unreached = _unreached(view, iso.peers)
+    if unreached:
+        evidence.append(
+            Evidence.of(
+                "peers_unreachable",
+                "none of the hosts of ranks {ranks} answers a TCP handshake from rank {rank} "
+                "(earlier ones from it were answered): rank {rank}'s own link is down",
+                ranks=unreached,
+                rank=iso.observer,
             )
         )
     stalls = chan.stalled_links(view, [iso.observer], to_anyone=True)

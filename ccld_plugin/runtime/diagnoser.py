@@ -36,6 +36,9 @@ from ccld_plugin.wire.topology import GroupInfo, Topology, role_index
 
 __all__ = ["DiagnoserService"]
 
+# Ranks whose reach ports are looked up ahead (spread over the job), to try when this
+# diagnoser hears from nobody.
+LANDMARKS = 8
 MAX_ROUND_SHARE = 0.2  # of the diagnoser rank's time spent in diagnoser rounds
 LOAD_WINDOW_S = 10.0  # the diagnosis' load on its rank is measured over this long
 # Threads that only the diagnoser's rank runs (its rounds, its lease, the W&B sink): their
@@ -129,8 +132,12 @@ class DiagnoserService:
         self._stop = threading.Event()
         # (when, CPU seconds) of the diagnosis' own threads, at the recent rounds
         self._cpu: deque[tuple[float, float]] = deque()
-        # Handshakes to silent ranks' hosts: a cut link from a wedged process (control.reach)
+        # Handshakes to silent ranks' hosts: a cut link from a wedged process (control.reach).
+        # The landmarks, spread over the job (so on other hosts where there are several),
+        # have their ports looked up while the store answers: they are the hosts this
+        # diagnoser can still try when it hears from nobody.
         self._reach = ReachProbe(self._read_reach)
+        self._landmarks = sorted({world * k // LANDMARKS for k in range(LANDMARKS)} - {self.rank})
         self._recorder: RoundRecorder | None = None
         if cfg.diagnoser.record:
             try:
@@ -405,13 +412,12 @@ class DiagnoserService:
         silent = view.silent(SILENT_INTERVALS * self.cfg.agent.interval_s)
         silent -= {*t.ranks[t.exited].tolist(), self.rank}
         control = None
-        if silent and not self._reach.verified:
-            # a rank that reports, on another host where one does: its answer shows that
-            # the ranks' ports can be reached from here at all
-            heard = [r for r in t.ranks.tolist() if r not in silent and r != self.rank]
-            elsewhere = [r for r in heard if view.summaries[r].host != self._host]
-            control = min(elsewhere or heard, default=None)
         try:
+            if not self._reach.verified and self._store_failed is None:
+                # the first landmark that reports: its answer shows that the ranks' ports
+                # can be reached from here at all (once, while the job is healthy)
+                self._reach.prefetch(self._landmarks)
+                control = next((r for r in self._landmarks if r in t and r not in silent), None)
             return self._reach.update(silent, control)
         except Exception as exc:  # noqa: BLE001 - no answer either way: as before probes
             report_error("diagnoser.reach", exc)

@@ -115,8 +115,8 @@ def test_cut_link_of_the_diagnoser_rank_names_it(
     # the store at rank 0 stops answering it: its lease lapses and the standby (rank 3)
     # names it from outside; without a standby, it names itself, from its own stalled
     # links: the cut comes at step 10, once its connections are mapped to peers (that
-    # takes the store, one to two agent intervals after they open; cut before that, it
-    # cannot tell its own link from the store's host and names nobody).
+    # takes the store, one to two agent intervals after they open; an earlier cut is
+    # test_early_cut_of_a_lone_diagnoser_names_it's).
     code, summary = netns_demo(
         tmp_path,
         1,
@@ -144,6 +144,33 @@ def test_cut_link_of_the_diagnoser_rank_names_it(
         silent = ev["peers_silent_at_once"][0]["data"]["ranks"]
         assert silent == sorted({0, 1, 2, 3} - {diagnoser})
         assert ("store_unreachable" in ev) == (diagnoser != 0)
+    assert len(summary["verdicts"]) == 1 and code == 0
+
+
+def test_early_cut_of_a_lone_diagnoser_names_it(
+    tmp_path: Path,
+) -> None:
+    # Cut at step 2, perhaps before its connections are mapped to peers (that takes the
+    # store): its own links may say nothing, and the store (rank 0) does not answer it.
+    # What puts the fault on its side: none of the peers' hosts answers its handshakes
+    # (control.reach), which one of them answered while the job was healthy; a dead
+    # store host would leave the others answering.
+    code, summary = netns_demo(
+        tmp_path,
+        1,
+        1,
+        40,
+        "comm-hang@2:step=2",
+        extra=(*CUT_LINK, "diagnoser.rank=2", "diagnoser.standby=false"),
+    )
+    v = only(summary, "hang", "communication")
+    assert (v["ranks"], v["group"]["role"]) == ([2], "dp")
+    ev = facts(v["evidence"])
+    assert ev["peers_silent_at_once"] and ev["store_unreachable"]
+    # its own stalled links where they were mapped in time, its unanswered handshakes
+    # either way (whichever shows first)
+    unreached = [e["data"]["ranks"] for e in ev.get("peers_unreachable", [])]
+    assert unreached == [[0, 1, 3]] or ev.get("link_stalled"), v["evidence"]
     assert len(summary["verdicts"]) == 1 and code == 0
 
 

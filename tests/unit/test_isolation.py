@@ -129,3 +129,14 @@ def test_peers_silent_through_a_store_that_does_not_answer_are_not_named() -> No
     v.summaries[0] = _rank(0, 0.0, 12.0)  # no channel evidence of its own
     assert observer_isolated(v) is None
     assert _diagnoser().round(v) == []
+    # Its handshakes to the peers' hosts (control.reach): none answered, though one did
+    # before (a dead store host would leave the others answering): its own link is down.
+    v.reach = {1: False, 2: False, 3: False}
+    assert observer_isolated(v) is not None
+    (h,) = _diagnoser().round(v)
+    assert (h.kind, h.cause, h.ranks) == ("hang", "communication", [0])
+    assert facts(h.evidence)["peers_unreachable"][0]["data"]["ranks"] == [1, 2, 3]
+    # One peer's host answers: the store's host died, or its link: still nobody named.
+    v.reach = {1: True, 2: False, 3: False}
+    assert observer_isolated(v) is None
+    assert _diagnoser().round(v) == []

@@ -66,6 +66,18 @@ def test_a_reach_port_answers_and_a_dropped_handshake_does_not() -> None:
         assert probe.update({2}) == {2: False}
         assert probe.update(set()) == {}
         assert sorted(r for call in looked_up for r in call) == [1, 2, 3]
+        # While nobody is silent: the control's handshake alone, with addresses looked up
+        # ahead (the diagnoser's landmarks), so that a later silence needs no store.
+        looked_up.clear()
+        healthy = ReachProbe(read, timeout_s=0.3)
+        healthy.prefetch([1, 2])
+        deadline = time.monotonic() + 3.0
+        while not healthy.verified and time.monotonic() < deadline:
+            assert healthy.update(set(), control=1) == {}
+            time.sleep(0.02)
+        assert healthy.verified and looked_up == [[1, 2]]
+        assert _rounds(healthy, {2}, ended={2}) == {2: False}
+        healthy.close()
         probe.close()
     finally:
         port.close()
