@@ -114,9 +114,10 @@ class AgentConfig:
     """Seconds between two clock handshakes with the diagnoser after the first (monotonic
     clocks of different hosts drift apart by up to ~10 ms an hour); 0: never."""
     reach_port: bool = True
-    """Listen on a port of the rank's own (accepted and closed at once) that the diagnoser
-    connects to when the rank falls silent: its kernel answers while the process is
-    wedged, not while its link is cut. false: no port; such a silent rank stays ambiguous."""
+    """Hold a TCP port (bound, never listened on) that the diagnoser tries to connect to
+    when the rank falls silent: its kernel refuses the handshake while the process is
+    wedged, and nothing answers while its link is cut. false: no port; such a silent rank
+    stays ambiguous."""
 
     def __post_init__(self) -> None:
         _check(

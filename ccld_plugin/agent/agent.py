@@ -224,8 +224,6 @@ class Agent:
         next try is not due. Summaries go on every tick either way: the board and
         ``latest`` (a diagnoser in this process) keep them."""
         self._board.heartbeat()
-        if self._reach is not None:
-            self._reach.drain()
         groups = self.tracer.groups()
         signature = tuple((g.group_id, g.role) for g in groups)  # a role can be refined
         if signature != self._published_groups and self.latest_groups != signature:

@@ -40,6 +40,7 @@ import torch.distributed.distributed_c10d as c10d
 from ccld_plugin.config import ControlConfig
 from ccld_plugin.control.clock import CLOCK_ROUNDS, CLOCK_SPACING_S, ClockSync
 from ccld_plugin.control.deadline import DeadlineStore
+from ccld_plugin.control.reach import is_local_address
 from ccld_plugin.errors import report_error
 from ccld_plugin.wire.node_summary import decode_nodes, node_count
 from ccld_plugin.wire.packed import PackedSummaries
@@ -88,7 +89,7 @@ class ControlPlane:
         self.store = DeadlineStore(dist.PrefixStore(self.store_prefix, base))
         # A store on this host answers this rank even when its link is down: a diagnoser
         # here then hears nothing from anyone, the sign of its own isolation.
-        self.store_local = _is_local_address(base.host)
+        self.store_local = is_local_address(base.host)
         # Keys seen in this store. Summary, node and endpoint keys are set and emptied,
         # never deleted, so one seen is not checked again (at 65,536 ranks the check of
         # every node key cost about as much as reading them).
@@ -390,22 +391,6 @@ def _listen_on(host: str, port: int) -> socket.socket:
         f"the dedicated store cannot listen on MASTER_ADDR {host}:{port} ({'; '.join(errors)}); "
         "the diagnoser rank must run on that host (diagnoser.rank), or use control.store=auto"
     )
-
-
-def _is_local_address(host: str) -> bool:
-    """Whether ``host`` is an address of this host (of this network namespace): only a
-    local address can be bound."""
-    try:
-        for family, kind, proto, _, addr in socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM):
-            with socket.socket(family, kind, proto) as sock:
-                try:
-                    sock.bind(addr)
-                    return True
-                except OSError:
-                    continue
-    except OSError:
-        pass
-    return False
 
 
 def _own_client(cfg: ControlConfig) -> Any | None:

@@ -4,21 +4,22 @@ A rank whose summaries stop is either wedged (its process stopped, holding the G
 agent dead) or cut off from the network. Its peers' connections tell the two apart only
 while they have data outstanding toward it: a live kernel acknowledges it, a cut link does
 not. A cut that lands while the peers wait to *receive* from the rank leaves nothing
-outstanding, and the two look the same. Then someone has to send: every agent listens on
-a port of its own (:class:`ReachPort`, address published at start as ``reach/<rank>``),
+outstanding, and the two look the same. Then someone has to send: every agent holds a
+port of its own (:class:`ReachPort`, address published at start as ``reach/<rank>``),
 and the diagnoser starts a handshake to a silent rank's port (:class:`ReachProbe`). The
-rank's kernel completes (or refuses) it whatever its processes do, so an answer says the
-host is reachable; none within ``PROBE_TIMEOUT_S`` says its link (or the host) is down.
+rank's kernel refuses it whatever its processes do, so an answer says the host is
+reachable; none within ``PROBE_TIMEOUT_S`` says its link (or the host) is down.
 
-Only silent ranks are probed, one handshake in flight per rank, repeated every
-``REPROBE_S`` while the rank stays silent, and at most ``MAX_IN_FLIGHT`` at once: the
-traffic is a few SYNs to the job's own hosts.
+Only silent ranks are probed, one handshake in flight per rank (the next as the last
+ends: one a round while the host answers, one per ``PROBE_TIMEOUT_S`` while it does not),
+and at most ``MAX_IN_FLIGHT`` at once: the traffic is a few SYNs to the job's own hosts.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import select
 import socket
 import time
@@ -30,12 +31,28 @@ from ccld_plugin.errors import report_error
 __all__ = ["PROBE_TIMEOUT_S", "ReachPort", "ReachProbe", "route_source"]
 
 PROBE_TIMEOUT_S = 3.0  # SYNs retransmit at 1 s and 3 s: two chances on a lossy link
-REPROBE_S = 10.0  # a link that comes back is seen within this
+CONTROL_EVERY_S = 30.0  # a control handshake that went unanswered is tried again after this
 READDRESS_S = 5.0  # a rank whose address was not found is looked up again after this
 MAX_IN_FLIGHT = 256
-# What a connect ends in when the host's kernel answered: accepted, refused (no listener:
-# the process is gone), or reset.
+# What a connect ends in when the host's kernel answered: refused (the reach port, never
+# listened on), accepted, or reset.
 _ANSWERED = {0, errno.ECONNREFUSED, errno.ECONNRESET}
+
+
+def is_local_address(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is an address of this host, of this network
+    namespace: only a local address can be bound."""
+    try:
+        for family, kind, proto, _, addr in socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM):
+            with socket.socket(family, kind, proto) as sock:
+                try:
+                    sock.bind(addr)
+                    return True
+                except OSError:
+                    continue
+    except OSError:
+        pass
+    return False
 
 
 def route_source(host: str, port: int) -> str:
@@ -48,33 +65,19 @@ def route_source(host: str, port: int) -> str:
 
 
 class ReachPort:
-    """A listening socket that only the kernel needs to answer: the agent accepts and
-    closes what connected at each tick, so the queue never fills while the process runs,
-    and while it is stopped the kernel still completes handshakes (up to the backlog)."""
+    """A TCP port held by the rank and never listened on: a handshake to it is refused by
+    the host's kernel (a reset) whatever the process does, with no queue to fill, and no
+    other program can take the port while the rank lives."""
 
     def __init__(self, address: str) -> None:
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             self._sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
-            self._sock.listen(64)
-            self._sock.setblocking(False)
         except OSError:
             self._sock.close()
             raise
         self.address = (address, self._sock.getsockname()[1])
-
-    def drain(self) -> None:
-        """Close every connection accepted since the last call."""
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                report_error("agent.reach", exc)
-                return
-            conn.close()
 
     def close(self) -> None:
         self._sock.close()
@@ -104,39 +107,55 @@ class ReachProbe:
         self,
         addresses: Callable[[list[int]], Mapping[int, tuple[str, int]]],
         timeout_s: float = PROBE_TIMEOUT_S,
+        is_local: Callable[[str], bool] | None = None,
     ) -> None:
         self._addresses = addresses
         self._timeout_s = timeout_s
+        # Ranks of this host are not probed: their kernel is this one (it always answers),
+        # and whether their process lives is read in /proc.
+        self._is_local = functools.cache(is_local or is_local_address)
         self._known: dict[int, tuple[str, int]] = {}
         self._looked_up: dict[int, float] = {}
         self._tries: dict[int, _Try] = {}
         self._last: dict[int, Reach] = {}
         self.verified = False  # some handshake was answered: the ports can be reached
+        self._control_at = -CONTROL_EVERY_S
 
-    def update(self, silent: Iterable[int], control: int | None = None) -> dict[int, bool]:
+    def update(self, silent: Iterable[int], controls: Iterable[int] = ()) -> dict[int, bool]:
         """Start or advance the handshakes to ``silent`` ranks (and drop those of ranks
         that report again); by rank, whether its host answered the last one that ended.
 
-        Until some handshake was answered, one to ``control`` (a rank that reports) is
-        made, every ``REPROBE_S``, and an unanswered one counts for nothing: a firewall
-        between the diagnoser and the ranks' ports drops every handshake.
+        A silent rank is probed again as soon as its last handshake ended (an answer says
+        only that its host was reachable then). Until some handshake was answered, one to
+        the first of ``controls`` (ranks that report) on another host is made every
+        ``CONTROL_EVERY_S``, and an unanswered one counts for nothing: a firewall between
+        the diagnoser and the ranks' ports drops every handshake. Ranks of this host are
+        not probed.
         """
         now = time.monotonic()
-        silent = set(silent)
-        wanted = set(silent)
-        if not self.verified and control is not None:
-            wanted.add(control)
-        for rank in [r for r in self._tries if r not in wanted]:
+        silent = {r for r in silent if not self._here(r)}
+        control = None
+        if not self.verified:
+            controls = list(controls)
+            self._look_up([r for r in controls if r not in self._known], now)
+            control = next((r for r in controls if r in self._known and not self._here(r)), None)
+        for rank in [r for r in self._tries if r not in silent and r != control]:
             self._tries.pop(rank).sock.close()
-        for rank in [r for r in self._last if r not in wanted]:
-            del self._last[rank]
         self._poll(now)
         self.verified = self.verified or any(r.answered for r in self._last.values())
-        due = [
-            r
-            for r in sorted(wanted)
-            if r not in self._tries and (r not in self._last or now - self._last[r].at >= REPROBE_S)
-        ]
+        # Only handshakes made while a rank is silent count for it: the control's answer,
+        # made while it reported, says nothing of it should it fall silent later.
+        for rank in [r for r in self._last if r not in silent]:
+            del self._last[rank]
+        due = [r for r in sorted(silent) if r not in self._tries]
+        if (
+            not self.verified
+            and control is not None
+            and control not in self._tries
+            and now - self._control_at >= CONTROL_EVERY_S
+        ):
+            self._control_at = now
+            due.append(control)
         self._look_up([r for r in due if r not in self._known], now)
         for rank in due:
             if len(self._tries) >= MAX_IN_FLIGHT:
@@ -149,12 +168,16 @@ class ReachProbe:
             if r in silent and (reach.answered or self.verified)
         }
 
-    def prefetch(self, ranks: Iterable[int]) -> None:
-        """Look up the ports of ``ranks`` now, while the store answers: should the
-        diagnoser's own link go down, the store goes with it, and these are the hosts it
-        can still try."""
-        now = time.monotonic()
-        self._look_up([r for r in ranks if r not in self._known], now)
+    def hosts(self, answered: bool) -> set[str]:
+        """The addresses whose last handshake was (or went un-) ``answered``; unanswered
+        ones only once some handshake was answered."""
+        if not answered and not self.verified:
+            return set()
+        return {self._known[r][0] for r, reach in self._last.items() if reach.answered == answered}
+
+    def _here(self, rank: int) -> bool:
+        """Whether the rank's port is on this host (False while its address is unknown)."""
+        return rank in self._known and self._is_local(self._known[rank][0])
 
     def close(self) -> None:
         for t in self._tries.values():

@@ -22,7 +22,12 @@ from ccld_plugin.diagnose.hang import (
     find_mismatches,
     find_unresponsive,
 )
-from ccld_plugin.diagnose.isolation import Isolation, isolation_hang, observer_isolated
+from ccld_plugin.diagnose.isolation import (
+    Isolation,
+    cut_off_behind_store,
+    isolation_hang,
+    observer_isolated,
+)
 from ccld_plugin.diagnose.nccl_evidence import nccl_evidence
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.slow import SlowDetector
@@ -85,7 +90,13 @@ class Diagnoser:
         all_silent = _all_peers_silent(view, interval)
         if all_silent:
             isolated = observer_isolated(view)
-            if isolated is None and (view.store_local or view.store_failed is not None):
+            # (a peer's host that answers the observer's handshake ends it: its link works)
+            reached = any(view.reach.values())
+            if (
+                isolated is None
+                and (view.store_local or view.store_failed is not None)
+                and not reached
+            ):
                 # Once seen, the isolation explains the peers' silence until one speaks
                 # again: its own signs (a stalled link's retransmissions) come and go.
                 isolated = self._isolation
@@ -96,10 +107,10 @@ class Diagnoser:
             v = isolation_hang(view, isolated, self.threshold_s)
             return self._new([v] if v is not None else [])
         if all_silent and view.store_failed is not None:
-            # The observer hears nobody through a store that does not answer it, and its
-            # own links do not show where the fault is (its link, or the store's host):
-            # the peers' silence is its own, and says nothing of them.
-            return []
+            # The observer hears nobody through a store that does not answer it, and it
+            # is not isolated itself: the peers' silence is the store's, and says nothing
+            # of them; only its handshakes single out ranks that are cut off.
+            return self._new(cut_off_behind_store(view))
         lost = find_unresponsive(view, self.cfg.unresponsive_s)
         unresponsive = [v for v in lost if not self._fallout_of_stall(view, v.ranks[0])]
         mismatches = find_mismatches(view, self.threshold_s)

@@ -26,7 +26,7 @@ from ccld_plugin.diagnose import tcp_evidence as chan
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.view import JobView
 
-__all__ = ["Isolation", "isolation_hang", "observer_isolated"]
+__all__ = ["Isolation", "cut_off_behind_store", "isolation_hang", "observer_isolated"]
 
 # "At once": the peers' last summaries lie within this many agent intervals of each other
 # (a link cut between two ticks stops every peer within one interval; load adds a little).
@@ -63,8 +63,15 @@ def observer_isolated(view: JobView) -> Isolation | None:
     spread_s = (max(last) - min(last)) / 1e9
     if spread_s > AT_ONCE_INTERVALS * interval:
         return None
+    if any(view.reach.get(r) for r in peers):
+        return None  # a peer's host answers its handshake: its own link works
     if not view.store_local:
         if view.store_failed is None:
+            return None
+        # The observer's handshakes to the silent peers' hosts (control.reach) start once
+        # they fall silent, and a reachable host answers within a round: give them two
+        # intervals before reading the silence as the observer's own.
+        if (view.now_ns - max(last)) / 1e9 < (chan.SILENT_INTERVALS + 2) * interval:
             return None
         # A remote store that went down (its host died) silences everyone too; only the
         # observer's own stalled connections, or no peer's host answering its handshakes
@@ -160,3 +167,59 @@ def isolation_hang(
         severity=round(b.age_s, 1),
         evidence=evidence,
     )
+
+
+def cut_off_behind_store(view: JobView) -> list[Verdict]:
+    """Every peer silent through a store that does not answer the observer, which is not
+    isolated itself: the ranks whose hosts do not answer its handshakes while others'
+    do (``control.reach``) are cut off, a communication hang on each (the store's host
+    among them, typically: the peers' silence is the store's). Nothing where no
+    handshake tells them apart."""
+    obs = view.observer
+    answered = sorted(r for r, ok in view.reach.items() if ok)
+    lost = sorted(r for r, ok in view.reach.items() if not ok)
+    if obs is None or obs not in view.summaries or not answered or not lost:
+        return []
+    mine = view.blocked().get(obs)
+    stalls = chan.stalled_links(view, [obs], to_anyone=True)
+    verdicts = []
+    for rank in lost:
+        s = view.summaries[rank]
+        groups = view.groups_at(rank)
+        group = mine.group if mine is not None and rank in mine.group.ranks else None
+        if group is None and groups:
+            group = max(groups, key=lambda g: g.size if g.role != "world" else 0)
+        evidence = [
+            Evidence.of(
+                "host_unreachable",
+                "rank {rank}'s host {host} does not answer a TCP handshake from the "
+                "diagnoser (rank {observer}), while the hosts of ranks {answered} do: its "
+                "link (or the host) is down",
+                rank=rank,
+                host=s.host,
+                observer=obs,
+                answered=answered,
+            ),
+            Evidence.of(
+                "store_unreachable",
+                "the control-plane store does not answer rank {rank}: {error}",
+                rank=obs,
+                error=view.store_failed,
+            ),
+            *(chan.stall_evidence(r, e, why) for r, e, why in stalls if e.peer == rank),
+        ]
+        verdicts.append(
+            Verdict(
+                kind=Kind.HANG,
+                cause=Cause.COMMUNICATION,
+                ranks=[rank],
+                group=group.to_dict() if group is not None else None,
+                op=mine.op_name if mine is not None and group is mine.group else None,
+                step=s.step,
+                onset_s=view.seconds(s.time_ns),
+                detected_s=view.seconds(view.now_ns),
+                severity=round((view.now_ns - s.time_ns) / 1e9, 1),
+                evidence=evidence,
+            )
+        )
+    return verdicts

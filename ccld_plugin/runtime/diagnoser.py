@@ -215,8 +215,14 @@ class DiagnoserService:
             # As with any lease: unrenewed for as long as the standby waits, it may have
             # passed to the standby, which reaches the store where we do not. Say nothing
             # rather than twice (the standby names us; without one, we stay in charge).
+            # Unless the store's own host does not answer our handshakes: then no standby
+            # off that host reaches the store either, to take the lease over.
             unrenewed_s = (time.monotonic_ns() - self._renewed_ns) / 1e9
-            return not self.cfg.diagnoser.standby or unrenewed_s < self._lease_s
+            return (
+                not self.cfg.diagnoser.standby
+                or unrenewed_s < self._lease_s
+                or self._store_host_cut_off()
+            )
         if owner is not None and owner != self._owner:
             self.in_charge = False
             self._stop.set()
@@ -226,6 +232,18 @@ class DiagnoserService:
                 owner.decode(errors="replace"),
             )
         return self.in_charge
+
+    def _store_host_cut_off(self) -> bool:
+        """Whether our handshakes do not reach the store's host while they reach others'
+        (so it is that host's link that is down, not ours)."""
+        try:
+            host, port = self.control.address
+            store = {str(a[4][0]) for a in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+        except OSError:
+            return False
+        return bool(store & self._reach.hosts(answered=False)) and bool(
+            self._reach.hosts(answered=True)
+        )
 
     def _run(self) -> None:
         try:
@@ -411,14 +429,14 @@ class DiagnoserService:
         t = view.columns
         silent = view.silent(SILENT_INTERVALS * self.cfg.agent.interval_s)
         silent -= {*t.ranks[t.exited].tolist(), self.rank}
-        control = None
+        controls: list[int] = []
         try:
             if not self._reach.verified and self._store_failed is None:
-                # the first landmark that reports: its answer shows that the ranks' ports
-                # can be reached from here at all (once, while the job is healthy)
-                self._reach.prefetch(self._landmarks)
-                control = next((r for r in self._landmarks if r in t and r not in silent), None)
-            return self._reach.update(silent, control)
+                # landmarks that report: an answer of one shows that the ranks' ports can
+                # be reached from here at all (once, while the job is healthy; their
+                # ports are looked up for it, to be tried should the store cut us off)
+                controls = [r for r in self._landmarks if r in t and r not in silent]
+            return self._reach.update(silent, controls)
         except Exception as exc:  # noqa: BLE001 - no answer either way: as before probes
             report_error("diagnoser.reach", exc)
             return {}

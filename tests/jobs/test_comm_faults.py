@@ -174,6 +174,34 @@ def test_early_cut_of_a_lone_diagnoser_names_it(
     assert len(summary["verdicts"]) == 1 and code == 0
 
 
+def test_cut_store_host_is_named_by_a_diagnoser_elsewhere(tmp_path: Path) -> None:
+    # Rank 0 hosts the store; the diagnoser is rank 1. Cut rank 0's link: the store stops
+    # answering everyone, so the diagnoser hears from nobody, and its own link to rank 0
+    # stalls, as if it were the one cut off. Its handshakes tell: ranks 2 and 3's hosts
+    # answer, rank 0's does not. (Before: no verdict at all, the job hung.)
+    code, summary = netns_demo(
+        tmp_path, 1, 1, 40, "comm-hang@0:step=5", extra=(*CUT_LINK, "diagnoser.rank=1")
+    )
+    v = only(summary, "hang", "communication")
+    assert (v["ranks"], v["group"]["role"]) == ([0], "dp")
+    ev = facts(v["evidence"])
+    assert ev["host_unreachable"][0]["data"]["answered"] == [2, 3]
+    assert ev["store_unreachable"]
+    assert len(summary["verdicts"]) == 1 and code == 0
+
+
+def test_frozen_rank_on_another_host_is_unresponsive_and_its_host_answers(
+    tmp_path: Path,
+) -> None:
+    # SIGSTOP: every thread stopped, its connections open; its kernel still refuses the
+    # diagnoser's handshake to its reach port: the link is up, the process is stuck.
+    code, summary = netns_demo(tmp_path, 1, 1, 40, "freeze@2:step=5", extra=CUT_LINK)
+    v = only(summary, "unresponsive")
+    ev = facts(v["evidence"])
+    assert v["ranks"] == [2] and ev["heartbeat_stopped"] and ev["host_answers"]
+    assert len(summary["verdicts"]) == 1 and code == 0
+
+
 def test_compute_slow_and_comm_slow_on_different_ranks(tmp_path: Path) -> None:
     code, summary = netns_demo(
         tmp_path,

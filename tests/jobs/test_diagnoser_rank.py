@@ -81,8 +81,6 @@ def test_frozen_diagnoser_is_taken_over_while_the_job_hangs(tmp_path: Path) -> N
     code, summary = _demo(tmp_path, "freeze@0:step=5", diagnoser=0)
     v = only(summary, "unresponsive")
     assert v["ranks"] == [0] and facts(v["evidence"])["heartbeat_stopped"]
-    # its kernel still answers the standby's handshake: the process, not its link
-    assert facts(v["evidence"])["host_answers"]
     assert not [x for x in summary["verdicts"] if x["kind"] in ("hang", "deadlock")]
     assert summary["latency_s"][0]["verdict"] and code == 0
     # 4 intervals of lease + unresponsive_s (4 s) after the freeze, with slack for load.

@@ -136,7 +136,38 @@ def test_peers_silent_through_a_store_that_does_not_answer_are_not_named() -> No
     (h,) = _diagnoser().round(v)
     assert (h.kind, h.cause, h.ranks) == ("hang", "communication", [0])
     assert facts(h.evidence)["peers_unreachable"][0]["data"]["ranks"] == [1, 2, 3]
-    # One peer's host answers: the store's host died, or its link: still nobody named.
+    # One peer's host answers (another host: ranks of its own are not probed): the
+    # observer's link works, the others' hosts are cut off, the store's among them.
     v.reach = {1: True, 2: False, 3: False}
     assert observer_isolated(v) is None
+    got = _diagnoser().round(v)
+    assert [(h.kind, h.cause, h.ranks) for h in got] == [
+        ("hang", "communication", [2]),
+        ("hang", "communication", [3]),
+    ]
+    ev = facts(got[0].evidence)
+    assert ev["host_unreachable"][0]["data"]["answered"] == [1] and ev["store_unreachable"]
+    # No handshake ended yet: nobody named.
+    v.reach = {}
     assert _diagnoser().round(v) == []
+
+
+def test_a_peer_that_answers_the_observers_handshake_ends_its_isolation() -> None:
+    # The store (elsewhere) went silent for the observer, which has a stalled link (to the
+    # peer that was cut, rank 1): it looks isolated at first. Then the other peers'
+    # hosts answer its handshakes and rank 1's does not: rank 1 is the one cut off (the
+    # store's host, in a live run that named the observer before).
+    d = _diagnoser()
+    v = _view({1: 4.0, 2: 4.1, 3: 4.2}, store_local=False, store_failed="timeout")
+    assert observer_isolated(v) is not None
+    v.summaries[0].in_flight = []  # between ops: no verdict yet, the isolation is kept
+    assert d.round(v) == []
+    v = _view({1: 6.0, 2: 6.1, 3: 6.2}, store_local=False, store_failed="timeout")
+    v.reach = {1: False, 2: True, 3: True}
+    assert observer_isolated(v) is None
+    (h,) = d.round(v)
+    assert (h.kind, h.cause, h.ranks) == ("hang", "communication", [1])
+    assert [e.fact for e in h.evidence][:2] == ["host_unreachable", "store_unreachable"]
+    # a silence too young for the handshakes to have answered is not read as isolation
+    young = _view({1: 1.5, 2: 1.6, 3: 1.7}, store_local=False, store_failed="timeout")
+    assert observer_isolated(young) is None

@@ -13,25 +13,28 @@ def _rounds(
     probe: ReachProbe,
     silent: set[int],
     ended: set[int],
-    control: int | None = None,
+    controls: tuple[int, ...] | list[int] = (),
     until_s: float = 3.0,
 ) -> dict[int, bool]:
     """Diagnoser rounds every 20 ms until the ``ended`` ranks' handshakes ended, or
     ``until_s``."""
     deadline = time.monotonic() + until_s
-    got = probe.update(silent, control)
+    got = probe.update(silent, controls)
     while set(got) != ended and time.monotonic() < deadline:
         time.sleep(0.02)
-        got = probe.update(silent, control)
+        got = probe.update(silent, controls)
     return got
 
 
-def _full_listener() -> tuple[socket.socket, list[socket.socket]]:
-    """A listening socket whose accept queue is full: its kernel drops new handshakes,
-    as a host behind a cut link never answers them."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(0)
+def _elsewhere(host: str) -> bool:
+    """These loopback ports stand for other hosts' (ranks of the diagnoser's own host are
+    not probed)."""
+    return False
+
+
+def _fill(srv: socket.socket) -> list[socket.socket]:
+    """Fill the accept queue of ``srv`` (listening with backlog 0): from then on its
+    kernel drops new handshakes, as a host behind a cut link never answers them."""
     fillers = []
     for _ in range(4):
         c = socket.socket()
@@ -39,7 +42,14 @@ def _full_listener() -> tuple[socket.socket, list[socket.socket]]:
         c.connect_ex(srv.getsockname())
         fillers.append(c)
     time.sleep(0.1)
-    return srv, fillers
+    return fillers
+
+
+def _full_listener() -> tuple[socket.socket, list[socket.socket]]:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(0)
+    return srv, _fill(srv)
 
 
 def test_a_reach_port_answers_and_a_dropped_handshake_does_not() -> None:
@@ -55,28 +65,36 @@ def test_a_reach_port_answers_and_a_dropped_handshake_does_not() -> None:
 
         # Until some handshake is answered, an unanswered one says nothing (a firewall
         # drops them all): rank 2 alone gives no result.
-        probe = ReachProbe(read, timeout_s=0.3)
+        probe = ReachProbe(read, timeout_s=0.3, is_local=_elsewhere)
         assert _rounds(probe, {2}, ended={2}, until_s=0.6) == {} and not probe.verified
         # With a reporting rank (1) as the control, which answers, it does.
-        got = _rounds(probe, {2, 3}, ended={2}, control=1)
+        got = _rounds(probe, {2, 3}, ended={2}, controls=[1])
         assert got == {2: False} and probe.verified  # rank 3 published no port
         assert _rounds(probe, {1, 2}, ended={1, 2}) == {1: True, 2: False}
-        port.drain()  # the agent's tick: what connected is closed, the queue stays empty
         # A rank that reports again is forgotten; addresses are looked up once.
         assert probe.update({2}) == {2: False}
         assert probe.update(set()) == {}
         assert sorted(r for call in looked_up for r in call) == [1, 2, 3]
-        # While nobody is silent: the control's handshake alone, with addresses looked up
-        # ahead (the diagnoser's landmarks), so that a later silence needs no store.
+        # While nobody is silent: the control's handshake alone, the controls' addresses
+        # looked up (the diagnoser's landmarks), so that a later silence needs no store.
         looked_up.clear()
-        healthy = ReachProbe(read, timeout_s=0.3)
-        healthy.prefetch([1, 2])
+        ctl = socket.socket()
+        ctl.bind(("127.0.0.1", 0))
+        ctl.listen(0)
+        addresses[4] = ctl.getsockname()
+        healthy = ReachProbe(read, timeout_s=0.3, is_local=_elsewhere)
         deadline = time.monotonic() + 3.0
         while not healthy.verified and time.monotonic() < deadline:
-            assert healthy.update(set(), control=1) == {}
+            assert healthy.update(set(), controls=[4, 2]) == {}
             time.sleep(0.02)
-        assert healthy.verified and looked_up == [[1, 2]]
-        assert _rounds(healthy, {2}, ended={2}) == {2: False}
+        assert healthy.verified and looked_up == [[4, 2]]
+        # The control falls silent, its host now dropping handshakes: the answer it gave
+        # while it reported does not count for it (a cut store host was taken for
+        # reachable), only one made since.
+        fillers += _fill(ctl)
+        assert 4 not in healthy.update({2, 4})
+        assert _rounds(healthy, {2, 4}, ended={2, 4}) == {2: False, 4: False}
+        ctl.close()
         healthy.close()
         probe.close()
     finally:
@@ -92,3 +110,14 @@ def test_a_store_that_does_not_answer_leaves_the_probe_without_addresses() -> No
 
     probe = ReachProbe(read)
     assert probe.update({1, 2}) == {}  # contained: no probe, no verdict evidence
+
+
+def test_ranks_of_the_diagnosers_own_host_are_not_probed() -> None:
+    port = ReachPort("127.0.0.1")
+    try:
+        probe = ReachProbe(lambda ranks: {r: port.address for r in ranks})
+        assert probe.update({1}) == {}  # its address looked up: on this host
+        time.sleep(0.05)
+        assert probe.update({1}) == {} and not probe.verified
+    finally:
+        port.close()
