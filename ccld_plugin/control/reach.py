@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from ccld_plugin.errors import report_error
 
-__all__ = ["PROBE_TIMEOUT_S", "ReachPort", "ReachProbe", "route_source"]
+__all__ = ["PROBE_TIMEOUT_S", "ReachPort", "ReachProbe", "is_local_address", "route_source"]
 
 PROBE_TIMEOUT_S = 3.0  # SYNs retransmit at 1 s and 3 s: two chances on a lossy link
 CONTROL_EVERY_S = 30.0  # a control handshake that went unanswered is tried again after this
