@@ -232,7 +232,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "seconds": round(time.perf_counter() - t_start, 3),
     }
     print("result " + json.dumps(result), flush=True)
+    # The engine holds the groups: left to interpreter exit, gloo can abort a process
+    # ("terminate called without an active exception"; a CI run saw it with ccld off).
+    del engine
     dist.barrier()
+    dist.destroy_process_group()
     return 0
 
 
