@@ -27,6 +27,7 @@ from ccld_plugin.agent.node_board import (
     summary_path,
     write_local,
 )
+from ccld_plugin.board.job_files import board_file
 from ccld_plugin.board.process import process_alive
 from ccld_plugin.errors import report_error
 from ccld_plugin.wire.node_summary import encode_node, node_of, node_ranks
@@ -55,9 +56,8 @@ class NodeShare:
         self._gather_s = GATHER_SHARE * interval_s
         self._stop = stop
         self._path = summary_path(board_path)
-        # Boards of one job are <folder>/rank<r>.board (runtime.session.board_path).
         self._boards = {
-            r: board_path.with_name(f"rank{r}.board")
+            r: board_file(board_path.parent, r)
             for r in node_ranks(self.node, ranks_per_node, world)
             if r != rank
         }

@@ -9,9 +9,14 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["JOB_CONFIG", "read_stack", "remove_stack", "stack_path", "write_stack"]
+__all__ = ["JOB_CONFIG", "board_file", "read_stack", "remove_stack", "stack_path", "write_stack"]
 
 JOB_CONFIG = "ccld-config.yaml"  # in the job's board directory, written by the diagnoser rank
+
+
+def board_file(job_dir: Path, rank: int) -> Path:
+    """Rank ``rank``'s board in its job's board directory."""
+    return job_dir / f"rank{rank}.board"
 
 
 def stack_path(board: Path) -> Path:

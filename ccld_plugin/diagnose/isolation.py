@@ -88,6 +88,15 @@ def _unreached(view: JobView, peers: list[int]) -> list[int]:
     return tried if len(tried) >= MIN_PEERS and not any(view.reach[r] for r in tried) else []
 
 
+def _store_unreachable(view: JobView) -> Evidence:
+    return Evidence.of(
+        "store_unreachable",
+        "the control-plane store does not answer rank {rank}: {error}",
+        rank=view.observer,
+        error=view.store_failed,
+    )
+
+
 def isolation_hang(
     view: JobView, iso: Isolation, threshold_s: Callable[[int], float]
 ) -> Verdict | None:
@@ -121,14 +130,7 @@ def isolation_hang(
         ),
     ]
     if view.store_failed is not None:
-        evidence.append(
-            Evidence.of(
-                "store_unreachable",
-                "the control-plane store does not answer rank {rank}: {error}",
-                rank=iso.observer,
-                error=view.store_failed,
-            )
-        )
+        evidence.append(_store_unreachable(view))
     unreached = _unreached(view, iso.peers)
     if unreached:
         evidence.append(
@@ -200,12 +202,7 @@ def cut_off_behind_store(view: JobView) -> list[Verdict]:
                 observer=obs,
                 answered=answered,
             ),
-            Evidence.of(
-                "store_unreachable",
-                "the control-plane store does not answer rank {rank}: {error}",
-                rank=obs,
-                error=view.store_failed,
-            ),
+            _store_unreachable(view),
             *(chan.stall_evidence(r, e, why) for r, e, why in stalls if e.peer == rank),
         ]
         verdicts.append(

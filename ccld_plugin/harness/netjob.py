@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
+from ccld_plugin.board.job_files import board_file
 from ccld_plugin.board.reader import BoardError, BoardReader
 from ccld_plugin.harness.faults import netns
 from ccld_plugin.harness.faults.netns import RANK_IFNAME, ClosedNetwork, NetnsError, available
@@ -151,7 +152,7 @@ class NetJob:
 
     def _reader(self, readers: dict[int, BoardReader], rank: int) -> BoardReader | None:
         if rank not in readers:
-            path = self.boards / f"rank{rank}.board"
+            path = board_file(self.boards, rank)
             if not path.exists():
                 return None
             try:

@@ -18,6 +18,7 @@ import numpy as np
 
 from ccld_plugin.agent.agent import LocalReport
 from ccld_plugin.agent.board_summary import as_board_stands
+from ccld_plugin.board.job_files import board_file
 from ccld_plugin.board.process import HOST_BYTES, process_alive
 from ccld_plugin.config import CcldConfig, to_yaml
 from ccld_plugin.control import ControlPlane, owner_record, request_timeout_s, resync_epoch
@@ -504,7 +505,7 @@ class DiagnoserService:
                 continue
             self._words_read.add((rank, last.pid))
             try:
-                now = as_board_stands(self.boards / f"rank{rank}.board", last.pid, last, died=True)
+                now = as_board_stands(board_file(self.boards, rank), last.pid, last, died=True)
             except Exception as exc:  # noqa: BLE001 - its last summary stands
                 report_error("diagnoser.last_words", exc)
                 continue

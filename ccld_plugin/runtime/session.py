@@ -27,6 +27,7 @@ import torch.distributed.distributed_c10d as c10d
 
 import ccld_plugin._native as _native
 from ccld_plugin import errors
+from ccld_plugin.board.job_files import board_file
 from ccld_plugin.config import (
     CcldConfig,
     ConfigError,
@@ -93,7 +94,7 @@ def _safe_name(text: str) -> str:
 
 
 def board_path(cfg: CcldConfig, rank: int) -> Path:
-    return cfg.board_root() / job_name(cfg) / f"rank{rank}.board"
+    return board_file(cfg.board_root() / job_name(cfg), rank)
 
 
 def current() -> Session | None:
