@@ -184,8 +184,14 @@ class ReachProbe:
             t.sock.close()
         self._tries.clear()
 
-    def _look_up(self, ranks: list[int], now: float) -> None:
-        ranks = [r for r in ranks if now - self._looked_up.get(r, -READDRESS_S) >= READDRESS_S]
+    def prefetch(self, ranks: Iterable[int]) -> None:
+        """Look up the ports of ``ranks`` not known yet, at every call: the diagnoser's
+        landmarks, while the store answers, so that it has hosts to try should its own
+        link go down early (a cut 0.7 s after the first round found none known)."""
+        self._look_up([r for r in ranks if r not in self._known], time.monotonic(), every_s=0.0)
+
+    def _look_up(self, ranks: list[int], now: float, every_s: float = READDRESS_S) -> None:
+        ranks = [r for r in ranks if now - self._looked_up.get(r, -every_s) >= every_s]
         if not ranks:
             return
         for r in ranks:

@@ -432,11 +432,14 @@ class DiagnoserService:
         silent -= {*t.ranks[t.exited].tolist(), self.rank}
         controls: list[int] = []
         try:
-            if not self._reach.verified and self._store_failed is None:
-                # landmarks that report: an answer of one shows that the ranks' ports can
-                # be reached from here at all (once, while the job is healthy; their
-                # ports are looked up for it, to be tried should the store cut us off)
-                controls = [r for r in self._landmarks if r in t and r not in silent]
+            if self._store_failed is None:
+                # the landmarks' ports, each round until known (a few keys): the hosts to
+                # try should the store cut us off
+                self._reach.prefetch(self._landmarks)
+                if not self._reach.verified:
+                    # landmarks that report: an answer of one shows that the ranks' ports
+                    # can be reached from here at all (once, while the job is healthy)
+                    controls = [r for r in self._landmarks if r in t and r not in silent]
             return self._reach.update(silent, controls)
         except Exception as exc:  # noqa: BLE001 - no answer either way: as before probes
             report_error("diagnoser.reach", exc)

@@ -121,3 +121,22 @@ def test_ranks_of_the_diagnosers_own_host_are_not_probed() -> None:
         assert probe.update({1}) == {} and not probe.verified
     finally:
         port.close()
+
+
+def test_landmarks_are_looked_up_at_every_call_until_known() -> None:
+    # A rank publishes its port at its first tick: a diagnoser's first round may come
+    # before. Looked up again at the next round (not READDRESS_S later), the ports are
+    # known before an early cut takes the store away (a CI run found none known).
+    published: dict[int, tuple[str, int]] = {}
+    calls: list[list[int]] = []
+
+    def read(ranks: list[int]) -> dict[int, tuple[str, int]]:
+        calls.append(ranks)
+        return {r: published[r] for r in ranks if r in published}
+
+    probe = ReachProbe(read)
+    probe.prefetch([0, 1])
+    published.update({0: ("10.0.0.1", 5), 1: ("10.0.0.2", 6)})
+    probe.prefetch([0, 1])
+    probe.prefetch([0, 1])  # all known: no lookup
+    assert calls == [[0, 1], [0, 1]]
