@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,11 +38,28 @@ class JobResult:
         ]
 
     def check(self) -> JobResult:
-        bad = {r: c for r, c in enumerate(self.codes) if c != 0}
+        bad = {
+            r: c
+            for r, c in enumerate(self.codes)
+            if c != 0 and not _teardown_abort(c, self.logs[r])
+        }
         assert not bad, f"ranks exited badly {bad}:\n" + "\n".join(
             f"--- rank {r}\n{self.logs[r][-3000:]}" for r in bad
         )
         return self
+
+
+def _teardown_abort(code: int | None, log: str) -> bool:
+    """gloo aborting a rank at interpreter exit, after it printed its result, with ccld
+    on or off, and with the process group destroyed ("terminate called without an active
+    exception", SIGABRT; two fresh-clone runs of this suite hit it with ccld off): torch's
+    teardown, not the job's run."""
+    lines = log.rstrip().splitlines()
+    return (
+        code == -signal.SIGABRT
+        and lines[-1:] == ["terminate called without an active exception"]
+        and any(line.startswith("result ") for line in lines)
+    )
 
 
 def run_job(
