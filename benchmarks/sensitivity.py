@@ -38,12 +38,19 @@ from ccld_plugin.config import load_config
 from ccld_plugin.harness.demo import DemoOptions, run_demo
 from ccld_plugin.harness.netjob import available
 
-LAYOUTS = {"dp4": (4, 1, 1), "tp2pp2": (4, 2, 2), "dp8": (8, 1, 1), "tp1pp2dp2": (4, 1, 2)}
+LAYOUTS = {
+    "dp4": (4, 1, 1),
+    "tp2pp2": (4, 2, 2),
+    "dp8": (8, 1, 1),
+    "tp1pp2dp2": (4, 1, 2),
+    "tp1pp4": (4, 1, 4),
+}
 LAYOUT_NAMES = {
     "dp4": "DP4 (w4)",
     "tp2pp2": "TP2xPP2 (w4, DP=1)",
     "dp8": "DP8",
     "tp1pp2dp2": "TP1xPP2xDP2 (w4)",
+    "tp1pp4": "TP1xPP4 (w4, one pipeline)",
 }
 
 

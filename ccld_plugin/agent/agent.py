@@ -31,9 +31,15 @@ from ccld_plugin.config import AgentConfig
 from ccld_plugin.control import ClockSync, ControlPlane, request_timeout_s, resync_epoch
 from ccld_plugin.control.reach import ReachPort, route_source
 from ccld_plugin.errors import log, report_error
-from ccld_plugin.wire.codes import FLAG_ASYNC, FLAG_P2P, STATE_DONE
+from ccld_plugin.wire.codes import FLAG_ASYNC, FLAG_P2P, FLAG_SEND, STATE_DONE
 from ccld_plugin.wire.peer_channels import MAX_ENTRIES, encode_channels, entry_order
-from ccld_plugin.wire.summary import ArrivalSample, RankSummary, StepStat, encode_summary
+from ccld_plugin.wire.summary import (
+    ArrivalSample,
+    P2PSample,
+    RankSummary,
+    StepStat,
+    encode_summary,
+)
 from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["Agent", "StepClock"]
@@ -46,6 +52,7 @@ __all__ = ["Agent", "StepClock"]
 # of 10 ticks still holds 20 of its collectives per group.
 SAMPLE_BUDGET = 32768  # per group slot, over all ranks
 MIN_SAMPLES, MAX_SAMPLES = 2, 128
+MAX_P2P_SAMPLES = 16  # per peer and direction and tick: a link's transfers, not every op
 STACK_FRAMES = 16
 MAX_BACKOFF_S = 30.0
 
@@ -316,6 +323,7 @@ class Agent:
         done = ops[(ops["state"] == STATE_DONE) & (ops["exit_ns"] > since)]
         summary.steps = self._step_stats(ops, clock.to_diag)
         summary.samples = self._samples(done, clock.to_diag)
+        summary.p2p = self._p2p_samples(done, clock.to_diag)
         summary.channels = self._channel_evidence(now)
         summary.stack = self._stack(stuck_s(summary))
         return summary
@@ -398,6 +406,35 @@ class Agent:
                     int(r["bytes"]),
                 )
                 for r in recs
+            ]
+        return out
+
+    def _p2p_samples(self, done: np.ndarray, diag: Any) -> list[P2PSample]:
+        """Point-to-point samples: per group, peer and direction, the sends (receives)
+        completed this tick whose seq is a multiple of a power of two chosen as for
+        collectives; the peer's receives (sends) of those seqs are picked the same way,
+        so the diagnoser can pair the two ends of each message."""
+        p2p = done[((done["flags"] & FLAG_P2P) != 0) & (done["peer"] >= 0)]
+        if not len(p2p):
+            return []
+        keep = min(MAX_P2P_SAMPLES, samples_per_group(self.control.world))
+        sends = (p2p["flags"] & FLAG_SEND) != 0
+        out = []
+        keys = np.stack([p2p["group_slot"], p2p["peer"], sends], axis=1).astype(np.int64)
+        for slot, peer, send in np.unique(keys, axis=0).tolist():
+            mine = p2p[(p2p["group_slot"] == slot) & (p2p["peer"] == peer) & (sends == send)]
+            every = 1 << max(0, int(np.ceil(np.log2(len(mine) / keep))))
+            out += [
+                P2PSample(
+                    slot,
+                    peer,
+                    bool(send),
+                    int(r["seq"]),
+                    diag(int(r["enter_ns"])),
+                    int((r["exit_ns"] - r["enter_ns"]) // 1000),
+                    int(r["bytes"]),
+                )
+                for r in mine[mine["seq"] % every == 0][-keep:]
             ]
         return out
 

@@ -9,7 +9,8 @@ first exit), then name
   hardly waits: its host's other work takes its cores (a noisy neighbour);
 - communication-bound slowness: a group whose transfer bandwidth is an outlier against its
   sibling groups of the same role or against its own history; slow groups of different
-  roles are intersected to find the common rank.
+  roles are intersected to find the common rank; slow links in the channel evidence, or,
+  in a pipeline with no sibling pipelines, in its messages' transfers (p2p_transfers).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose.arrivals import ArrivalJoin, JoinedTable, RankJoined
 from ccld_plugin.diagnose.compute_excess import Excess, compute_excess
+from ccld_plugin.diagnose.p2p_transfers import P2PJoin, Transfers, slow_p2p_port
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.robust import RankedValues
 from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkFinding
@@ -31,6 +33,7 @@ from ccld_plugin.diagnose.step_table import StepTable
 from ccld_plugin.diagnose.view import GroupIndex, JobView
 from ccld_plugin.errors import log
 from ccld_plugin.wire.summary import RankSummary
+from ccld_plugin.wire.summary_batch import table_of
 from ccld_plugin.wire.topology import GroupInfo, Topology
 
 __all__ = ["SlowDetector"]
@@ -125,6 +128,8 @@ class SlowDetector:
         # the last MAX_JOINED collectives joined, and how many were ever joined
         self.joined = JoinedTable.empty(self.arrivals.groups)
         self.joined_total = 0
+        self.p2p = P2PJoin(self.arrivals.index)
+        self.transfers = Transfers.empty()  # point-to-point messages paired, while judged
         self.next_end = FIRST_STEP + cfg.window_steps  # the step after the next window
         # Steps a straggler's excess is judged over: the confirming windows end to end, and
         # twice as many for a weak one (compute_excess).
@@ -156,6 +161,9 @@ class SlowDetector:
         self.channels.ingest(fresh)
         self.steps.ingest(fresh, self.next_end - max(self.spans) - self.cfg.window_steps)
         self.keep_joined(self.arrivals.add(view, fresh))
+        paired = self.p2p.add(view, table_of(fresh))
+        if len(paired.src):
+            self.transfers = Transfers.concat([self.transfers, paired])
 
     def keep_joined(self, new: JoinedTable) -> None:
         """Keep ``new`` after the collectives joined before, the last MAX_JOINED of all."""
@@ -201,6 +209,7 @@ class SlowDetector:
         keep_from = self.steps.first_start_ns(hi - max(self.spans))
         keep_from = t0 if keep_from is None else min(t0, keep_from)
         self.joined = self.joined.since_time(keep_from)
+        self.transfers = self.transfers.since(keep_from)
         step_us = dict(zip(window.ranks, window.step_us, strict=True))
         verdicts = self._stragglers(view, step_us, hi - 1, t1)
         if self._solo and lo >= FIRST_STEP:
@@ -505,7 +514,13 @@ class SlowDetector:
         # Channel evidence names the rank (or link) common to the slow connections, also
         # where no sibling group exists to compare bandwidth with (one DP group).
         judged = self.channels.slow_links(view, t0, t1, frozenset(stragglers))
-        found = judged.found
+        found, fresh = judged.found, judged.fresh
+        if found is None and len(self.transfers.src):
+            # a lone pipeline's links (P2PJoin): their messages' transfers
+            found = slow_p2p_port(
+                self.transfers, self.arrivals.groups, t0, t1, frozenset(stragglers)
+            )
+            fresh = fresh or found is not None
         if slow and found is None and judged.pending:
             # Low bandwidth with the links' own judgement still to come: a busy host slows
             # a group's transfers as much as a slow link does (seen: one DP group at 5.6x
@@ -513,7 +528,7 @@ class SlowDetector:
             for g, b, ref in slow:
                 _not_slow(lo, hi, g, b, ref, "its links are not judged yet")
             return []
-        if found is None and judged.fresh:
+        if found is None and fresh:
             # A group whose own connections were measured and found healthy did not move
             # slowly on the network: its members were slow to run (a busy host, a
             # straggler's TP peer), and that is no communication verdict.
@@ -530,13 +545,13 @@ class SlowDetector:
                 self._channel_found = None
                 return []
             # A window too short for the channel evidence holds its streak as it is.
-            return self._channel_slow(view, found, lo, hi) if judged.fresh else []
+            return self._channel_slow(view, found, lo, hi) if fresh else []
         common = set(slow[0][0].ranks)
         for g, _, _ in slow[1:]:
             common &= set(g.ranks)
         ranks = sorted(common) if common else sorted(set().union(*(g.ranks for g, _, _ in slow)))
         link = None
-        if judged.fresh and found is not None:
+        if fresh and found is not None:
             found = self._narrowed(found)
         if found is not None and set(found.ranks) <= set().union(*(g.ranks for g, _, _ in slow)):
             ranks, link = found.ranks, found.link

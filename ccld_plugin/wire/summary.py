@@ -31,24 +31,30 @@ __all__ = [
     "FLIGHT_DTYPE",
     "GROUP_DTYPE",
     "HEAD_DTYPE",
+    "P2P_DTYPE",
     "SAMPLE_DTYPE",
     "STEP_DTYPE",
     "ArrivalSample",
     "GroupProgress",
     "InFlightOp",
+    "P2PSample",
     "RankSummary",
     "StepStat",
     "SummaryError",
     "arrival_samples",
     "decode_summary",
     "encode_summary",
+    "encoded_p2p",
     "encoded_samples",
+    "p2p_rows_ok",
+    "p2p_samples",
     "upgraded_summary",
 ]
 
-# 2: a step's wait for a CPU (StepStat.cpu_wait_us). Version 1 values still decode (a
-# recording made before), with no wait.
-SUMMARY_VERSION = 2
+# 2: a step's wait for a CPU (StepStat.cpu_wait_us). 3: point-to-point samples, after the
+# channel evidence. Values of versions 1 and 2 still decode (a recording made before),
+# with no wait and no point-to-point samples.
+SUMMARY_VERSION = 3
 FLAG_EXITED = 1  # the rank left through the plugin's exit path
 FLAG_ERRORED = 2  # ...after a collective raised
 # made from its board by its node's leader after its process died (agent.node_share)
@@ -103,6 +109,19 @@ class ArrivalSample(NamedTuple):
     bytes: int
 
 
+class P2PSample(NamedTuple):
+    """When this rank entered and left one send to, or receive from, ``peer`` (a global
+    rank): the point-to-point join pairs the two ends of each message."""
+
+    slot: int
+    peer: int
+    sends: bool
+    seq: int  # the rank's count of its sends to (receives from) the peer in the group
+    enter_ns: int
+    dur_us: int
+    bytes: int
+
+
 @dataclass
 class RankSummary:
     rank: int
@@ -126,6 +145,9 @@ class RankSummary:
     # rank, and objects for each would cost more than the rest of the round.
     # ``arrival_samples`` decodes them.
     sample_rows: bytes = b""
+    # Point-to-point samples, the same way (``p2p_samples`` decodes them).
+    p2p: list[P2PSample] = field(default_factory=list)
+    p2p_rows: bytes = b""
 
     @property
     def exited(self) -> bool:
@@ -141,10 +163,22 @@ _FLIGHT = struct.Struct("<HBBiQQqB")
 _STEP = struct.Struct("<iiIII")
 _STEP_V1 = struct.Struct("<iiII")  # without the wait for a CPU
 _SAMPLE = struct.Struct("<HIiII")
+_P2P = struct.Struct("<HiBIiII")
 _FRAME_LEN = struct.Struct("<H")
 SAMPLE_DTYPE = np.dtype(
     [("slot", "<u2"), ("back", "<u4"), ("rel_us", "<i4"), ("dur_us", "<u4"), ("bytes", "<u4")]
 )  # _SAMPLE's rows, packed
+P2P_DTYPE = np.dtype(
+    [
+        ("slot", "<u2"),
+        ("peer", "<i4"),
+        ("sends", "u1"),
+        ("seq", "<u4"),
+        ("rel_us", "<i4"),
+        ("dur_us", "<u4"),
+        ("bytes", "<u4"),
+    ]
+)  # _P2P's rows, packed
 # The other records as numpy rows, for decoding many summaries at once (summary_batch).
 HEAD_DTYPE = np.dtype(
     [
@@ -201,6 +235,7 @@ STEP_DTYPE = np.dtype(
 )
 for _dtype, _struct in (
     (SAMPLE_DTYPE, _SAMPLE),
+    (P2P_DTYPE, _P2P),
     (HEAD_DTYPE, _HEAD),
     (GROUP_DTYPE, _GROUP),
     (FLIGHT_DTYPE, _FLIGHT),
@@ -277,7 +312,7 @@ def encode_summary(s: RankSummary) -> bytes:
     parts.append(encoded_samples(s))
     for f in stack:
         parts += [_FRAME_LEN.pack(len(f)), f]
-    parts.append(s.channels)
+    parts += [s.channels, encoded_p2p(s)]
     return b"".join(parts)
 
 
@@ -296,10 +331,10 @@ def decode_summary(data: bytes) -> RankSummary:
 
 
 def upgraded_summary(data: bytes) -> bytes:
-    """A summary value in this version's encoding: one of version 1 (a recording made
-    before) re-encoded, its steps without a wait for a CPU; any other (a corrupt one
+    """A summary value in this version's encoding: one of an earlier version (a recording
+    made before) re-encoded, without what that version lacked; any other (a corrupt one
     included, which the decoders refuse with their reason) as it is."""
-    if data[:1] != b"\x01":
+    if data[:1] not in (b"\x01", b"\x02"):
         return data
     try:
         return encode_summary(decode_summary(data))
@@ -308,9 +343,9 @@ def upgraded_summary(data: bytes) -> bytes:
 
 
 def _decode(data: bytes) -> RankSummary:
-    if len(data) < _HEAD.size or data[0] not in (1, SUMMARY_VERSION):
+    if len(data) < _HEAD.size or data[0] not in (1, 2, SUMMARY_VERSION):
         raise SummaryError("not a ccld summary of this version")
-    step_record = _STEP if data[0] == SUMMARY_VERSION else _STEP_V1
+    step_record = _STEP_V1 if data[0] == 1 else _STEP
     (
         _,
         flags,
@@ -361,7 +396,8 @@ def _decode(data: bytes) -> RankSummary:
             raise SummaryError("corrupt ccld summary (a stack frame longer than encoded)")
         stack.append(data[off + 2 : off + 2 + n].decode())
         off += 2 + n
-    if off + nchan != len(data):
+    p2p_bytes = len(data) - off - nchan
+    if p2p_bytes < 0 or p2p_bytes % _P2P.size or (p2p_bytes and data[0] != SUMMARY_VERSION):
         raise SummaryError("corrupt ccld summary (length mismatch)")
     return RankSummary(
         rank=rank,
@@ -378,8 +414,9 @@ def _decode(data: bytes) -> RankSummary:
         in_flight=flights,
         steps=steps,
         stack=stack,
-        channels=data[off:],
+        channels=data[off : off + nchan],
         sample_rows=data[ends[4] : ends[5]],
+        p2p_rows=data[off + nchan :],
     )
 
 
@@ -398,7 +435,20 @@ def _problem(s: RankSummary) -> str | None:
         return "an in-flight op with impossible fields"
     if not all(t.step >= 0 and t.compute_us + t.cpu_wait_us <= t.step_us for t in s.steps):
         return "a step with more compute than time"
+    if not p2p_rows_ok(np.frombuffer(s.p2p_rows, P2P_DTYPE)).all():
+        return "a point-to-point sample with impossible fields"
     return None
+
+
+def p2p_rows_ok(rows: np.ndarray) -> np.ndarray:
+    """Per P2P_DTYPE row: whether its fields are possible (a peer, a direction, a seq from
+    1, an entry not after its summary's own time)."""
+    return (
+        (rows["peer"] >= 0)
+        & (rows["sends"] <= 1)
+        & (rows["seq"] >= 1)
+        & (rows["rel_us"].astype(np.int64) * 1000 <= LATE_NS)
+    )
 
 
 def _op_ok(o: InFlightOp, late: int) -> bool:
@@ -441,4 +491,33 @@ def arrival_samples(s: RankSummary) -> list[ArrivalSample]:
     return [
         ArrivalSample(slot, completed.get(slot, 0) - back, s.time_ns + rel * 1000, d, b)
         for slot, back, rel, d, b in _SAMPLE.iter_unpack(s.sample_rows)
+    ]
+
+
+def encoded_p2p(s: RankSummary) -> bytes:
+    """The summary's point-to-point samples as encoded rows (P2P_DTYPE): a decoded
+    summary's own, or ``p2p`` packed, times relative to the summary's, in microseconds."""
+    if not s.p2p:
+        return s.p2p_rows
+    return b"".join(
+        _P2P.pack(
+            p.slot,
+            p.peer,
+            int(p.sends),
+            _clip32(p.seq),
+            _rel_us(p.enter_ns, s.time_ns),
+            _clip32(p.dur_us),
+            _clip32(p.bytes),
+        )
+        for p in s.p2p
+    )
+
+
+def p2p_samples(s: RankSummary) -> list[P2PSample]:
+    """The summary's point-to-point samples as objects (decoded from ``p2p_rows``)."""
+    if s.p2p or not s.p2p_rows:
+        return list(s.p2p)
+    return [
+        P2PSample(slot, peer, bool(sends), seq, s.time_ns + rel * 1000, d, b)
+        for slot, peer, sends, seq, rel, d, b in _P2P.iter_unpack(s.p2p_rows)
     ]

@@ -38,12 +38,15 @@ from ccld_plugin.wire.summary import (
     MAX_FRAME,
     MAX_FRAMES,
     MAX_HOST,
+    P2P_DTYPE,
     SAMPLE_DTYPE,
     STEP_DTYPE,
     SUMMARY_VERSION,
     RankSummary,
     _decode,
+    encoded_p2p,
     encoded_samples,
+    p2p_rows_ok,
 )
 
 __all__ = ["Summaries", "SummaryTable", "table_of"]
@@ -105,6 +108,8 @@ class SummaryTable(Mapping[int, RankSummary]):
         steps: np.ndarray,
         samples: np.ndarray,
         sample_rows: np.ndarray,
+        p2p: np.ndarray,
+        p2p_rows: np.ndarray,
         hosts: tuple[list[str], np.ndarray],
         values: PackedSummaries | list[RankSummary],
         channel_spans: np.ndarray,
@@ -115,6 +120,7 @@ class SummaryTable(Mapping[int, RankSummary]):
         self.steps = steps  # _STEPS
         self.samples = samples  # SAMPLE_DTYPE rows, encoded as sent ...
         self.sample_rows = sample_rows  # ... and the row of each
+        self.p2p, self.p2p_rows = p2p, p2p_rows  # P2P_DTYPE rows, the same way
         # host names: the distinct ones (a node's ranks share one), and each row's index
         self.host_names, self.host_ids = hosts
         self.ranks = ranks  # the key each summary was read under (heads["rank"]: its own)
@@ -177,8 +183,12 @@ class SummaryTable(Mapping[int, RankSummary]):
             except (ValueError, UnicodeDecodeError) as exc:
                 bad[ranks[i]] = f"corrupt ccld summary ({exc})"
                 ok[i] = False
-        mismatch = ok & (channels_at + n_channels != starts + lens)
+        # point-to-point samples fill the rest (of a value of this version)
+        p2p_at = channels_at + n_channels
+        rest = starts + lens - p2p_at
+        mismatch = ok & ((rest < 0) | (rest % P2P_DTYPE.itemsize != 0))
         ok &= _flagged(bad, ranks, mismatch, ok, "corrupt ccld summary (length mismatch)")
+        n_p2p = np.where(ok, rest // P2P_DTYPE.itemsize, 0)
         for k in counts:
             counts[k] = np.where(ok, counts[k], 0)
         heads = np.zeros(n, _HEADS)
@@ -188,6 +198,7 @@ class SummaryTable(Mapping[int, RankSummary]):
         f_raw, f_row = records(blob, flights_at, counts["n_flights"], FLIGHT_DTYPE)
         s_raw, s_row = records(blob, steps_at, counts["n_steps"], STEP_DTYPE)
         samples, sample_rows = records(blob, samples_at, counts["n_samples"], SAMPLE_DTYPE)
+        p2p, p2p_rows = records(blob, p2p_at, n_p2p, P2P_DTYPE)
         groups = _columns(g_raw, g_row, _GROUPS)
         flights = _columns(f_raw, f_row, _FLIGHTS)
         steps = np.zeros(len(s_raw), _STEPS)
@@ -197,7 +208,7 @@ class SummaryTable(Mapping[int, RankSummary]):
         steps["step_us"] = s_raw["step_us"]
         steps["compute_us"] = s_raw["compute_us"]
         steps["cpu_wait_us"] = s_raw["cpu_wait_us"]
-        spans = np.stack([channels_at - starts, lens], axis=1)
+        spans = np.stack([channels_at - starts, p2p_at - starts], axis=1)
         table = cls(
             packed.ranks,
             heads,
@@ -206,6 +217,8 @@ class SummaryTable(Mapping[int, RankSummary]):
             steps,
             samples,
             sample_rows,
+            p2p,
+            p2p_rows,
             (names, host_ids),
             packed,
             spans,
@@ -241,10 +254,29 @@ class SummaryTable(Mapping[int, RankSummary]):
         samples = np.frombuffer(b"".join(encoded), SAMPLE_DTYPE)
         sizes = [len(e) // SAMPLE_DTYPE.itemsize for e in encoded]
         sample_rows = np.repeat(np.arange(len(objs), dtype=np.int64), sizes)
+        p2p_encoded = [encoded_p2p(s) for s in objs]
+        p2p = np.frombuffer(b"".join(p2p_encoded), P2P_DTYPE)
+        p2p_rows = np.repeat(
+            np.arange(len(objs), dtype=np.int64),
+            [len(e) // P2P_DTYPE.itemsize for e in p2p_encoded],
+        )
         spans = np.full((len(objs), 2), -1, np.int64)
         hosts = ([s.host for s in objs], np.arange(len(objs), dtype=np.int64))
         keys = np.array(ranks, np.int64)
-        return cls(keys, heads, groups, flights, steps, samples, sample_rows, hosts, objs, spans)
+        return cls(
+            keys,
+            heads,
+            groups,
+            flights,
+            steps,
+            samples,
+            sample_rows,
+            p2p,
+            p2p_rows,
+            hosts,
+            objs,
+            spans,
+        )
 
     def select(self, keep: np.ndarray) -> SummaryTable:
         """The table of the rows where ``keep`` (a bool per row) is set."""
@@ -269,6 +301,7 @@ class SummaryTable(Mapping[int, RankSummary]):
             return a
 
         samples, sample_rows = part(self.samples, self.sample_rows)
+        p2p, p2p_rows = part(self.p2p, self.p2p_rows)
         table = SummaryTable(
             self.ranks[keep],
             self.heads[keep],
@@ -277,6 +310,8 @@ class SummaryTable(Mapping[int, RankSummary]):
             records(self.steps),
             samples,
             sample_rows,
+            p2p,
+            p2p_rows,
             (self.host_names, self.host_ids[keep]),
             kept,
             self._channel_spans[keep],
@@ -443,6 +478,8 @@ class SummaryTable(Mapping[int, RankSummary]):
         st = self.steps
         step_ok = (st["step"] >= 0) & (st["compute_us"] + st["cpu_wait_us"] <= st["step_us"])
         flag(_any_per_row(st["row"][~step_ok], len(h)), "a step with more compute than time")
+        bad_p2p = self.p2p_rows[~p2p_rows_ok(self.p2p)]
+        flag(_any_per_row(bad_p2p, len(h)), "a point-to-point sample with impossible fields")
         return found
 
 

@@ -1,11 +1,12 @@
 """A slow port names its rank; a slow connection names its link (issue 14 item 5).
 
-Real 4-rank TP2xPP2 jobs on the built-in torch workload, every rank in its own network
-namespace (ccld_plugin.harness.netjob). Rank 3 has links in two groups: its TP peer 2 and
-its PP peer 1. ``comm-slow@3`` shapes its whole link (every connection of rank 3: a slow
-NIC or switch port); ``comm-slow@2:peer=3`` shapes only the traffic between ranks 2 and 3
-(one connection), and leaves every other link of both alone. Traffic: a few MB per step
-between the run's namespaces, 30 steps at most; every namespace is removed at the end.
+Real 4-rank TP2xPP2 and TP1xPP4 jobs on the built-in torch workload, every rank in its own
+network namespace (ccld_plugin.harness.netjob). In TP2xPP2 rank 3 has links in two groups:
+its TP peer 2 and its PP peer 1; TP1xPP4 is one pipeline, whose links have no siblings.
+``comm-slow@R`` shapes R's whole link (every connection of R: a slow NIC or switch port);
+``comm-slow@R:peer=P`` shapes only the traffic between R and P (one connection), and leaves
+every other link of both alone. Traffic: a few MB per step between the run's namespaces,
+30 steps at most; every namespace is removed at the end.
 """
 
 from __future__ import annotations
@@ -87,3 +88,30 @@ def test_one_slow_connection_names_the_link(tmp_path: Path) -> None:
     assert len(summary["verdicts"]) == 1 and code == 0
     # A link is confirmed a window later than a rank (LINK_EXTRA_WINDOWS).
     assert summary["latency_s"][0]["steps_to_verdict"] <= 22
+
+
+def _p2p_connections(v: dict) -> set[tuple[int, int]]:
+    return {(e["data"]["a"], e["data"]["b"]) for e in facts(v["evidence"])["p2p_transfer"]}
+
+
+def test_slow_port_in_a_lone_pipeline_names_its_rank(tmp_path: Path) -> None:
+    # TP1xPP4 (DP=1): one pipeline, whose links have no sibling links to be compared with.
+    # Rank 2's port is shaped: its links to stages 1 and 3 are slow both ways, 0<->1 is not.
+    code, summary = netns_demo(
+        tmp_path, 1, 4, 30, "comm-slow@2:rate=30mbit,step=3", extra=NO_SHORT_HANGS
+    )
+    v = only(summary, "slow", "communication")
+    assert (v["ranks"], v["link"], v["group"]["role"]) == ([2], None, "pp"), v["evidence"]
+    assert _p2p_connections(v) == {(1, 2), (2, 3)}
+    assert len(summary["verdicts"]) == 1 and code == 0
+
+
+def test_one_slow_connection_in_a_lone_pipeline_names_the_link(tmp_path: Path) -> None:
+    # Only the traffic between stages 1 and 2 is shaped: each has a healthy other link.
+    code, summary = netns_demo(
+        tmp_path, 1, 4, 30, "comm-slow@1:rate=30mbit,peer=2,step=3", extra=NO_SHORT_HANGS
+    )
+    v = only(summary, "slow", "communication")
+    assert (v["ranks"], v["link"], v["group"]["role"]) == ([1, 2], [1, 2], "pp"), v["evidence"]
+    assert _p2p_connections(v) == {(1, 2)}
+    assert len(summary["verdicts"]) == 1 and code == 0

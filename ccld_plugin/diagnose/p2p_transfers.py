@@ -1,0 +1,304 @@
+"""Point-to-point transfers: the two ends of each sampled message, paired, and the slow
+port or link they show.
+
+Each rank samples a few of its sends and receives per peer and tick (``agent._p2p_samples``),
+the same seqs at both ends. A message whose send and receive have both been reported is
+*paired*: its transfer runs from the later of the two entries (before that, one end
+waited for the other to arrive: compute, not the network) to the receive's exit.
+
+This is the evidence for the links of a pipeline with no sibling pipelines (DP=1): they
+have no sibling links to be compared with, and their one-way flows leave the TCP channel
+evidence ambiguous (a healthy pipeline link's send queue waits on delayed ACKs as long
+as a shaped one's: ``slow_links``). Measured on TP1xPP4 (4 ranks, 2-core host), a send's
+transfer took 10-19 ms on the links of a rank whose port was shaped to 30 Mbit/s, and
+0.3-1.4 ms on the same links before the onset and on the pipeline's other links.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, defaultdict
+from typing import NamedTuple
+
+import numpy as np
+
+from ccld_plugin.diagnose.records import Evidence
+from ccld_plugin.diagnose.slow_links import LinkFinding
+from ccld_plugin.diagnose.view import GroupIndex, JobView
+from ccld_plugin.wire.summary_batch import SummaryTable
+from ccld_plugin.wire.topology import GroupInfo
+
+__all__ = ["P2PJoin", "Transfers", "slow_p2p_port"]
+
+PENDING_TTL_NS = 20_000_000_000  # an end whose other end never comes is dropped after this
+# A directed link is judged on a window with at least this many paired transfers.
+MIN_TRANSFERS = 3
+# Connections are judged by their round trip: the median transfer one way plus the other,
+# which cancels the two ranks' clock offset (a healthy link read 5 ms one way and 0 the
+# other on a loaded host). A slow port slows every connection of its rank: each takes
+# this many times longer per byte than the median of the job's connections that do not
+# touch the rank, and MIN_SLOW_ROUND_TRIP_NS there and back at least. A rank with one
+# peer (a pipeline's first or last stage) cannot be told from its one connection: that
+# link is named.
+# Measured on healthy TP1xPP4 and TP1xPP8 torch and TP1xPP4 Megatron jobs (850 steps,
+# 2-core host, 300 of them beside two busy processes), 64 KB messages: a rank's
+# connections stood at most 3.1x the others' (round trips up to 3.5 ms), a connection up to
+# 7.4x every other (7.8 ms, loaded); shaped to 30 Mbit/s (a rank's port, or one
+# connection), 29-31 ms, 29-31x.
+PORT_RATIO = 4.0
+MIN_SLOW_ROUND_TRIP_NS = 10_000_000
+# A reference round trip reads no less than this (healthy ones read ~0 +- the clocks' error).
+MIN_REF_ROUND_TRIP_NS = 1_000_000
+# A slow connection alone, against every other connection of the job.
+LINK_RATIO = 8.0
+# The slow connections cost the job: their messages' excess over the reference adds up to
+# this share of the window's time.
+MIN_WINDOW_SHARE = 0.05
+
+_COLUMNS = ("group", "src", "dst", "seq", "sends", "enter_ns", "exit_ns", "bytes", "seen_ns")
+Rows = dict[str, np.ndarray]
+
+
+class Transfers(NamedTuple):
+    """Paired messages as columns: sender, receiver, group (an index into the join's
+    groups), seq, the receive's exit, the transfer time and the bytes. The two ends'
+    times are on two ranks' clocks (each placed on the diagnoser's with some error: up
+    to a few ms on a loaded host), so a transfer may even read below zero."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    group: np.ndarray
+    seq: np.ndarray
+    time_ns: np.ndarray
+    transfer_ns: np.ndarray
+    bytes: np.ndarray
+
+    @classmethod
+    def empty(cls) -> Transfers:
+        return cls(*(np.zeros(0, np.int64) for _ in range(7)))
+
+    @staticmethod
+    def concat(parts: list[Transfers]) -> Transfers:
+        return Transfers(*(np.concatenate(c) for c in zip(*parts, strict=True)))
+
+    def where(self, keep: np.ndarray) -> Transfers:
+        return self if keep.all() else Transfers(*(c[keep] for c in self))
+
+    def since(self, t_ns: int) -> Transfers:
+        return self.where(self.time_ns >= t_ns)
+
+    def within(self, t0: int, t1: int) -> Transfers:
+        return self.where((self.time_ns >= t0) & (self.time_ns <= t1))
+
+
+class P2PJoin:
+    """The ends waiting for their other end, and the groups they belong to. Only messages
+    of groups with no sibling group of their role (one pipeline) are paired: elsewhere
+    the channel evidence compares a link with its siblings, and a job of thousands of
+    ranks has siblings for every group (its samples cost a mask, not a sort)."""
+
+    def __init__(self, index: GroupIndex) -> None:
+        self.index = index
+        self._pending: Rows = {c: np.zeros(0, np.int64) for c in _COLUMNS}
+        self._lone: tuple[object, int, np.ndarray] | None = None  # cached per topology
+
+    @property
+    def groups(self) -> list[GroupInfo]:
+        return self.index.groups
+
+    def add(self, view: JobView, table: SummaryTable) -> Transfers:
+        """Take in the point-to-point samples of ``table`` (summaries not seen before); the
+        messages now paired."""
+        rows = self._place(view, table)
+        if len(self._pending["group"]):
+            rows = {c: np.concatenate([self._pending[c], rows[c]]) for c in _COLUMNS}
+        if not len(rows["group"]):
+            return Transfers.empty()
+        # by message (group, sender, receiver, seq), its receive before its send
+        order = np.lexsort((rows["sends"], rows["seq"], rows["dst"], rows["src"], rows["group"]))
+        o = {c: rows[c][order] for c in _COLUMNS}
+        same = np.ones(len(order) - 1, bool)
+        for c in ("group", "src", "dst", "seq"):
+            same &= o[c][1:] == o[c][:-1]
+        pair = same & (o["sends"][:-1] == 0) & (o["sends"][1:] == 1)
+        recv = np.flatnonzero(pair)
+        send = recv + 1
+        paired = np.zeros(len(order), bool)
+        paired[recv] = paired[send] = True
+        waiting = ~paired & (view.now_ns - o["seen_ns"] < PENDING_TTL_NS)
+        self._pending = {c: o[c][waiting] for c in _COLUMNS}
+        start = np.maximum(o["enter_ns"][recv], o["enter_ns"][send])
+        return Transfers(
+            o["src"][recv],
+            o["dst"][recv],
+            o["group"][recv],
+            o["seq"][recv],
+            o["exit_ns"][recv],
+            o["exit_ns"][recv] - start,
+            np.maximum(o["bytes"][recv], o["bytes"][send]),
+        )
+
+    def _place(self, view: JobView, table: SummaryTable) -> Rows:
+        p = table.p2p
+        if not len(p):
+            return {c: np.zeros(0, np.int64) for c in _COLUMNS}
+        owner = table.p2p_rows
+        rank = table.ranks[owner].astype(np.int64)
+        group = self.index.lookup(view, rank, p["slot"].astype(np.int64))
+        known = group >= 0
+        known[known] = self._lone_groups(view)[group[known]]
+        p, owner, rank, group = p[known], owner[known], rank[known], group[known]
+        peer = p["peer"].astype(np.int64)
+        sends = p["sends"].astype(np.int64)
+        enter = table.heads["time_ns"][owner] + p["rel_us"].astype(np.int64) * 1000
+        return {
+            "group": group,
+            "src": np.where(sends == 1, rank, peer),
+            "dst": np.where(sends == 1, peer, rank),
+            "seq": p["seq"].astype(np.int64),
+            "sends": sends,
+            "enter_ns": enter,
+            "exit_ns": enter + p["dur_us"].astype(np.int64) * 1000,
+            "bytes": p["bytes"].astype(np.int64),
+            "seen_ns": np.full(len(rank), view.now_ns, np.int64),
+        }
+
+    def _lone_groups(self, view: JobView) -> np.ndarray:
+        """Per group of the index: whether it is the only group of its role."""
+        groups = self.groups
+        cached = self._lone
+        if cached is None or cached[0] is not view.topology or cached[1] != len(groups):
+            roles = Counter(g.role for g in view.topology.groups.values())
+            lone = np.array([roles[g.role] == 1 for g in groups], bool)
+            cached = self._lone = (view.topology, len(groups), lone)
+        return cached[2]
+
+
+class _Way(NamedTuple):
+    """One direction of a connection over a window: its transfers' median time (on two
+    ranks' clocks: off by their offset error) and bytes, how many were paired, and how
+    many messages it carried (the span of their seqs: the samples are a subset)."""
+
+    transfer_ns: float
+    bytes: float
+    paired: int
+    messages: int
+
+
+class _Connection(NamedTuple):
+    """Both directions of the connection between ranks ``a`` < ``b``: the two median
+    transfer times add up to a round trip free of the ranks' clock offset (one direction
+    reads it as much too long as the other too short)."""
+
+    a: int
+    b: int
+    there: _Way  # a -> b
+    back: _Way  # b -> a
+    group: int
+
+    @property
+    def round_trip_ns(self) -> float:
+        return self.there.transfer_ns + self.back.transfer_ns
+
+    @property
+    def ns_per_byte(self) -> float:
+        return self.round_trip_ns / max(1.0, self.there.bytes + self.back.bytes)
+
+    def reference_ns(self, ref_ns_per_byte: float) -> float:
+        """The round trip a reference connection would take for these bytes."""
+        bytes_ = self.there.bytes + self.back.bytes
+        return max(MIN_REF_ROUND_TRIP_NS, ref_ns_per_byte * bytes_)
+
+    def excess_ns(self, ref_ns_per_byte: float) -> float:
+        """Time its messages took beyond the reference (half a round trip's each)."""
+        excess = max(0.0, self.round_trip_ns - self.reference_ns(ref_ns_per_byte))
+        return (self.there.messages + self.back.messages) * excess / 2
+
+
+def slow_p2p_port(
+    transfers: Transfers, groups: list[GroupInfo], t0: int, t1: int, exclude: frozenset[int]
+) -> LinkFinding | None:
+    """The slow port (a finding with no ``link``: every connection of its rank) or link
+    that the transfers of [t0, t1] show, if any. Connections touching ``exclude`` (ranks
+    computing slower than their cohort: a late reader drains its link late) and those
+    measured one way only are not judged."""
+    conns = _connections(transfers.within(t0, t1), exclude)
+    if len(conns) < 2:
+        return None
+    window_ns = max(1, t1 - t0)
+    peers: dict[int, list[_Connection]] = defaultdict(list)
+    for c in conns:
+        peers[c.a].append(c)
+        peers[c.b].append(c)
+    found: list[LinkFinding] = []
+    for r, own in peers.items():
+        others = [c.ns_per_byte for c in conns if r not in (c.a, c.b)]
+        if len(own) >= 2 and others:
+            f = _finding([r], None, own, statistics.median(others), PORT_RATIO, window_ns, groups)
+            found += [f] if f is not None else []
+    if not found:
+        for c in conns:
+            others = [o.ns_per_byte for o in conns if o is not c]
+            ref = statistics.median(others)
+            f = _finding([c.a, c.b], [c.a, c.b], [c], ref, LINK_RATIO, window_ns, groups)
+            found += [f] if f is not None else []
+    return max(found, key=lambda f: f.severity) if found else None
+
+
+def _connections(t: Transfers, exclude: frozenset[int]) -> list[_Connection]:
+    by: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for i, (a, b) in enumerate(zip(t.src.tolist(), t.dst.tolist(), strict=True)):
+        if a not in exclude and b not in exclude:
+            by[(a, b)].append(i)
+    ways, group = {}, {}
+    for k, rows in by.items():
+        if len(rows) >= MIN_TRANSFERS:
+            seqs = t.seq[rows]
+            ways[k] = _Way(
+                float(np.median(t.transfer_ns[rows])),
+                float(np.median(t.bytes[rows])),
+                len(rows),
+                max(len(rows), int(seqs.max() - seqs.min()) + 1),
+            )
+            group[k] = int(np.bincount(t.group[rows]).argmax())
+    return [
+        _Connection(a, b, ways[(a, b)], ways[(b, a)], group[(a, b)])
+        for a, b in sorted(ways)
+        if a < b and (b, a) in ways
+    ]
+
+
+def _finding(
+    ranks: list[int],
+    link: list[int] | None,
+    own: list[_Connection],
+    ref_ns_per_byte: float,
+    ratio: float,
+    window_ns: int,
+    groups: list[GroupInfo],
+) -> LinkFinding | None:
+    """A finding on ``ranks`` when every connection of ``own`` is slow against the
+    reference and their excess costs the window enough; None otherwise."""
+    slowest = min(c.round_trip_ns / c.reference_ns(ref_ns_per_byte) for c in own)
+    if slowest < ratio or min(c.round_trip_ns for c in own) < MIN_SLOW_ROUND_TRIP_NS:
+        return None
+    if sum(c.excess_ns(ref_ns_per_byte) for c in own) < MIN_WINDOW_SHARE * window_ns:
+        return None
+    evidence = [
+        Evidence.of(
+            "p2p_transfer",
+            "messages between {a} and {b} took {ms:.1f} ms there and back ({kb:.0f} KB each "
+            "way, {n} paired), {x:.1f}x the job's other connections per byte",
+            a=c.a,
+            b=c.b,
+            ms=c.round_trip_ns / 1e6,
+            there_ms=c.there.transfer_ns / 1e6,
+            back_ms=c.back.transfer_ns / 1e6,
+            kb=(c.there.bytes + c.back.bytes) / 2048,
+            n=c.there.paired + c.back.paired,
+            x=c.round_trip_ns / c.reference_ns(ref_ns_per_byte),
+        )
+        for c in own
+    ]
+    group = groups[own[0].group]
+    return LinkFinding(ranks, link, group, round(slowest, 2), evidence)

@@ -1,0 +1,173 @@
+"""Point-to-point samples on the wire, paired end to end (diagnose/p2p_transfers.py), and
+the slow port or link their transfers show."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from builders import MS, group, job_view, rank_summary
+
+from ccld_plugin.diagnose.p2p_transfers import PENDING_TTL_NS, P2PJoin, Transfers, slow_p2p_port
+from ccld_plugin.diagnose.records import Cause, Kind
+from ccld_plugin.diagnose.view import GroupIndex, JobView
+from ccld_plugin.postmortem.replay import replay
+from ccld_plugin.wire.summary import (
+    P2PSample,
+    RankSummary,
+    SummaryError,
+    decode_summary,
+    encode_summary,
+    p2p_samples,
+    upgraded_summary,
+)
+from ccld_plugin.wire.summary_batch import SummaryTable
+
+PP = group("pp", [0, 1, 2, 3])
+KB64 = 64 * 1024
+
+
+def summary(rank: int, t: int, p2p: list[P2PSample]) -> RankSummary:
+    return decode_summary(encode_summary(rank_summary(rank, t, pid=1, p2p=p2p)))
+
+
+def view(summaries: list[RankSummary], now: int) -> JobView:
+    return job_view(summaries, {r: [PP] for r in range(4)}, now, world=4)
+
+
+def test_p2p_samples_travel_after_the_channels_and_older_values_still_decode() -> None:
+    t = 1000 * MS
+    sent = [P2PSample(0, 3, True, 7, t - 5 * MS, 1200, KB64), P2PSample(0, 1, False, 9, t, 3, 8)]
+    s = rank_summary(2, t, pid=1, p2p=sent, channels=b"\x01\x00\x00\x00\x00\x00\x00")
+    back = decode_summary(encode_summary(s))
+    assert p2p_samples(back) == sent and back.channels == s.channels
+    table, bad = SummaryTable.decode({2: encode_summary(s)})
+    assert not bad and table.p2p["peer"].tolist() == [3, 1] and table.p2p_rows.tolist() == [0, 0]
+    assert table[2].channels == s.channels  # the channel span stops where the samples start
+    # a version-2 value (a recording made before) has none, and is upgraded as it is
+    old = bytearray(encode_summary(rank_summary(2, t, pid=1)))
+    old[0] = 2
+    assert decode_summary(bytes(old)).p2p_rows == b""
+    assert decode_summary(upgraded_summary(bytes(old))).rank == 2
+
+
+def test_impossible_p2p_samples_are_refused_by_both_decoders_alike() -> None:
+    t = 1000 * MS
+    good = encode_summary(rank_summary(2, t, pid=1, p2p=[P2PSample(0, 3, True, 7, t, 1, 1)]))
+    row = struct.calcsize("<HiBIiII")
+    for bad in (
+        good[:-row] + struct.pack("<HiBIiII", 0, -1, 1, 7, 0, 1, 1),  # no peer
+        good[:-row] + struct.pack("<HiBIiII", 0, 3, 2, 7, 0, 1, 1),  # no direction
+        good[:-1],  # a part of a row
+    ):
+        with pytest.raises(SummaryError) as one:
+            decode_summary(bad)
+        _, why = SummaryTable.decode({2: bad})
+        assert why[2] == str(one.value)
+
+
+def test_the_two_ends_of_a_message_pair_across_rounds_and_lone_ends_expire() -> None:
+    j = P2PJoin(GroupIndex())
+    t = 1000 * MS
+    first = [
+        # rank 1 sent seq 4 to 2 at t-20 ms; rank 2 posted its receive before, at t-30 ms
+        summary(1, t, [P2PSample(0, 2, True, 4, t - 20 * MS, 100, KB64)]),
+        summary(0, t, [P2PSample(0, 1, True, 1, t - 9 * MS, 100, KB64)]),  # 1 never tells
+    ]
+    assert len(j.add(view(first, t), SummaryTable.of({s.rank: s for s in first})).src) == 0
+    t2 = t + 500 * MS
+    second = [summary(2, t2, [P2PSample(0, 1, False, 4, t - 30 * MS, 22_000, KB64)])]
+    got = j.add(view(second, t2), SummaryTable.of({2: second[0]}))
+    assert (got.src.tolist(), got.dst.tolist(), got.seq.tolist()) == ([1], [2], [4])
+    # from the later entry (the send's) to the receive's exit (t-30 ms + 22 ms)
+    assert got.transfer_ns.tolist() == [12 * MS] and got.bytes.tolist() == [KB64]
+    later = t + PENDING_TTL_NS + 1
+    assert len(j.add(view([], later), SummaryTable.of({})).src) == 0  # a round goes by
+    late = [summary(1, later, [P2PSample(0, 0, False, 1, t - 9 * MS, 50, KB64)])]
+    assert len(j.add(view(late, later), SummaryTable.of({1: late[0]})).src) == 0
+
+
+def pipeline(ms: dict[tuple[int, int], float], n: int = 8, window_ns: int = 2000 * MS) -> Transfers:
+    """``n`` messages of 64 KB on each directed link of ``ms`` (its transfer time, ms),
+    spread over the window, each a little off its link's time."""
+    rng = np.random.default_rng(3)
+    rows = [
+        (a, b, 0, q + 1, (q + 1) * window_ns // (n + 1), int(v * MS * rng.uniform(0.8, 1.25)))
+        for (a, b), v in ms.items()
+        for q in range(n)
+    ]
+    cols = list(zip(*rows, strict=True))
+    return Transfers(*(np.array(c, np.int64) for c in cols), np.full(len(rows), KB64, np.int64))
+
+
+def both_ways(ms: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    return {**ms, **{(b, a): v for (a, b), v in ms.items()}}
+
+
+def judge(ms: dict[tuple[int, int], float], exclude: frozenset[int] = frozenset()):
+    return slow_p2p_port(pipeline(both_ways(ms)), [PP], 0, 2000 * MS, exclude)
+
+
+def test_a_slow_port_in_a_lone_pipeline_names_its_rank_with_each_of_its_links() -> None:
+    found = judge({(0, 1): 0.8, (1, 2): 14.0, (2, 3): 12.0})
+    assert found is not None and found.ranks == [2] and found.link is None
+    assert found.group == PP and found.severity >= 8
+    assert {(e.data["a"], e.data["b"]) for e in found.evidence} == {(1, 2), (2, 3)}
+
+
+def test_the_ranks_clock_offset_cancels_out_there_and_back() -> None:
+    # Stage 2's clock reads 6 ms behind the others': its receives seem to end 6 ms early
+    # (a healthy link from 1 reads -5 ms), its sends' transfers 6 ms late (7 ms).
+    skewed = {(0, 1): 1.0, (1, 0): 1.0, (1, 2): -5.0, (2, 1): 7.0, (2, 3): 7.0, (3, 2): -5.0}
+    assert slow_p2p_port(pipeline(skewed), [PP], 0, 2000 * MS, frozenset()) is None
+    slow = {**skewed, (1, 2): 9.0, (2, 1): 21.0, (2, 3): 21.0, (3, 2): 9.0}  # +14 ms each
+    found = slow_p2p_port(pipeline(slow), [PP], 0, 2000 * MS, frozenset())
+    assert found is not None and (found.ranks, found.link) == ([2], None)
+    assert all(25 <= e.data["ms"] <= 38 for e in found.evidence)  # 30 ms, give or take noise
+
+
+def test_one_slow_connection_names_the_link_and_an_end_stage_port_is_its_one_link() -> None:
+    found = judge({(0, 1): 0.8, (1, 2): 14.0, (2, 3): 1.0})
+    assert found is not None and (found.ranks, found.link) == ([1, 2], [1, 2])
+    # the last stage has one connection: its port cannot be told from that link
+    found = judge({(0, 1): 0.8, (1, 2): 1.2, (2, 3): 15.0})
+    assert found is not None and found.link == [2, 3]
+
+
+def test_healthy_and_cheap_or_explained_transfers_name_nothing() -> None:
+    assert judge({(0, 1): 0.5, (1, 2): 1.5, (2, 3): 1.0}) is None  # host noise: 3x apart
+    assert judge({(0, 1): 0.3, (1, 2): 4.0, (2, 3): 4.5}) is None  # 8 ms there and back
+    # a straggler drains its links late: not judged
+    assert judge({(0, 1): 0.8, (1, 2): 14.0, (2, 3): 12.0}, frozenset({2})) is None
+    # one message a window at 5 ms costs the job nothing
+    t = pipeline(both_ways({(0, 1): 0.8, (1, 2): 5.0, (2, 3): 5.0}), n=3, window_ns=4000 * MS)
+    assert slow_p2p_port(t, [PP], 0, 4000 * MS, frozenset()) is None
+
+
+def test_messages_of_groups_with_siblings_are_left_to_the_channel_evidence() -> None:
+    a, b = group("pp", [0, 2]), group("pp", [1, 3])  # two pipelines
+    t = 1000 * MS
+    ends = [
+        summary(0, t, [P2PSample(0, 2, True, 4, t - 20 * MS, 100, KB64)]),
+        summary(2, t, [P2PSample(0, 0, False, 4, t - 30 * MS, 22_000, KB64)]),
+    ]
+    v = job_view(ends, {0: [a], 2: [a], 1: [b], 3: [b]}, t, world=4)
+    assert len(P2PJoin(GroupIndex()).add(v, SummaryTable.of({s.rank: s for s in ends})).src) == 0
+    lone = job_view(ends, {0: [a], 2: [a]}, t, world=4)
+    assert len(P2PJoin(GroupIndex()).add(lone, SummaryTable.of({s.rank: s for s in ends})).src) == 1
+
+
+RECORDED = Path(__file__).parent / "recorded"
+
+
+def test_recorded_lone_pipelines_name_the_slow_port_and_the_slow_link() -> None:
+    # torch TP1xPP4 demos in closed networks, 30 Mbit/s from step 8: rank 2's port, then
+    # the connection between stages 1 and 2 alone
+    _, got = replay(RECORDED / "comm-slow-30mbit-rank2-step8-tp1pp4.rec")
+    (v,) = got
+    assert (v.kind, v.cause, v.ranks, v.link) == (Kind.SLOW, Cause.COMMUNICATION, [2], None)
+    _, got = replay(RECORDED / "comm-slow-30mbit-link1-2-step8-tp1pp4.rec")
+    (v,) = got
+    assert (v.kind, v.cause, v.ranks, v.link) == (Kind.SLOW, Cause.COMMUNICATION, [1, 2], [1, 2])
