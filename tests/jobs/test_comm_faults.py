@@ -169,8 +169,10 @@ def test_early_cut_of_a_lone_diagnoser_names_it(
     assert ev["peers_silent_at_once"] and ev["store_unreachable"]
     # its own stalled links where they were mapped in time, its unanswered handshakes
     # either way (whichever shows first)
-    unreached = [e["data"]["ranks"] for e in ev.get("peers_unreachable", [])]
-    assert unreached == [[0, 1, 3]] or ev.get("link_stalled"), v["evidence"]
+    # (the peers whose hosts it had tried by then: two at least, none answering)
+    unreached = [set(e["data"]["ranks"]) for e in ev.get("peers_unreachable", [])]
+    tried_enough = len(unreached) == 1 and len(unreached[0]) >= 2 and unreached[0] <= {0, 1, 3}
+    assert tried_enough or ev.get("link_stalled"), v["evidence"]
     assert len(summary["verdicts"]) == 1 and code == 0
 
 
