@@ -52,7 +52,9 @@ __all__ = ["Agent", "StepClock"]
 # of 10 ticks still holds 20 of its collectives per group.
 SAMPLE_BUDGET = 32768  # per group slot, over all ranks
 MIN_SAMPLES, MAX_SAMPLES = 2, 128
-MAX_P2P_SAMPLES = 16  # per peer and direction and tick: a link's transfers, not every op
+# Point-to-point samples per peer, direction and tick (a link's transfers, not every op),
+# and per summary in all (a rank that sends to many peers samples each less).
+MAX_P2P_SAMPLES, P2P_BUDGET = 16, 256
 STACK_FRAMES = 16
 MAX_BACKOFF_S = 30.0
 
@@ -417,11 +419,16 @@ class Agent:
         p2p = done[((done["flags"] & FLAG_P2P) != 0) & (done["peer"] >= 0)]
         if not len(p2p):
             return []
-        keep = min(MAX_P2P_SAMPLES, samples_per_group(self.control.world))
         sends = (p2p["flags"] & FLAG_SEND) != 0
+        keys = np.unique(
+            np.stack([p2p["group_slot"], p2p["peer"], sends], axis=1).astype(np.int64), axis=0
+        )
+        keep = max(
+            MIN_SAMPLES,
+            min(MAX_P2P_SAMPLES, samples_per_group(self.control.world), P2P_BUDGET // len(keys)),
+        )
         out = []
-        keys = np.stack([p2p["group_slot"], p2p["peer"], sends], axis=1).astype(np.int64)
-        for slot, peer, send in np.unique(keys, axis=0).tolist():
+        for slot, peer, send in keys.tolist():
             mine = p2p[(p2p["group_slot"] == slot) & (p2p["peer"] == peer) & (sends == send)]
             every = 1 << max(0, int(np.ceil(np.log2(len(mine) / keep))))
             out += [

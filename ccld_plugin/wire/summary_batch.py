@@ -250,33 +250,13 @@ class SummaryTable(Mapping[int, RankSummary]):
             ),
         )
         steps = _rows(_STEPS, ((i, *t) for i, s in enumerate(objs) for t in s.steps))
-        encoded = [encoded_samples(s) for s in objs]
-        samples = np.frombuffer(b"".join(encoded), SAMPLE_DTYPE)
-        sizes = [len(e) // SAMPLE_DTYPE.itemsize for e in encoded]
-        sample_rows = np.repeat(np.arange(len(objs), dtype=np.int64), sizes)
-        p2p_encoded = [encoded_p2p(s) for s in objs]
-        p2p = np.frombuffer(b"".join(p2p_encoded), P2P_DTYPE)
-        p2p_rows = np.repeat(
-            np.arange(len(objs), dtype=np.int64),
-            [len(e) // P2P_DTYPE.itemsize for e in p2p_encoded],
-        )
+        samples, sample_rows = _object_rows([encoded_samples(s) for s in objs], SAMPLE_DTYPE)
+        p2p, p2p_rows = _object_rows([encoded_p2p(s) for s in objs], P2P_DTYPE)
         spans = np.full((len(objs), 2), -1, np.int64)
         hosts = ([s.host for s in objs], np.arange(len(objs), dtype=np.int64))
         keys = np.array(ranks, np.int64)
-        return cls(
-            keys,
-            heads,
-            groups,
-            flights,
-            steps,
-            samples,
-            sample_rows,
-            p2p,
-            p2p_rows,
-            hosts,
-            objs,
-            spans,
-        )
+        per_record = (groups, flights, steps, samples, sample_rows, p2p, p2p_rows)
+        return cls(keys, heads, *per_record, hosts, objs, spans)
 
     def select(self, keep: np.ndarray) -> SummaryTable:
         """The table of the rows where ``keep`` (a bool per row) is set."""
@@ -506,6 +486,15 @@ def table_of(summaries: Sequence[RankSummary]) -> SummaryTable:
     if isinstance(summaries, Summaries):
         return summaries.table
     return SummaryTable.of({s.rank: s for s in summaries})
+
+
+def _object_rows(encoded: list[bytes], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Records encoded per summary object, as one array, and the row of each."""
+    sizes = [len(e) // dtype.itemsize for e in encoded]
+    return (
+        np.frombuffer(b"".join(encoded), dtype),
+        np.repeat(np.arange(len(encoded), dtype=np.int64), sizes),
+    )
 
 
 def _flagged(
