@@ -18,6 +18,7 @@ MASTER_PORT): ``python -m ccld_plugin.harness.workload --tp 2 --pp 2 --steps 20`
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import os
@@ -266,4 +267,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    # Past this point torch's gloo can still abort the interpreter's native teardown
+    # ("terminate called without an active exception", SIGABRT; one run in tens, with
+    # ccld off too, the groups destroyed): the training is done and its report written,
+    # so the exit handlers run and the process ends without that teardown, and the demo
+    # does not call the job failed.
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
