@@ -280,7 +280,7 @@ class SlowDetector:
             # The arrival order over the steps it has been slow in (since its first span),
             # the longer span's at most.
             since = self._slow_since.setdefault(e.rank, e.first)
-            start = self.steps.start_ns(e.rank, max(since, last - max(self.spans) + 1))
+            start = self.steps.start_from_ns(e.rank, max(since, last - max(self.spans) + 1), last)
             mine = self._streak_samples(e.rank, t1 if start is None else start, t1)
             balance = _wait_balance(e.rank, mine)
             longest = last - since + 1 >= max(self.spans)
@@ -400,7 +400,7 @@ class SlowDetector:
                 or view.topology.group_of(r, "tp")
                 or view.topology.group_of(r, "world")
             )
-        onset_ns = self.steps.start_ns(r, e.first)
+        onset_ns = self.steps.start_from_ns(r, e.first, e.last)
         # (the record's data in the sentence's order)
         compute_ms = e.compute_us / 1000
         measured = dict(

@@ -98,6 +98,15 @@ class StepTable:
         t1 = int(np.where(has, start + step_us * 1000, np.iinfo(np.int64).min).max())
         return StepWindow(rows.tolist(), med_compute.tolist(), med_step.tolist(), t0, t1)
 
+    def start_from_ns(self, rank: int, step: int, last: int) -> int | None:
+        """When ``rank`` began the first of steps ``step``..``last`` that it has a record
+        of (a record can be lost: a summary the diagnoser did not read in time)."""
+        if not 0 <= rank < len(self.last):
+            return None
+        a, b = max(0, step - self.base), max(0, min(last + 1 - self.base, self.has.shape[1]))
+        known = np.flatnonzero(self.has[rank, a:b])
+        return int(self.cols["start_ns"][rank, a + known[0]]) if len(known) else None
+
     def first_start_ns(self, step: int) -> int | None:
         """When the first rank began ``step`` (None: no rank has it)."""
         col = step - self.base

@@ -1,9 +1,9 @@
-"""The steps a summary carries: each for STEP_TICKS ticks after it ends, at most the last
-STEPS_KEPT."""
+"""The steps a summary carries: every step new this tick, and earlier ones for STEP_TICKS
+ticks after they end while the summary holds fewer than STEPS_KEPT."""
 
 from __future__ import annotations
 
-from ccld_plugin.agent.recent_steps import STEP_TICKS, STEPS_KEPT, RecentSteps
+from ccld_plugin.agent.recent_steps import MAX_NEW_STEPS, STEP_TICKS, STEPS_KEPT, RecentSteps
 from ccld_plugin.wire.summary import StepStat
 
 
@@ -28,9 +28,11 @@ def test_a_slow_step_is_repeated_for_step_ticks_then_dropped() -> None:
     assert seen == set(range(100, 121))
 
 
-def test_fast_steps_keep_only_the_last_steps_kept() -> None:
+def test_fast_steps_all_go_and_fewer_earlier_ones_are_repeated() -> None:
     recent = RecentSteps()
-    out = recent.tick(steps(*range(50)))
-    assert [st.step for st in out] == list(range(50 - STEPS_KEPT, 50))
-    out = recent.tick(steps(50, 51))
+    out = recent.tick(steps(*range(50)))  # every step of the tick: none is lost
+    assert [st.step for st in out] == list(range(50))
+    out = recent.tick(steps(50, 51))  # then repeats fill up to STEPS_KEPT
     assert [st.step for st in out] == list(range(52 - STEPS_KEPT, 52))
+    out = recent.tick(steps(*range(52, 52 + MAX_NEW_STEPS + 9)))
+    assert [st.step for st in out] == list(range(61, 52 + MAX_NEW_STEPS + 9))
