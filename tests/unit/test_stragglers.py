@@ -241,6 +241,16 @@ def test_a_recorded_straggler_with_a_strong_excess_is_named_over_the_shorter_spa
     assert got[0].step - 10 < cfg.diagnoser.window_steps * cfg.diagnoser.confirm_windows
 
 
+def test_a_recorded_dp4_straggler_with_a_strong_excess_is_named_at_half_the_waiting() -> None:
+    # A real run (benchmarks/sensitivity.py, DP4, 2-core VM): rank 1 at 1.5x from step 14.
+    # Four ranks on two cores take turns at the CPUs: its peers' share of the waiting was
+    # 54-64% while its excess stood 8-11 standard errors; the strong excess confirms it at
+    # half the waiting, within 10 steps of its onset (live: 14, with the 65% share).
+    cfg, got = replay(RECORDED / "compute-slow-1.5x-rank1-step14-dp4.rec")
+    assert [(v.kind, v.cause, v.ranks) for v in got] == [(Kind.SLOW, Cause.COMPUTE, [1])]
+    assert got[0].step is not None and got[0].step - 14 <= 10
+
+
 def test_a_recorded_straggler_beside_a_slow_link_is_named_by_its_decisive_excess() -> None:
     # A real run (tests/jobs/test_comm_faults.py, DP4 in network namespaces): rank 3 at
     # 5x from step 3, and rank 1's link shaped to 100 Mbit/s. Rank 3 stood 19-29 standard
