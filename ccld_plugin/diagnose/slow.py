@@ -81,6 +81,13 @@ STRONG_WAITED_FOR_SHARE = 0.5
 # standard errors, among at least SOLO_MIN_RANKS of them.
 SOLO_MIN_RANKS = 3
 SOLO_EXCESS_Z = 4.0
+# Such a rank's baseline: this quantile of its last BASELINE_WINDOWS windows' medians (a
+# window a step, sliding). Their lowest, as before, is set by the luckiest five steps,
+# and falls the longer the job runs: a stage of a healthy TP1xPP4 job beside two busy
+# processes stood 1.25x its lowest at 12.6 standard errors at step 86 (its compute 19-23
+# ms, its lowest window 16.8) and was named. (1.3x stages on a quiet host stood 8-12.)
+BASELINE_QUANTILE = 0.1
+BASELINE_WINDOWS = 512
 # A rank of a cohort that far above it (SOLO_EXCESS_Z x excess_z, where a rank with no
 # arrival evidence at all is named; healthy recorded ranks stood at most 7.3 standard
 # errors above their cohort or baseline) needs no share of the waiting: another fault can
@@ -156,9 +163,10 @@ class SlowDetector:
         self._cohort_cache: dict[int, list[int]] = {}
         # Ranks that no other rank matches in work (one per pipeline stage: TP1 x PPn x
         # DP1): compared with each other by how their compute changed, each against its
-        # own baseline, the lowest median of its windows so far (a straggler's slow
-        # windows never lower it).
+        # own baseline, a low quantile of the medians of its windows so far (a
+        # straggler's slow windows hardly move it).
         self._solo: list[int] = []
+        self._windows: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=BASELINE_WINDOWS))
         self._baseline: dict[int, float] = {}
 
     # ------------------------------------------------------------------ ingest
@@ -222,7 +230,8 @@ class SlowDetector:
             solo = set(self._solo)
             for r, c in zip(window.ranks, window.compute_us, strict=True):
                 if r in solo and c > 0:
-                    self._baseline[r] = min(self._baseline.get(r, c), c)
+                    self._windows[r].append(c)
+                    self._baseline[r] = _low_quantile(self._windows[r])
         if links:
             verdicts += self._slow_links(view, lo, hi, t0, t1)
         return verdicts
@@ -435,7 +444,8 @@ class SlowDetector:
             excess = Evidence.of(
                 "compute_change",
                 "compute {compute_ms:.1f} ms/step vs {baseline_ms:.1f} ms at its fastest "
-                "before; no other rank does its work, so it is compared by that change with "
+                "before (its windows' low tenth); no other rank does its work, so it is "
+                "compared by that change with "
                 "ranks {cohort} ({ratio:.2f}x theirs, step by step, {z:.1f} standard errors) "
                 "over steps {first_step}-{last_step}",
                 compute_ms=compute_ms,
@@ -829,3 +839,10 @@ def _stats_cohort(
         return cohort
     same_stage = stages[topo.stage_of(rank)]
     return same_stage if len(same_stage) > len(cohort) else cohort
+
+
+def _low_quantile(values: deque[float]) -> float:
+    """The BASELINE_QUANTILE of ``values``, rounded down to one of them: their lowest
+    until there are 1 / BASELINE_QUANTILE of them."""
+    ordered = sorted(values)
+    return ordered[int(len(ordered) * BASELINE_QUANTILE)]

@@ -376,11 +376,14 @@ def test_recorded_healthy_pipelines_without_peers_get_no_verdict() -> None:
     # stood up to 1.9x their change against the others at 6.0 standard errors (steps
     # 210-219), and 1.42x at 7.3 with the diagnoser in a process of its own; a two-stage
     # one whose first stage stood 1.27x the other's at 9.2 (a rule with the other stage
-    # as all its reference named it).
+    # as all its reference named it); a torch TP1xPP4 beside two busy processes whose
+    # stage 2 stood 1.25x its lowest window at 12.6 standard errors at step 86 (a baseline
+    # of the lowest window, not a low quantile, named it).
     for name in (
         "healthy-megatron-tp1pp4-300steps",
         "healthy-megatron-tp1pp4-300steps-diagnoser-process",
         "healthy-megatron-tp1pp2-2ranks-300steps",
+        "healthy-loaded-host-torch-tp1pp4-150steps",
     ):
         _, got = replay(RECORDED / f"{name}.rec")
         assert got == [], name
