@@ -17,7 +17,7 @@ transfer took 10-19 ms on the links of a rank whose port was shaped to 30 Mbit/s
 from __future__ import annotations
 
 import statistics
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from typing import NamedTuple
 
 import numpy as np
@@ -28,7 +28,7 @@ from ccld_plugin.diagnose.view import GroupIndex, JobView
 from ccld_plugin.wire.summary_batch import SummaryTable
 from ccld_plugin.wire.topology import GroupInfo
 
-__all__ = ["P2PJoin", "Transfers", "slow_p2p_port"]
+__all__ = ["LoneConnection", "P2PJoin", "Transfers", "slow_p2p_port"]
 
 PENDING_TTL_NS = 20_000_000_000  # an end whose other end never comes is dropped after this
 # A directed link is judged on a window with at least this many paired transfers.
@@ -49,8 +49,14 @@ PORT_RATIO = 4.0
 MIN_SLOW_ROUND_TRIP_NS = 10_000_000
 # A reference round trip reads no less than this (healthy ones read ~0 +- the clocks' error).
 MIN_REF_ROUND_TRIP_NS = 1_000_000
-# A slow connection alone, against every other connection of the job.
+# A slow connection alone, against every other connection of the job, or (the job's one
+# connection: a two-stage pipeline) against the low tenth of its own last windows, once
+# it has MIN_HISTORY_WINDOWS of them (shaped to 30 Mbit/s from step 8: 0.2 ms before,
+# 32 ms after).
 LINK_RATIO = 8.0
+HISTORY_QUANTILE = 0.1
+HISTORY_WINDOWS = 512
+MIN_HISTORY_WINDOWS = 2
 # The slow connections cost the job: their messages' excess over the reference adds up to
 # this share of the window's time.
 MIN_WINDOW_SHARE = 0.05
@@ -215,17 +221,44 @@ class _Connection(NamedTuple):
         return (self.there.messages + self.back.messages) * excess / 2
 
 
+class LoneConnection:
+    """A pipeline of two stages has one connection, and nothing to compare it with but its
+    own past: the low tenth of its last HISTORY_WINDOWS windows' round trips per byte."""
+
+    def __init__(self) -> None:
+        self._windows: dict[tuple[int, int], deque[float]] = defaultdict(
+            lambda: deque(maxlen=HISTORY_WINDOWS)
+        )
+
+    def judge(self, c: _Connection, window_ns: int, groups: list[GroupInfo]) -> LinkFinding | None:
+        """``c``, the job's one connection this window, against its own earlier windows."""
+        past = self._windows[(c.a, c.b)]
+        found = None
+        if len(past) >= MIN_HISTORY_WINDOWS:
+            ref = sorted(past)[int(len(past) * HISTORY_QUANTILE)]
+            link = [c.a, c.b]
+            found = _finding(link, link, [c], ref, LINK_RATIO, window_ns, groups, "its own past")
+        past.append(c.ns_per_byte)
+        return found
+
+
 def slow_p2p_port(
-    transfers: Transfers, groups: list[GroupInfo], t0: int, t1: int, exclude: frozenset[int]
+    transfers: Transfers,
+    groups: list[GroupInfo],
+    t0: int,
+    t1: int,
+    exclude: frozenset[int],
+    lone: LoneConnection | None = None,
 ) -> LinkFinding | None:
     """The slow port (a finding with no ``link``: every connection of its rank) or link
-    that the transfers of [t0, t1] show, if any. Connections touching ``exclude`` (ranks
-    computing slower than their cohort: a late reader drains its link late) and those
-    measured one way only are not judged."""
+    that the transfers of [t0, t1] show, if any; a job's one connection against its own
+    past in ``lone``. Connections touching ``exclude`` (ranks computing slower than their
+    cohort: a late reader drains its link late) and those measured one way only are not
+    judged."""
     conns = _connections(transfers.within(t0, t1), exclude)
-    if len(conns) < 2:
-        return None
     window_ns = max(1, t1 - t0)
+    if len(conns) < 2:
+        return lone.judge(conns[0], window_ns, groups) if conns and lone is not None else None
     peers: dict[int, list[_Connection]] = defaultdict(list)
     for c in conns:
         peers[c.a].append(c)
@@ -276,6 +309,7 @@ def _finding(
     ratio: float,
     window_ns: int,
     groups: list[GroupInfo],
+    reference: str = "the job's other connections",
 ) -> LinkFinding | None:
     """A finding on ``ranks`` when every connection of ``own`` is slow against the
     reference and their excess costs the window enough; None otherwise."""
@@ -288,7 +322,7 @@ def _finding(
         Evidence.of(
             "p2p_transfer",
             "messages between {a} and {b} took {ms:.1f} ms there and back ({kb:.0f} KB each "
-            "way, {n} paired), {x:.1f}x the job's other connections per byte",
+            "way, {n} paired), {x:.1f}x {reference} per byte",
             a=c.a,
             b=c.b,
             ms=c.round_trip_ns / 1e6,
@@ -297,6 +331,7 @@ def _finding(
             kb=(c.there.bytes + c.back.bytes) / 2048,
             n=c.there.paired + c.back.paired,
             x=c.round_trip_ns / c.reference_ns(ref_ns_per_byte),
+            reference=reference,
         )
         for c in own
     ]

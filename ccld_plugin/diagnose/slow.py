@@ -25,7 +25,12 @@ import numpy as np
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose.arrivals import ArrivalJoin, JoinedTable, RankJoined
 from ccld_plugin.diagnose.compute_excess import Excess, compute_excess
-from ccld_plugin.diagnose.p2p_transfers import P2PJoin, Transfers, slow_p2p_port
+from ccld_plugin.diagnose.p2p_transfers import (
+    LoneConnection,
+    P2PJoin,
+    Transfers,
+    slow_p2p_port,
+)
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.robust import RankedValues
 from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkFinding
@@ -143,6 +148,7 @@ class SlowDetector:
         self.joined_total = 0
         self.p2p = P2PJoin(self.arrivals.index)
         self.transfers = Transfers.empty()  # point-to-point messages paired, while judged
+        self.lone = LoneConnection()  # a two-stage pipeline's one connection, its past
         self.next_end = FIRST_STEP + cfg.window_steps  # the step after the next window
         # Steps a straggler's excess is judged over: the confirming windows end to end, and
         # twice as many for a weak one (compute_excess).
@@ -534,7 +540,7 @@ class SlowDetector:
         if found is None and len(self.transfers.src):
             # a lone pipeline's links (P2PJoin): their messages' transfers
             found = slow_p2p_port(
-                self.transfers, self.arrivals.groups, t0, t1, frozenset(stragglers)
+                self.transfers, self.arrivals.groups, t0, t1, frozenset(stragglers), self.lone
             )
             fresh = fresh or found is not None
         if slow and found is None and judged.pending:

@@ -144,13 +144,14 @@ def leftover_networks() -> list[str]:
 
 
 def netns_demo(
-    tmp_path: Path, tp: int, pp: int, steps: int, *faults: str, **options: Any
+    tmp_path: Path, tp: int, pp: int, steps: int, *faults: str, world: int = 4, **options: Any
 ) -> tuple[int, dict]:
-    """A 4-rank torch demo in a closed network, which must leave no namespace behind."""
+    """A torch demo (4 ranks unless told) in a closed network, which must leave no
+    namespace behind."""
     result = demo(
         tmp_path / "out",
         *faults,
-        world=4,
+        world=world,
         tp=tp,
         pp=pp,
         steps=steps,

@@ -115,3 +115,18 @@ def test_one_slow_connection_in_a_lone_pipeline_names_the_link(tmp_path: Path) -
     assert (v["ranks"], v["link"], v["group"]["role"]) == ([1, 2], [1, 2], "pp"), v["evidence"]
     assert _p2p_connections(v) == {(1, 2)}
     assert len(summary["verdicts"]) == 1 and code == 0
+
+
+def test_the_one_connection_of_a_two_stage_pipeline_is_named_by_its_own_past(
+    tmp_path: Path,
+) -> None:
+    # TP1xPP2 on two ranks: one connection, nothing to compare it with but its own
+    # windows before the onset (step 8: the first windows are healthy).
+    code, summary = netns_demo(
+        tmp_path, 1, 2, 40, "comm-slow@1:rate=30mbit,step=8", world=2, extra=NO_SHORT_HANGS
+    )
+    v = only(summary, "slow", "communication")
+    assert (v["ranks"], v["link"], v["group"]["role"]) == ([0, 1], [0, 1], "pp"), v["evidence"]
+    assert _p2p_connections(v) == {(0, 1)}
+    assert "its own past" in facts(v["evidence"])["p2p_transfer"][0]["text"]
+    assert len(summary["verdicts"]) == 1 and code == 0

@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 from builders import MS, group, job_view, rank_summary
 
-from ccld_plugin.diagnose.p2p_transfers import PENDING_TTL_NS, P2PJoin, Transfers, slow_p2p_port
+from ccld_plugin.diagnose.p2p_transfers import (
+    PENDING_TTL_NS,
+    LoneConnection,
+    P2PJoin,
+    Transfers,
+    slow_p2p_port,
+)
 from ccld_plugin.diagnose.records import Cause, Kind
 from ccld_plugin.diagnose.view import GroupIndex, JobView
 from ccld_plugin.postmortem.replay import replay
@@ -171,3 +177,21 @@ def test_recorded_lone_pipelines_name_the_slow_port_and_the_slow_link() -> None:
     _, got = replay(RECORDED / "comm-slow-30mbit-link1-2-step8-tp1pp4.rec")
     (v,) = got
     assert (v.kind, v.cause, v.ranks, v.link) == (Kind.SLOW, Cause.COMMUNICATION, [1, 2], [1, 2])
+
+
+def test_a_two_stage_pipelines_one_connection_is_judged_against_its_own_past() -> None:
+    lone = LoneConnection()
+    window = 2000 * MS
+
+    def judged(ms: float, k: int) -> object:
+        t = pipeline(both_ways({(0, 1): ms}), window_ns=window)
+        t = t._replace(time_ns=t.time_ns + k * window)
+        return slow_p2p_port(t, [PP], k * window, (k + 1) * window, frozenset(), lone)
+
+    # healthy windows, then the connection at 30x; no history yet: no judgement
+    assert [judged(0.6 if k % 2 else 0.4, k) for k in range(4)] == [None] * 4
+    found = judged(15.0, 4)
+    assert found is not None and (found.ranks, found.link) == ([0, 1], [0, 1])
+    assert "its own past" in found.evidence[0].text
+    # a busy host's few ms there and back are not a slow link
+    assert judged(3.0, 5) is None
