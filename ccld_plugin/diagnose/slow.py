@@ -38,7 +38,7 @@ from ccld_plugin.diagnose.step_table import StepTable
 from ccld_plugin.diagnose.view import GroupIndex, JobView
 from ccld_plugin.errors import log
 from ccld_plugin.wire.summary import RankSummary
-from ccld_plugin.wire.summary_batch import table_of
+from ccld_plugin.wire.summary_batch import Summaries, table_of
 from ccld_plugin.wire.topology import GroupInfo, Topology
 
 __all__ = ["SlowDetector"]
@@ -178,10 +178,12 @@ class SlowDetector:
     # ------------------------------------------------------------------ ingest
     def ingest(self, view: JobView, fresh: Sequence[RankSummary]) -> None:
         """Take in ``fresh``: the summaries of the view not taken in before."""
+        # their columns once for every reader below (a live round's come as columns)
+        fresh = Summaries(table_of(fresh))
         self.channels.ingest(fresh)
         self.steps.ingest(fresh, self.next_end - max(self.spans) - self.cfg.window_steps)
         self.keep_joined(self.arrivals.add(view, fresh))
-        paired = self.p2p.add(view, table_of(fresh))
+        paired = self.p2p.add(view, fresh.table)
         if len(paired.src):
             self.transfers = Transfers.concat([self.transfers, paired])
 
