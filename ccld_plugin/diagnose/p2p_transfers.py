@@ -17,12 +17,13 @@ transfer took 10-19 ms on the links of a rank whose port was shaped to 30 Mbit/s
 from __future__ import annotations
 
 import statistics
-from collections import Counter, defaultdict, deque
+from collections import Counter, defaultdict
 from typing import NamedTuple
 
 import numpy as np
 
 from ccld_plugin.diagnose.records import Evidence
+from ccld_plugin.diagnose.robust import RecentFloor
 from ccld_plugin.diagnose.slow_links import LinkFinding
 from ccld_plugin.diagnose.view import GroupIndex, JobView
 from ccld_plugin.wire.summary_batch import SummaryTable
@@ -226,19 +227,18 @@ class LoneConnection:
     own past: the low tenth of its last HISTORY_WINDOWS windows' round trips per byte."""
 
     def __init__(self) -> None:
-        self._windows: dict[tuple[int, int], deque[float]] = defaultdict(
-            lambda: deque(maxlen=HISTORY_WINDOWS)
-        )
+        self._windows: dict[tuple[int, int], RecentFloor] = {}
 
     def judge(self, c: _Connection, window_ns: int, groups: list[GroupInfo]) -> LinkFinding | None:
         """``c``, the job's one connection this window, against its own earlier windows."""
-        past = self._windows[(c.a, c.b)]
+        past = self._windows.setdefault((c.a, c.b), RecentFloor(HISTORY_QUANTILE, HISTORY_WINDOWS))
         found = None
         if len(past) >= MIN_HISTORY_WINDOWS:
-            ref = sorted(past)[int(len(past) * HISTORY_QUANTILE)]
             link = [c.a, c.b]
-            found = _finding(link, link, [c], ref, LINK_RATIO, window_ns, groups, "its own past")
-        past.append(c.ns_per_byte)
+            found = _finding(
+                link, link, [c], past.value, LINK_RATIO, window_ns, groups, "its own past"
+            )
+        past.add(c.ns_per_byte)
         return found
 
 

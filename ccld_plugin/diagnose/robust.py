@@ -1,17 +1,23 @@
-"""Medians of many values that leave a few of them out, without a pass over all of them.
+"""Robust references for the slow detectors.
 
-The slow detectors judge each link (each group) against the median of its siblings, less
-the ones that share a rank with it (or itself). Done naively that is a pass per item,
-quadratic in the job's size: ~50 s per window at 2,048 ranks. Sorting once and skipping
-the left-out positions costs a few steps per query.
+Medians of many values that leave a few of them out, without a pass over all of them
+(:class:`RankedValues`): each link (each group) is judged against the median of its
+siblings, less the ones that share a rank with it (or itself). Done naively that is a
+pass per item, quadratic in the job's size: ~50 s per window at 2,048 ranks. Sorting once
+and skipping the left-out positions costs a few steps per query.
+
+A baseline of a thing's own recent values (:class:`RecentFloor`), for what has nothing
+else to be compared with.
 """
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Hashable, Iterable, Mapping
 from typing import Generic, TypeVar
 
-__all__ = ["RankedValues"]
+__all__ = ["RankedValues", "RecentFloor"]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -44,3 +50,22 @@ class RankedValues(Generic[K]):
             return self.values[i]
 
         return (nth((n - 1) // 2) + nth(n // 2)) / 2
+
+
+class RecentFloor:
+    """A low ``quantile`` of the last ``keep`` values added, rounded down to one of them
+    (their lowest until there are 1 / ``quantile`` of them): a baseline that the luckiest
+    few values do not set, and that a later run of high ones hardly moves."""
+
+    def __init__(self, quantile: float, keep: int) -> None:
+        self._quantile = quantile
+        self._values: deque[float] = deque(maxlen=keep)
+        self.value = math.nan  # none added yet
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def add(self, value: float) -> None:
+        self._values.append(value)
+        ordered = sorted(self._values)
+        self.value = ordered[int(len(ordered) * self._quantile)]

@@ -32,7 +32,7 @@ from ccld_plugin.diagnose.p2p_transfers import (
     slow_p2p_port,
 )
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
-from ccld_plugin.diagnose.robust import RankedValues
+from ccld_plugin.diagnose.robust import RankedValues, RecentFloor
 from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkFinding
 from ccld_plugin.diagnose.step_table import StepTable
 from ccld_plugin.diagnose.view import GroupIndex, JobView
@@ -172,8 +172,7 @@ class SlowDetector:
         # own baseline, a low quantile of the medians of its windows so far (a
         # straggler's slow windows hardly move it).
         self._solo: list[int] = []
-        self._windows: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=BASELINE_WINDOWS))
-        self._baseline: dict[int, float] = {}
+        self._baselines: dict[int, RecentFloor] = {}
 
     # ------------------------------------------------------------------ ingest
     def ingest(self, view: JobView, fresh: Sequence[RankSummary]) -> None:
@@ -238,8 +237,9 @@ class SlowDetector:
             solo = set(self._solo)
             for r, c in zip(window.ranks, window.compute_us, strict=True):
                 if r in solo and c > 0:
-                    self._windows[r].append(c)
-                    self._baseline[r] = _low_quantile(self._windows[r])
+                    if r not in self._baselines:
+                        self._baselines[r] = RecentFloor(BASELINE_QUANTILE, BASELINE_WINDOWS)
+                    self._baselines[r].add(c)
         if links:
             verdicts += self._slow_links(view, lo, hi, t0, t1)
         return verdicts
@@ -251,10 +251,10 @@ class SlowDetector:
         their cohort's over a span of steps (compute_excess), by enough of the step time
         to matter, and whose peers waited for them over that span (the arrival order)."""
         cohorts = self._cohorts(view.topology)
-        solo = [r for r in self._solo if r in self._baseline]
+        solo = [r for r in self._solo if r in self._baselines]
         baselines = None
         if len(solo) >= SOLO_MIN_RANKS:
-            baselines = {r: self._baseline[r] for r in solo}
+            baselines = {r: self._baselines[r].value for r in solo}
             cohorts = {**cohorts, **dict.fromkeys(solo, solo)}
         found = compute_excess(
             self.steps,
@@ -457,7 +457,7 @@ class SlowDetector:
                 "ranks {cohort} ({ratio:.2f}x theirs, step by step, {z:.1f} standard errors) "
                 "over steps {first_step}-{last_step}",
                 compute_ms=compute_ms,
-                baseline_ms=self._baseline[r] / 1000,
+                baseline_ms=self._baselines[r].value / 1000,
                 **measured,
             )
         else:
@@ -847,10 +847,3 @@ def _stats_cohort(
         return cohort
     same_stage = stages[topo.stage_of(rank)]
     return same_stage if len(same_stage) > len(cohort) else cohort
-
-
-def _low_quantile(values: deque[float]) -> float:
-    """The BASELINE_QUANTILE of ``values``, rounded down to one of them: their lowest
-    until there are 1 / BASELINE_QUANTILE of them."""
-    ordered = sorted(values)
-    return ordered[int(len(ordered) * BASELINE_QUANTILE)]
