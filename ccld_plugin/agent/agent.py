@@ -396,9 +396,7 @@ class Agent:
         keep = samples_per_group(self.control.world)
         out = []
         for slot in np.unique(coll["group_slot"]):
-            mine = coll[coll["group_slot"] == slot]
-            every = 1 << max(0, int(np.ceil(np.log2(max(1, len(mine)) / keep))))
-            recs = mine[mine["seq"] % every == 0][-keep:]
+            recs = _sampled(coll[coll["group_slot"] == slot], keep)
             out += [
                 ArrivalSample(
                     int(slot),
@@ -430,7 +428,6 @@ class Agent:
         out = []
         for slot, peer, send in keys.tolist():
             mine = p2p[(p2p["group_slot"] == slot) & (p2p["peer"] == peer) & (sends == send)]
-            every = 1 << max(0, int(np.ceil(np.log2(len(mine) / keep))))
             out += [
                 P2PSample(
                     slot,
@@ -441,7 +438,7 @@ class Agent:
                     int((r["exit_ns"] - r["enter_ns"]) // 1000),
                     int(r["bytes"]),
                 )
-                for r in mine[mine["seq"] % every == 0][-keep:]
+                for r in _sampled(mine, keep)
             ]
         return out
 
@@ -454,6 +451,14 @@ class Agent:
             f"{f.filename}:{f.lineno} in {f.name}"
             for f in traceback.extract_stack(frame)[-STACK_FRAMES:]
         ]
+
+
+def _sampled(ops: np.ndarray, keep: int) -> np.ndarray:
+    """The last ``keep`` of ``ops`` (one sequence of seqs) whose seq is a multiple of the
+    power of two that leaves about ``keep`` of them: every rank that reports the same
+    sequence picks the same seqs (a larger power's multiples are a smaller's subset)."""
+    every = 1 << max(0, int(np.ceil(np.log2(max(1, len(ops)) / keep))))
+    return ops[ops["seq"] % every == 0][-keep:]
 
 
 def _open_reach_port(control: ControlPlane) -> ReachPort | None:
