@@ -195,3 +195,17 @@ def test_a_two_stage_pipelines_one_connection_is_judged_against_its_own_past() -
     assert "its own past" in found.evidence[0].text
     # a busy host's few ms there and back are not a slow link
     assert judged(3.0, 5) is None
+
+
+def test_a_slow_connection_is_named_after_one_healthy_window_read_on_a_busy_host() -> None:
+    # An onset early in a fast job leaves one healthy window: here 4 ms there and back
+    # (a busy host), then a window half slow, then 30 ms.
+    lone = LoneConnection()
+    window = 2000 * MS
+    found = []
+    for k, ms in enumerate([2.0, 8.0, 15.0, 15.0]):
+        t = pipeline(both_ways({(0, 1): ms}), window_ns=window)
+        t = t._replace(time_ns=t.time_ns + k * window)
+        found.append(slow_p2p_port(t, [PP], k * window, (k + 1) * window, frozenset(), lone))
+    assert found[:2] == [None, None]
+    assert all(f is not None and f.link == [0, 1] for f in found[2:]), found
