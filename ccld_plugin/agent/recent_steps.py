@@ -7,7 +7,10 @@ rank's time, runs every 2-5 ticks) still sees every step. Bounding them by ticks
 by count, keeps a job of slow steps from resending each for 16 ticks: at one step per tick
 they were a third of a large job's summary bytes. The steps new this tick all go (up to
 MAX_NEW_STEPS): a fast job's dropped ones were holes in every rank's record (18 steps a
-second at 1 s ticks lost 2 of every 18, a straggler's onset step among them).
+second at 1 s ticks lost 2 of every 18, a straggler's onset step among them). So do the
+previous tick's, all of them: a summary overwritten before the diagnoser read it (a tick
+and the final one at exit 50 ms apart) lost its steps beyond STEPS_KEPT (a 2-second job's
+rank had its steps 0-27 lost, and a 2x stage went unnamed).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ MAX_NEW_STEPS = 256
 
 class RecentSteps:
     def __init__(self) -> None:
-        self._steps: deque[tuple[int, StepStat]] = deque(maxlen=STEPS_KEPT)  # (tick sent, step)
+        self._steps: deque[tuple[int, StepStat]] = deque()  # (tick sent, step)
         self._tick = 0
 
     def tick(self, new: list[StepStat]) -> list[StepStat]:
@@ -34,7 +37,8 @@ class RecentSteps:
         while self._steps and self._steps[0][0] <= self._tick - STEP_TICKS:
             self._steps.popleft()
         fresh = new[-MAX_NEW_STEPS:]
-        earlier = [st for _, st in self._steps]
-        repeated = earlier[len(earlier) - max(0, STEPS_KEPT - len(fresh)) :]
-        self._steps.extend((self._tick, st) for st in fresh[-STEPS_KEPT:])
-        return repeated + fresh
+        last = [st for t, st in self._steps if t == self._tick - 1]
+        older = [st for t, st in self._steps if t < self._tick - 1]
+        room = max(0, STEPS_KEPT - len(fresh) - len(last))
+        self._steps.extend((self._tick, st) for st in fresh)
+        return older[max(0, len(older) - room) :] + last + fresh

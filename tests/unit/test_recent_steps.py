@@ -32,7 +32,31 @@ def test_fast_steps_all_go_and_fewer_earlier_ones_are_repeated() -> None:
     recent = RecentSteps()
     out = recent.tick(steps(*range(50)))  # every step of the tick: none is lost
     assert [st.step for st in out] == list(range(50))
-    out = recent.tick(steps(50, 51))  # then repeats fill up to STEPS_KEPT
-    assert [st.step for st in out] == list(range(52 - STEPS_KEPT, 52))
-    out = recent.tick(steps(*range(52, 52 + MAX_NEW_STEPS + 9)))
-    assert [st.step for st in out] == list(range(61, 52 + MAX_NEW_STEPS + 9))
+    # the previous tick's steps all go again (its summary may have been overwritten
+    # unread), and nothing older beyond STEPS_KEPT
+    out = recent.tick(steps(50, 51))
+    assert [st.step for st in out] == list(range(52))
+    out = recent.tick(steps(52, 53))
+    assert [st.step for st in out] == list(range(54 - STEPS_KEPT, 54))
+    out = recent.tick(steps(*range(54, 54 + MAX_NEW_STEPS + 9)))
+    assert [st.step for st in out] == [52, 53, *range(63, 54 + MAX_NEW_STEPS + 9)]
+
+
+def test_a_summary_overwritten_unread_loses_no_step() -> None:
+    # A fast job's ticks, of which the diagnoser reads every other summary only (one
+    # overwritten before its read: a tick and the final one at exit).
+    recent = RecentSteps()
+    seen: set[int] = set()
+    for tick in range(12):
+        out = recent.tick(steps(*range(30 * tick, 30 * tick + 30)))
+        if tick % 2:
+            seen.update(st.step for st in out)
+    assert seen == set(range(360))
+
+
+def test_a_few_earlier_steps_are_all_repeated() -> None:
+    # fewer than STEPS_KEPT in all: every one goes again, not only the last few
+    recent = RecentSteps()
+    recent.tick(steps(*range(1, 11)))
+    recent.tick(steps(11))
+    assert [st.step for st in recent.tick(steps(12))] == list(range(1, 13))
