@@ -213,6 +213,8 @@ class SlowDetector:
         ranks stragglers are judged once per window too: a judgement costs a pass over
         every rank's steps, and a round must stay within budget."""
         verdicts: list[Verdict] = []
+        if not self._everyone_reported(view):
+            return verdicts
         w = self.cfg.window_steps
         while True:
             lo, hi = self.next_end - w, self.next_end
@@ -220,6 +222,16 @@ class SlowDetector:
                 return verdicts
             self.next_end += 1 if len(self.steps.ranks()) <= SLIDE_MAX_RANKS else w
             verdicts += self._window(view, lo, hi, links=(hi - FIRST_STEP) % w == 0)
+
+    def _everyone_reported(self, view: JobView) -> bool:
+        """Whether every live rank has reported steps, or the job is old enough
+        (``unresponsive_s``) that one still missing is the hang detector's. Windows go
+        forward only: judged before a rank's first summary came (agents start a tick
+        apart), they would leave its first steps out, and a stage without peers would
+        take its slow steps for its baseline (a 2x stage of a 2-second job went unnamed)."""
+        if view.final or len(self.steps.ranks()) >= view.world - len(view.gone):
+            return True
+        return view.now_ns - view.job_start_ns >= self.cfg.unresponsive_s * 1e9
 
     def _window(self, view: JobView, lo: int, hi: int, links: bool) -> list[Verdict]:
         window = self.steps.window(lo, hi)
