@@ -83,8 +83,12 @@ STRONG_WAITED_FOR_SHARE = 0.5
 # under 4.5), and a two-stage one's first stage 1.27x at 9.2, the other stage all its
 # reference; 2x slow stages reached 12-15 within 10-15 steps of onset, 3x ones stood
 # 19-30 from the first span judged. So such a rank is named at SOLO_EXCESS_Z x excess_z
-# standard errors, among at least SOLO_MIN_RANKS of them.
-SOLO_MIN_RANKS = 3
+# standard errors, among at least SOLO_MIN_RANKS of them: a two-stage pipeline's stages
+# (a 2-rank TP1xPP2 job) are each other's reference. Its healthy stage that stood 9.2 is
+# under that bar; healthy 300-step TP1xPP2 torch and Megatron jobs (6 runs, 2 beside busy
+# processes) never stood 1.2x their baseline; 1.5x and 2x stages were named 7-12 steps
+# after onset (benchmarks/sensitivity.py --layouts tp1pp2).
+SOLO_MIN_RANKS = 2
 SOLO_EXCESS_Z = 4.0
 # Such a rank's baseline: this quantile of its last BASELINE_WINDOWS windows' medians (a
 # window a step, sliding). Their lowest, as before, is set by the luckiest five steps,

@@ -94,6 +94,18 @@ def test_compute_slow_stage_of_a_pipeline_without_peers(tmp_path):
     assert len(summary["verdicts"]) == 1 and code == 0
 
 
+def test_compute_slow_stage_of_a_two_stage_pipeline(tmp_path):
+    # TP1 x PP2 on two ranks: the other stage is all the reference.
+    code, summary = demo(
+        tmp_path / "out", "compute-slow@1:factor=2,step=10", world=2, tp=1, pp=2, steps=45, **TORCH
+    )
+    v = only(summary, "slow")
+    assert (v["cause"], v["ranks"], v["group"]["role"]) == ("compute", [1], "pp")
+    (ev,) = facts(v["evidence"])["compute_change"]
+    assert ev["data"]["cohort"] == [0, 1] and ev["data"]["ratio"] >= 1.5
+    assert len(summary["verdicts"]) == 1 and code == 0
+
+
 def test_healthy_pipeline_without_peers_has_no_verdict(tmp_path):
     code, summary = demo(tmp_path / "out", "none", world=4, tp=1, pp=4, steps=100, **TORCH)
     assert summary["verdicts"] == [] and code == 0

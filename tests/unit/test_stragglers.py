@@ -346,8 +346,10 @@ def test_a_slow_stage_of_a_pipeline_without_peers_is_named_by_its_change() -> No
     # 1.5x of steady stages stands out clearly enough too.
     got = run(pipeline(4), unequal_stages(3, 1.5, 12), steps=50)
     assert [(v.cause, v.ranks) for v in got] == [(Cause.COMPUTE, [3])]
-    # Not in a two-stage pipeline, where the other stage would be all the reference.
-    assert run(pipeline(2), unequal_stages(0, 3.0, 12), steps=50) == []
+    # In a two-stage pipeline the other stage is all the reference: either stage.
+    for rank in (0, 1):
+        got = run(pipeline(2), unequal_stages(rank, 2.0, 12), steps=50)
+        assert [(v.cause, v.ranks) for v in got] == [(Cause.COMPUTE, [rank])]
 
 
 def test_unequal_stages_of_a_healthy_pipeline_are_no_stragglers() -> None:
@@ -369,6 +371,15 @@ def test_a_recorded_slow_stage_without_peers_is_named_on_the_diagnoser_rank() ->
     assert [(v.kind, v.cause, v.ranks) for v in got] == [(Kind.SLOW, Cause.COMPUTE, [0])]
     assert got[0].group is not None and got[0].group["role"] == "pp"
     assert got[0].step is not None and got[0].step <= 25
+
+
+def test_a_recorded_slow_stage_of_a_two_stage_pipeline_is_named() -> None:
+    # `ccld demo --world 2 --tp 1 --pp 2 --fault compute-slow@0:factor=1.5,step=11`: the
+    # other stage is all its reference.
+    _, got = replay(RECORDED / "compute-slow-1.5x-rank0-step11-tp1pp2-2ranks.rec")
+    assert [(v.kind, v.cause, v.ranks) for v in got] == [(Kind.SLOW, Cause.COMPUTE, [0])]
+    assert got[0].group is not None and got[0].group["ranks"] == [0, 1]
+    assert got[0].step is not None and got[0].step <= 21
 
 
 def test_recorded_healthy_pipelines_without_peers_get_no_verdict() -> None:
