@@ -70,11 +70,12 @@ LAYOUTS = {
     "tp1pp2dp2": Layout("TP1xPP2xDP2 (w4, 2-rank cohorts)", 4, 1, 2),
     "dp2": Layout("DP2 (w2, 2-rank cohort)", 2, 1, 1),
     "tp1pp4": Layout("TP1xPP4 (w4, one pipeline)", 4, 1, 4),
+    "tp1pp2": Layout("TP1xPP2 (w2, one connection)", 2, 1, 2),
 }
 # DeepSpeed's example is data parallel only: its layouts are DPn.
 FRAMEWORK_LAYOUTS = {
-    "torch": ["dp8", "tp2pp2dp2", "tp1pp2dp4", "tp1pp4dp2", "tp2pp2", "tp1pp4"],
-    "megatron": ["dp8", "tp2pp2dp2", "tp1pp2dp4", "tp1pp4dp2", "tp2pp2", "tp1pp4"],
+    "torch": ["dp8", "tp2pp2dp2", "tp1pp2dp4", "tp1pp4dp2", "tp2pp2", "tp1pp4", "tp1pp2"],
+    "megatron": ["dp8", "tp2pp2dp2", "tp1pp2dp4", "tp1pp4dp2", "tp2pp2", "tp1pp4", "tp1pp2"],
     "deepspeed": ["dp8", "dp2"],
 }
 # (runs, steps) per framework: full reaches > 10,000 rank-steps with torch alone.

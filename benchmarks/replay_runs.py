@@ -29,6 +29,7 @@ from ccld_plugin.postmortem.replay import replay
 
 sys.path.insert(0, str(Path(__file__).parent))
 from false_alarms import judge  # noqa: E402
+from sensitivity import LAYOUTS, only_peer  # noqa: E402
 
 
 @dataclass
@@ -78,8 +79,13 @@ def main() -> int:
                 case.found += 1
                 if m["steps_to_verdict"] is not None:
                     case.steps.append(m["steps_to_verdict"])
+            layout = LAYOUTS.get(run.name.rsplit("-", 2)[-2])  # sensitivity's run names
+            only = only_peer(fault["rank"], *layout) if layout else None
             case.wrong += [
-                f"{run.name}: {_line(v)}" for v in verdicts if set(v["ranks"]) - {fault["rank"]}
+                f"{run.name}: {_line(v)}"
+                for v in verdicts
+                if set(v["ranks"]) - {fault["rank"]}
+                and not (only is not None and v.get("link") == sorted((fault["rank"], only)))
             ]
             outcome = f"{m['steps_to_verdict']} steps" if m["verdict"] else "MISSED"
             live_outcome = f"{lm['steps_to_verdict']} steps" if lm["verdict"] else "missed"
