@@ -29,7 +29,7 @@ from ccld_plugin.diagnose.view import GroupIndex, JobView
 from ccld_plugin.wire.summary_batch import SummaryTable
 from ccld_plugin.wire.topology import GroupInfo
 
-__all__ = ["LoneConnection", "P2PJoin", "Transfers", "slow_p2p_port"]
+__all__ = ["LoneConnection", "P2PJoin", "Transfers", "p2p_measured", "slow_p2p_port"]
 
 PENDING_TTL_NS = 20_000_000_000  # an end whose other end never comes is dropped after this
 # A directed link is judged on a window with at least this many paired transfers.
@@ -60,6 +60,14 @@ LINK_RATIO = 8.0
 # shaped to 30 Mbit/s, 30-32 ms. The same link against itself needs no margin for links
 # that differ.
 OWN_PAST_RATIO = 4.0
+# Nor does it need MIN_SLOW_ROUND_TRIP_NS, if every transfer is slow: the low quartile of
+# its transfers there plus back (the clock offset cancels as in the medians) reads at
+# least MIN_STEADY_ROUND_TRIP_NS, and OWN_PAST_RATIO of its past. A busy host holds some
+# transfers back, a slow link all of them: healthy TP1xPP2 windows beside two busy
+# processes read up to 7.7 ms by their medians but 4.3 by their low quartiles (5.8 in
+# one window, alone; a verdict takes three in a row); shaped to 100 Mbit/s, 6.7-6.8 ms
+# by both in every window (the job's step 30 -> 53 ms, missed at 10 ms).
+MIN_STEADY_ROUND_TRIP_NS = 5_000_000
 HISTORY_QUANTILE = 0.1
 HISTORY_WINDOWS = 512
 MIN_HISTORY_WINDOWS = 2
@@ -195,6 +203,7 @@ class _Way(NamedTuple):
     bytes: float
     paired: int
     messages: int
+    low_ns: float  # the low quartile of its transfers' times
 
 
 class _Connection(NamedTuple):
@@ -213,6 +222,11 @@ class _Connection(NamedTuple):
         return self.there.transfer_ns + self.back.transfer_ns
 
     @property
+    def low_round_trip_ns(self) -> float:
+        """The low quartiles' round trip: what nearly every message took at least."""
+        return self.there.low_ns + self.back.low_ns
+
+    @property
     def ns_per_byte(self) -> float:
         return self.round_trip_ns / max(1.0, self.there.bytes + self.back.bytes)
 
@@ -229,7 +243,9 @@ class _Connection(NamedTuple):
 
 class LoneConnection:
     """A pipeline of two stages has one connection, and nothing to compare it with but its
-    own past: the low tenth of its last HISTORY_WINDOWS windows' round trips per byte."""
+    own past: the low tenth of its last HISTORY_WINDOWS windows' round trips per byte. It
+    is slow when nearly all of its transfers are (their low quartiles), not a few that a
+    busy host held back."""
 
     def __init__(self) -> None:
         self._windows: dict[tuple[int, int], RecentFloor] = {}
@@ -238,10 +254,20 @@ class LoneConnection:
         """``c``, the job's one connection this window, against its own earlier windows."""
         past = self._windows.setdefault((c.a, c.b), RecentFloor(HISTORY_QUANTILE, HISTORY_WINDOWS))
         found = None
-        if len(past) >= MIN_HISTORY_WINDOWS:
+        if len(past) >= MIN_HISTORY_WINDOWS and c.low_round_trip_ns >= max(
+            MIN_STEADY_ROUND_TRIP_NS, OWN_PAST_RATIO * c.reference_ns(past.value)
+        ):
             link = [c.a, c.b]
             found = _finding(
-                link, link, [c], past.value, OWN_PAST_RATIO, window_ns, groups, "its own past"
+                link,
+                link,
+                [c],
+                past.value,
+                OWN_PAST_RATIO,
+                window_ns,
+                groups,
+                "its own past",
+                min_round_trip_ns=MIN_STEADY_ROUND_TRIP_NS,
             )
         past.add(c.ns_per_byte)
         return found
@@ -283,6 +309,12 @@ def slow_p2p_port(
     return max(found, key=lambda f: f.severity) if found else None
 
 
+def p2p_measured(transfers: Transfers, t0: int, t1: int) -> bool:
+    """Whether [t0, t1] holds a connection measured both ways: a window without one says
+    nothing of the links, healthy or slow."""
+    return bool(_connections(transfers.within(t0, t1), frozenset()))
+
+
 def _connections(t: Transfers, exclude: frozenset[int]) -> list[_Connection]:
     by: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i, (a, b) in enumerate(zip(t.src.tolist(), t.dst.tolist(), strict=True)):
@@ -297,6 +329,7 @@ def _connections(t: Transfers, exclude: frozenset[int]) -> list[_Connection]:
                 float(np.median(t.bytes[rows])),
                 len(rows),
                 max(len(rows), int(seqs.max() - seqs.min()) + 1),
+                float(np.quantile(t.transfer_ns[rows], 0.25)),
             )
             group[k] = int(np.bincount(t.group[rows]).argmax())
     return [
@@ -315,11 +348,12 @@ def _finding(
     window_ns: int,
     groups: list[GroupInfo],
     reference: str = "the job's other connections",
+    min_round_trip_ns: float = MIN_SLOW_ROUND_TRIP_NS,
 ) -> LinkFinding | None:
     """A finding on ``ranks`` when every connection of ``own`` is slow against the
     reference and their excess costs the window enough; None otherwise."""
     slowest = min(c.round_trip_ns / c.reference_ns(ref_ns_per_byte) for c in own)
-    if slowest < ratio or min(c.round_trip_ns for c in own) < MIN_SLOW_ROUND_TRIP_NS:
+    if slowest < ratio or min(c.round_trip_ns for c in own) < min_round_trip_ns:
         return None
     if sum(c.excess_ns(ref_ns_per_byte) for c in own) < MIN_WINDOW_SHARE * window_ns:
         return None

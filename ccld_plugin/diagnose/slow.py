@@ -29,6 +29,7 @@ from ccld_plugin.diagnose.p2p_transfers import (
     LoneConnection,
     P2PJoin,
     Transfers,
+    p2p_measured,
     slow_p2p_port,
 )
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
@@ -561,6 +562,10 @@ class SlowDetector:
                 self.transfers, self.arrivals.groups, t0, t1, frozenset(stragglers), self.lone
             )
             fresh = fresh or found is not None
+            if found is None and not slow and not p2p_measured(self.transfers, t0, t1):
+                # Too few of its messages sampled this window (a fast job's windows take
+                # turns: ~16 a tick per link): no news, its streak holds as it is.
+                return []
         if slow and found is None and judged.pending:
             # Low bandwidth with the links' own judgement still to come: a busy host slows
             # a group's transfers as much as a slow link does (seen: one DP group at 5.6x

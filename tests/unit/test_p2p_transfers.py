@@ -197,6 +197,37 @@ def test_a_two_stage_pipelines_one_connection_is_judged_against_its_own_past() -
     assert judged(3.0, 5) is None
 
 
+def one_connection(there_ms: list[float], back_ms: list[float], k: int, window_ns: int):
+    """Transfers of the connection 0<->1 in window ``k``, one per time given (64 KB)."""
+    rows = [
+        (a, b, 0, q + 1, k * window_ns + (q + 1) * window_ns // (len(ms) + 1), int(v * MS))
+        for a, b, ms in ((0, 1, there_ms), (1, 0, back_ms))
+        for q, v in enumerate(ms)
+    ]
+    cols = list(zip(*rows, strict=True))
+    return Transfers(*(np.array(c, np.int64) for c in cols), np.full(len(rows), KB64, np.int64))
+
+
+def test_a_connection_slow_in_every_transfer_is_named_under_10_ms_held_back_ones_are_not() -> None:
+    # 100 Mbit/s: every 64 KB message 3.4 ms one way; a busy host: some held back longer,
+    # the medians higher, the low quartiles near the healthy past.
+    window = 400 * MS
+
+    def judged(lone: LoneConnection, there: list[float], back: list[float], k: int):
+        t = one_connection(there, back, k, window)
+        return slow_p2p_port(t, [PP], k * window, (k + 1) * window, frozenset(), lone)
+
+    healthy = [0.2, 0.3, 0.2, 0.3, 0.2, 0.3, 0.2, 0.3]
+    steady, held = LoneConnection(), LoneConnection()
+    for k in range(3):
+        assert judged(steady, healthy, healthy, k) is None
+        assert judged(held, healthy, healthy, k) is None
+    found = judged(steady, [3.4] * 8, [3.3] * 8, 3)
+    assert found is not None and found.link == [0, 1]
+    busy = [0.3, 0.2, 6.0, 0.3, 5.0, 4.5, 4.0, 5.5]  # median 4.25 each way: 8.5 ms
+    assert judged(held, busy, busy, 3) is None
+
+
 def test_a_slow_connection_is_named_after_one_healthy_window_read_on_a_busy_host() -> None:
     # An onset early in a fast job leaves one healthy window: here 4 ms there and back
     # (a busy host), then a window half slow, then 30 ms.
