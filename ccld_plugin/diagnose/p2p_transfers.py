@@ -60,13 +60,15 @@ LINK_RATIO = 8.0
 # shaped to 30 Mbit/s, 30-32 ms. The same link against itself needs no margin for links
 # that differ.
 OWN_PAST_RATIO = 4.0
-# Nor does it need MIN_SLOW_ROUND_TRIP_NS, if every transfer is slow: the low quartile of
-# its transfers there plus back (the clock offset cancels as in the medians) reads at
-# least MIN_STEADY_ROUND_TRIP_NS, and OWN_PAST_RATIO of its past. A busy host holds some
-# transfers back, a slow link all of them: healthy TP1xPP2 windows beside two busy
-# processes read up to 7.7 ms by their medians but 4.3 by their low quartiles (5.8 in
-# one window, alone; a verdict takes three in a row); shaped to 100 Mbit/s, 6.7-6.8 ms
-# by both in every window (the job's step 30 -> 53 ms, missed at 10 ms).
+# Nearly every transfer must be slow: the low quartile of its transfers there plus back
+# (the clock offset cancels as in the medians) reads OWN_PAST_RATIO of its past and
+# MIN_STEADY_ROUND_TRIP_NS at least. A busy host holds some transfers back, a slow link
+# all of them: healthy TP1xPP2 windows beside two busy processes read up to 7.7 ms by
+# their medians but 4.3 by their low quartiles (5.8 in one window, alone; a verdict takes
+# three in a row); shaped to 100 Mbit/s, 6.7-6.8 ms by both in every window (the job's
+# step 30 -> 53 ms, missed at 10 ms). Then it needs no MIN_SLOW_ROUND_TRIP_NS, unless an
+# end queues for a CPU (a crowded host delays every message a little: the healthy
+# connections of a Megatron TP1xPP4 beside two busy processes read 5.0-5.3 ms by both).
 MIN_STEADY_ROUND_TRIP_NS = 5_000_000
 HISTORY_QUANTILE = 0.1
 HISTORY_WINDOWS = 512
@@ -250,8 +252,11 @@ class LoneConnection:
     def __init__(self) -> None:
         self._windows: dict[tuple[int, int], RecentFloor] = {}
 
-    def judge(self, c: _Connection, window_ns: int, groups: list[GroupInfo]) -> LinkFinding | None:
-        """``c``, the job's one connection this window, against its own earlier windows."""
+    def judge(
+        self, c: _Connection, window_ns: int, groups: list[GroupInfo], queued: frozenset[int]
+    ) -> LinkFinding | None:
+        """``c``, the job's one connection this window, against its own earlier windows;
+        ``queued``: ranks that waited for a CPU (their host is crowded)."""
         past = self._windows.setdefault((c.a, c.b), RecentFloor(HISTORY_QUANTILE, HISTORY_WINDOWS))
         found = None
         if len(past) >= MIN_HISTORY_WINDOWS and c.low_round_trip_ns >= max(
@@ -267,7 +272,9 @@ class LoneConnection:
                 window_ns,
                 groups,
                 "its own past",
-                min_round_trip_ns=MIN_STEADY_ROUND_TRIP_NS,
+                min_round_trip_ns=MIN_SLOW_ROUND_TRIP_NS
+                if {c.a, c.b} & queued
+                else MIN_STEADY_ROUND_TRIP_NS,
             )
         past.add(c.ns_per_byte)
         return found
@@ -280,16 +287,17 @@ def slow_p2p_port(
     t1: int,
     exclude: frozenset[int],
     lone: LoneConnection | None = None,
+    queued: frozenset[int] = frozenset(),
 ) -> LinkFinding | None:
     """The slow port (a finding with no ``link``: every connection of its rank) or link
     that the transfers of [t0, t1] show, if any; a job's one connection against its own
-    past in ``lone``. Connections touching ``exclude`` (ranks computing slower than their
-    cohort: a late reader drains its link late) and those measured one way only are not
-    judged."""
+    past in ``lone`` (``queued``: ranks that waited for a CPU). Connections touching
+    ``exclude`` (ranks computing slower than their cohort: a late reader drains its link
+    late) and those measured one way only are not judged."""
     conns = _connections(transfers.within(t0, t1), exclude)
     window_ns = max(1, t1 - t0)
     if len(conns) < 2:
-        return lone.judge(conns[0], window_ns, groups) if conns and lone is not None else None
+        return lone.judge(conns[0], window_ns, groups, queued) if conns and lone else None
     peers: dict[int, list[_Connection]] = defaultdict(list)
     for c in conns:
         peers[c.a].append(c)

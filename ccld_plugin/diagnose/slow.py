@@ -351,10 +351,7 @@ class SlowDetector:
         # Who waits for a CPU at all over the longer span (on a node with a core per rank,
         # nobody: then nothing more is done); only their cohorts are judged.
         lo = last - max(self.spans) + 1
-        ranks, wait = self.steps.matrix(lo, last + 1, ("cpu_wait_us",))
-        _, busy = self.steps.matrix(lo, last + 1, ("compute_us", "cpu_wait_us"))
-        with np.errstate(all="ignore"):
-            share = np.nansum(wait, axis=1) / np.nansum(busy, axis=1)
+        ranks, wait, share = self._cpu_wait(lo, last + 1)
         waiting = set(ranks[share > QUIET_HOST_SHARE].tolist()) - stragglers - set(self._solo)
         if not waiting:
             return {}
@@ -386,6 +383,15 @@ class SlowDetector:
                 continue
             _not_a_straggler(e, cohorts.get(e.rank, [e.rank]), f"with its CPU wait: {why}")
         return out
+
+    def _cpu_wait(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The ranks with steps, their wait for a CPU per step in steps [lo, hi) (us, NaN
+        where unknown), and its share of their time outside communication."""
+        ranks, wait = self.steps.matrix(lo, hi, ("cpu_wait_us",))
+        _, busy = self.steps.matrix(lo, hi, ("compute_us", "cpu_wait_us"))
+        with np.errstate(all="ignore"):
+            share = np.nansum(wait, axis=1) / np.nansum(busy, axis=1)
+        return ranks, wait, share
 
     def _streak_samples(self, r: int, t0: int, t1: int) -> RankJoined:
         """Rank r's joined collectives (of groups of two or more) between t0 and t1."""
@@ -558,8 +564,15 @@ class SlowDetector:
         found, fresh = judged.found, judged.fresh
         if found is None and len(self.transfers.src):
             # a lone pipeline's links (P2PJoin): their messages' transfers
+            waited, _, share = self._cpu_wait(lo, hi)
             found = slow_p2p_port(
-                self.transfers, self.arrivals.groups, t0, t1, frozenset(stragglers), self.lone
+                self.transfers,
+                self.arrivals.groups,
+                t0,
+                t1,
+                frozenset(stragglers),
+                self.lone,
+                queued=frozenset(waited[share > QUIET_HOST_SHARE].tolist()),
             )
             fresh = fresh or found is not None
             if found is None and not slow and not p2p_measured(self.transfers, t0, t1):

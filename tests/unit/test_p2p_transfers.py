@@ -213,19 +213,25 @@ def test_a_connection_slow_in_every_transfer_is_named_under_10_ms_held_back_ones
     # the medians higher, the low quartiles near the healthy past.
     window = 400 * MS
 
-    def judged(lone: LoneConnection, there: list[float], back: list[float], k: int):
+    def judged(lone: LoneConnection, there: list[float], back: list[float], k: int, q=()):
         t = one_connection(there, back, k, window)
-        return slow_p2p_port(t, [PP], k * window, (k + 1) * window, frozenset(), lone)
+        w = (k * window, (k + 1) * window)
+        return slow_p2p_port(t, [PP], *w, frozenset(), lone, queued=frozenset(q))
 
     healthy = [0.2, 0.3, 0.2, 0.3, 0.2, 0.3, 0.2, 0.3]
-    steady, held = LoneConnection(), LoneConnection()
+    steady, held, crowded = LoneConnection(), LoneConnection(), LoneConnection()
     for k in range(3):
-        assert judged(steady, healthy, healthy, k) is None
-        assert judged(held, healthy, healthy, k) is None
+        for lone in (steady, held, crowded):
+            assert judged(lone, healthy, healthy, k) is None
     found = judged(steady, [3.4] * 8, [3.3] * 8, 3)
     assert found is not None and found.link == [0, 1]
     busy = [0.3, 0.2, 6.0, 0.3, 5.0, 4.5, 4.0, 5.5]  # median 4.25 each way: 8.5 ms
     assert judged(held, busy, busy, 3) is None
+    # where an end queues for a CPU, every message a little late is its host's doing:
+    # under 10 ms there and back, no verdict; at 30 Mbit/s' 30 ms, one
+    assert judged(crowded, [3.4] * 8, [3.3] * 8, 3, q=[1]) is None
+    found = judged(crowded, [15.0] * 8, [15.0] * 8, 4, q=[1])
+    assert found is not None and found.link == [0, 1]
 
 
 def test_a_slow_connection_is_named_after_one_healthy_window_read_on_a_busy_host() -> None:
