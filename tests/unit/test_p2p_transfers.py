@@ -179,6 +179,16 @@ def test_recorded_lone_pipelines_name_the_slow_port_and_the_slow_link() -> None:
     assert (v.kind, v.cause, v.ranks, v.link) == (Kind.SLOW, Cause.COMMUNICATION, [1, 2], [1, 2])
 
 
+def test_a_recorded_two_stage_pipeline_at_100_mbit_names_its_link() -> None:
+    # `ccld demo --world 2 --tp 1 --pp 2 --fault comm-slow@1:rate=100mbit,step=10` on a
+    # quiet host: 6.8 ms there and back in every window (0.4 before), every message alike;
+    # the job's step 30 -> 53 ms. Its windows take turns at having enough samples.
+    _, got = replay(RECORDED / "comm-slow-100mbit-rank1-step10-tp1pp2-2ranks.rec")
+    (v,) = got
+    assert (v.kind, v.cause, v.ranks, v.link) == (Kind.SLOW, Cause.COMMUNICATION, [0, 1], [0, 1])
+    assert "its own past" in v.evidence[0].text
+
+
 def test_a_two_stage_pipelines_one_connection_is_judged_against_its_own_past() -> None:
     lone = LoneConnection()
     window = 2000 * MS
