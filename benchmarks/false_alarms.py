@@ -218,6 +218,9 @@ def judge(v: dict, compute: dict, cfg) -> tuple[bool | None, str]:
     the detector's own measure, on the benchmark's times)."""
     if (v["kind"], v["cause"]) != ("slow", "compute"):
         return False, f"{v['kind']}/{v['cause']} on a healthy run"
+    change = next((e for e in v["evidence"] if e["fact"] == "compute_change"), None)
+    if change is not None and len(v["ranks"]) == 1:
+        return judge_change(v["ranks"][0], change["data"], compute, cfg)
     ev = next((e for e in v["evidence"] if e["fact"] == "compute_excess"), None)
     if ev is None or len(v["ranks"]) != 1:
         return False, "no compute_excess evidence"
@@ -240,6 +243,38 @@ def judge(v: dict, compute: dict, cfg) -> tuple[bool | None, str]:
     return x >= cfg.slow_ratio, (
         f"own median per-step compute ratio to cohort {cohort} over steps {lo}-{hi}: "
         f"{text}; needs >= {cfg.slow_ratio}"
+    )
+
+
+def judge_change(r: int, d: dict, compute: dict, cfg) -> tuple[bool | None, str]:
+    """A verdict on a rank that no other rank matches in work (a pipeline stage without
+    peers), true when its own times show its compute changed slow_ratio more than the
+    others' did over the verdict's steps: each step's compute over the rank's baseline
+    (the low tenth of its 5-step window medians before those steps), against the same
+    for the others that step, as the detector measures it."""
+    lo, hi = int(d["first_step"]), int(d["last_step"])
+    base = {}
+    for c in d["cohort"]:
+        own = compute.get(c, {})
+        medians = [
+            statistics.median(w)
+            for a in range(1, lo - 4)
+            if len(w := [own[s][0] for s in range(a, a + 5) if s in own]) == 5
+        ]
+        if not medians:
+            return None, f"rank {c}: no steps before {lo} for a baseline"
+        base[c] = sorted(medians)[int(len(medians) * 0.1)]
+    ratios = []
+    for s in range(lo, hi + 1):
+        others = [compute[c][s][0] / base[c] for c in base if c != r and s in compute[c]]
+        if s in compute.get(r, {}) and others and statistics.median(others) > 0:
+            ratios.append(compute[r][s][0] / base[r] / statistics.median(others))
+    if len(ratios) * 2 < hi - lo + 1:
+        return None, f"own times for {len(ratios)} of steps {lo}-{hi}"
+    x = statistics.median(ratios)
+    return x >= cfg.slow_ratio, (
+        f"own median per-step change of compute against ranks {sorted(base)} over steps "
+        f"{lo}-{hi}: {x:.2f}x (baseline {base[r] / 1000:.1f} ms); needs >= {cfg.slow_ratio}"
     )
 
 
