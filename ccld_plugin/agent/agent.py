@@ -53,8 +53,10 @@ __all__ = ["Agent", "StepClock"]
 SAMPLE_BUDGET = 32768  # per group slot, over all ranks
 MIN_SAMPLES, MAX_SAMPLES = 2, 128
 # Point-to-point samples per peer, direction and tick (a link's transfers, not every op),
-# and per summary in all (a rank that sends to many peers samples each less).
-MAX_P2P_SAMPLES, P2P_BUDGET = 16, 256
+# and per summary in all (a rank that sends to many peers samples each less). At 16, a
+# fast two-stage job's 5-step windows (4 to a 1 s tick) took turns at having the 3 a way
+# a connection is judged on, and a slow link's verdict took twice as many windows.
+MAX_P2P_SAMPLES, P2P_BUDGET = 32, 256
 STACK_FRAMES = 16
 MAX_BACKOFF_S = 30.0
 

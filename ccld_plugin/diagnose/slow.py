@@ -577,7 +577,7 @@ class SlowDetector:
             fresh = fresh or found is not None
             if found is None and not slow and not p2p_measured(self.transfers, t0, t1):
                 # Too few of its messages sampled this window (a fast job's windows take
-                # turns: ~16 a tick per link): no news, its streak holds as it is.
+                # turns at it): no news, its streak holds as it is.
                 return []
         if slow and found is None and judged.pending:
             # Low bandwidth with the links' own judgement still to come: a busy host slows
