@@ -382,6 +382,14 @@ def test_a_recorded_slow_stage_of_a_two_stage_pipeline_is_named() -> None:
     assert got[0].step is not None and got[0].step <= 21
 
 
+def test_windows_wait_for_a_rank_whose_first_summary_comes_late() -> None:
+    # A 2-second TP1xPP2 demo (`compute-slow@1:factor=2,step=10`): rank 0's first summary
+    # held steps 0-17 a round before rank 1's first. Judged without rank 1, those windows
+    # left its healthy steps out, and its baseline was made of its slow ones: no verdict.
+    _, got = replay(RECORDED / "compute-slow-2x-rank1-step10-tp1pp2-late-first-summary.rec")
+    assert [(v.kind, v.cause, v.ranks) for v in got] == [(Kind.SLOW, Cause.COMPUTE, [1])]
+
+
 def test_recorded_healthy_pipelines_without_peers_get_no_verdict() -> None:
     # Real healthy runs of 300 steps on 2 cores: 4-stage Megatron pipelines whose stages
     # stood up to 1.9x their change against the others at 6.0 standard errors (steps
