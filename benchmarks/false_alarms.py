@@ -45,6 +45,8 @@ from rich.console import Console
 
 from ccld_plugin.board.reader import BoardError, BoardReader, board_files
 from ccld_plugin.config import load_config
+from ccld_plugin.diagnose.robust import RecentFloor
+from ccld_plugin.diagnose.slow import BASELINE_QUANTILE, BASELINE_WINDOWS, FIRST_STEP
 from ccld_plugin.harness.demo import DemoOptions, run_demo
 from ccld_plugin.wire.codes import FLAG_ASYNC, STATE_DONE, STATE_IN_FLIGHT
 
@@ -250,20 +252,20 @@ def judge_change(r: int, d: dict, compute: dict, cfg) -> tuple[bool | None, str]
     """A verdict on a rank that no other rank matches in work (a pipeline stage without
     peers), true when its own times show its compute changed slow_ratio more than the
     others' did over the verdict's steps: each step's compute over the rank's baseline
-    (the low tenth of its 5-step window medians before those steps), against the same
-    for the others that step, as the detector measures it."""
+    (the detector's: a low quantile of its sliding window medians before those steps),
+    against the same for the others that step, as the detector measures it."""
     lo, hi = int(d["first_step"]), int(d["last_step"])
+    w = cfg.window_steps
     base = {}
     for c in d["cohort"]:
         own = compute.get(c, {})
-        medians = [
-            statistics.median(w)
-            for a in range(1, lo - 4)
-            if len(w := [own[s][0] for s in range(a, a + 5) if s in own]) == 5
-        ]
-        if not medians:
+        floor = RecentFloor(BASELINE_QUANTILE, BASELINE_WINDOWS)
+        for a in range(FIRST_STEP, lo - w + 1):
+            if len(times := [own[s][0] for s in range(a, a + w) if s in own]) == w:
+                floor.add(statistics.median(times))
+        if not len(floor):
             return None, f"rank {c}: no steps before {lo} for a baseline"
-        base[c] = sorted(medians)[int(len(medians) * 0.1)]
+        base[c] = floor.value
     ratios = []
     for s in range(lo, hi + 1):
         others = [compute[c][s][0] / base[c] for c in base if c != r and s in compute[c]]

@@ -29,7 +29,7 @@ from ccld_plugin.postmortem.replay import replay
 
 sys.path.insert(0, str(Path(__file__).parent))
 from false_alarms import judge  # noqa: E402
-from sensitivity import LAYOUTS, only_peer  # noqa: E402
+from sensitivity import LAYOUTS, names_another_rank  # noqa: E402
 
 
 @dataclass
@@ -79,13 +79,12 @@ def main() -> int:
                 case.found += 1
                 if m["steps_to_verdict"] is not None:
                     case.steps.append(m["steps_to_verdict"])
-            layout = LAYOUTS.get(run.name.rsplit("-", 2)[-2])  # sensitivity's run names
-            only = only_peer(fault["rank"], *layout) if layout else None
+            # the layout from sensitivity's run names; unknown: any other rank is wrong
+            layout = LAYOUTS.get(run.name.rsplit("-", 2)[-2], (0, 0, 0))
             case.wrong += [
                 f"{run.name}: {_line(v)}"
                 for v in verdicts
-                if set(v["ranks"]) - {fault["rank"]}
-                and not (only is not None and v.get("link") == sorted((fault["rank"], only)))
+                if names_another_rank(v, fault["rank"], *layout)
             ]
             outcome = f"{m['steps_to_verdict']} steps" if m["verdict"] else "MISSED"
             live_outcome = f"{lm['steps_to_verdict']} steps" if lm["verdict"] else "missed"

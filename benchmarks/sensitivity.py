@@ -78,12 +78,16 @@ def _verdict_line(v: dict) -> str:
     )
 
 
-def only_peer(rank: int, world: int, tp: int, pp: int) -> int | None:
-    """The one rank that ``rank`` exchanges data with, if it has one only: the first or
-    last stage of a lone TP1 pipeline (its slow port is its one link)."""
+def names_another_rank(v: dict, rank: int, world: int, tp: int, pp: int) -> bool:
+    """Whether verdict ``v`` blames a rank other than the faulted ``rank``. The first or
+    last stage of a lone TP1 pipeline exchanges data with one rank only: its slow port is
+    that one link, and naming the link names all that can be named."""
+    if not set(v["ranks"]) - {rank}:
+        return False
     if tp != 1 or pp != world or world < 2 or rank not in (0, world - 1):
-        return None
-    return 1 if rank == 0 else world - 2
+        return True
+    only = 1 if rank == 0 else world - 2
+    return v.get("link") != sorted((rank, only))
 
 
 def main() -> int:
@@ -152,12 +156,8 @@ def main() -> int:
                 row.runs += 1
                 row.seconds += secs
                 m = summary["latency_s"][0] if summary["latency_s"] else {"verdict": False}
-                only = only_peer(rank, world, tp, pp)
                 wrong = [
-                    v
-                    for v in summary["verdicts"]
-                    if set(v["ranks"]) - {rank}
-                    and not (only is not None and v.get("link") == sorted((rank, only)))
+                    v for v in summary["verdicts"] if names_another_rank(v, rank, world, tp, pp)
                 ]
                 exact = any(
                     v["ranks"] == [rank]
