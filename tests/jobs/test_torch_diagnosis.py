@@ -88,8 +88,8 @@ def test_compute_slow_factor_3_tp2_pp2_dp2(tmp_path):
 def test_compute_slow_stage_of_a_pipeline_without_peers(tmp_path, fault, pp, rank):
     # TP1 x PPn x DP1: no rank does another's work, so the slow stage is compared by how
     # its compute changed against how the other stages' did (with two stages, the other
-    # is all the reference). An onset before any step is judged (10) leaves its first
-    # windows as its baseline.
+    # is all the reference). An onset no later than the first step judged (10) leaves
+    # its first windows as its baseline.
     code, summary = demo(tmp_path / "out", fault, world=pp, tp=1, pp=pp, steps=45, **TORCH)
     v = only(summary, "slow")
     assert (v["cause"], v["ranks"], v["group"]["role"]) == ("compute", [rank], "pp")
