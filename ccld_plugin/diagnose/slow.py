@@ -35,7 +35,7 @@ from ccld_plugin.diagnose.p2p_transfers import (
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.robust import RankedValues, RecentFloor
 from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkFinding
-from ccld_plugin.diagnose.step_table import StepTable
+from ccld_plugin.diagnose.step_table import StepTable, StepWindow
 from ccld_plugin.diagnose.view import GroupIndex, JobView
 from ccld_plugin.errors import log
 from ccld_plugin.wire.summary import RankSummary
@@ -91,6 +91,14 @@ STRONG_WAITED_FOR_SHARE = 0.5
 # after onset (benchmarks/sensitivity.py --layouts tp1pp2).
 SOLO_MIN_RANKS = 2
 SOLO_EXCESS_Z = 4.0
+# ... and it is the stage its pipeline waits for: its time outside communication (compute
+# and wait for a CPU) grew more, in ms per step over its own floor, than the other stages'
+# did (their median). Every stage of a pipeline takes the same step time, so the others'
+# wait grows by what the slow one adds; a stage that changed more by its own measure but
+# added less is not what holds the pipeline up. A host that slows every stage changes each
+# by its own measure: beside a busy CI run a healthy stage of a TP1xPP2 job went from 21
+# to 53 ms/step (2.5x its floor) while the 1.5x stage's grew by more ms, and the healthy
+# one was named.
 # Such a rank's baseline: this quantile of its last BASELINE_WINDOWS windows' medians (a
 # window a step, sliding). Their lowest, as before, is set by the luckiest five steps,
 # and falls the longer the job runs: a stage of a healthy TP1xPP4 job beside two busy
@@ -178,6 +186,7 @@ class SlowDetector:
         # straggler's slow windows hardly move it).
         self._solo: list[int] = []
         self._baselines: dict[int, RecentFloor] = {}
+        self._busy_floors: dict[int, RecentFloor] = {}  # theirs with the wait for a CPU
 
     # ------------------------------------------------------------------ ingest
     def ingest(self, view: JobView, fresh: Sequence[RankSummary]) -> None:
@@ -251,15 +260,35 @@ class SlowDetector:
         step_us = dict(zip(window.ranks, window.step_us, strict=True))
         verdicts = self._stragglers(view, step_us, hi - 1, t1)
         if self._solo and lo >= FIRST_STEP:
-            solo = set(self._solo)
-            for r, c in zip(window.ranks, window.compute_us, strict=True):
-                if r in solo and c > 0:
-                    if r not in self._baselines:
-                        self._baselines[r] = RecentFloor(BASELINE_QUANTILE, BASELINE_WINDOWS)
-                    self._baselines[r].add(c)
+            self._add_to_floors(window, lo, hi)
         if links:
             verdicts += self._slow_links(view, lo, hi, t0, t1)
         return verdicts
+
+    def _add_to_floors(self, window: StepWindow, lo: int, hi: int) -> None:
+        """Add the window's medians of the ranks compared by their change to their floors:
+        compute, and compute with the wait for a CPU."""
+        solo = set(self._solo)
+        busy = self._busy_medians(lo, hi)
+        for r, c in zip(window.ranks, window.compute_us, strict=True):
+            if r in solo and c > 0 and r in busy:
+                for floors, value in ((self._baselines, c), (self._busy_floors, busy[r])):
+                    if r not in floors:
+                        floors[r] = RecentFloor(BASELINE_QUANTILE, BASELINE_WINDOWS)
+                    floors[r].add(value)
+
+    def _busy_gains(self, first: int, last: int) -> dict[int, float]:
+        """Per rank compared by its change: how much its time outside communication over
+        steps first..last grew over its floor (us per step)."""
+        busy = self._busy_medians(first, last + 1)
+        return {r: busy[r] - f.value for r, f in self._busy_floors.items() if r in busy}
+
+    def _busy_medians(self, lo: int, hi: int) -> dict[int, float]:
+        """Per rank with steps in [lo, hi): its median time outside communication."""
+        ranks, busy = self.steps.matrix(lo, hi, ("compute_us", "cpu_wait_us"))
+        has = ~np.isnan(busy).all(axis=1)
+        medians = np.nanmedian(busy[has], axis=1) if has.any() else []
+        return dict(zip(ranks[has].tolist(), list(medians), strict=True))
 
     def _stragglers(
         self, view: JobView, step_us: dict[int, float], last: int, t1: int
@@ -327,7 +356,7 @@ class SlowDetector:
             strong = e.z >= CLEAR_EXCESS_Z * self.cfg.excess_z
             decisive = e.z >= SOLO_EXCESS_Z * self.cfg.excess_z
             if e.rank in self._solo:
-                why = _solo_not_confirmed(e, self.cfg.excess_z)
+                why = _solo_not_confirmed(e, self.cfg.excess_z, self._busy_gains(e.first, e.last))
             elif host_wait is not None and not (longest or decisive):
                 why = f"held back by its host {last - since + 1} steps: the longer span decides"
             else:
@@ -494,7 +523,21 @@ class SlowDetector:
                 **measured,
             )
         evidence = [excess]
-        if balance.share is not None and mine:
+        gains = self._busy_gains(e.first, e.last) if solo else {}
+        others = [g for s, g in gains.items() if s != r]
+        if r in gains and others:
+            # Its peers' arrival order is the pipeline's drain; what they wait for is this.
+            evidence.append(
+                Evidence.of(
+                    "pipeline_waits",
+                    "its time outside communication grew {gain_ms:.1f} ms/step over its "
+                    "fastest before, the other stages' {others_ms:.1f} ms (median): the "
+                    "pipeline waits for it",
+                    gain_ms=gains[r] / 1000,
+                    others_ms=statistics.median(others) / 1000,
+                )
+            )
+        elif balance.share is not None and mine:
             waited = balance.for_r_ns / balance.last_n / 1e6 if balance.last_n else 0.0
             evidence.append(
                 Evidence.of(
@@ -832,15 +875,21 @@ def _not_decisive(e: Excess, mine: RankJoined, balance: _WaitBalance, step_us: f
     )
 
 
-def _solo_not_confirmed(e: Excess, excess_z: float) -> str:
-    """Why a rank compared by its change (no other rank does its work) is not named. Its
-    peers wait for it in point-to-point transfers, which arrival samples leave out, and
-    the collectives it has with them are ordered by the pipeline's drain, not by who is
+def _solo_not_confirmed(e: Excess, excess_z: float, gains: dict[int, float]) -> str:
+    """Why a rank compared by its change (no other rank does its work) is not named. The
+    collectives it has with its peers are ordered by the pipeline's drain, not by who is
     slow (a 3x middle stage of a live 4-stage Megatron pipeline arrived last in none of
-    them); so its excess alone must be clear (SOLO_EXCESS_Z)."""
-    if e.z >= SOLO_EXCESS_Z * excess_z:
-        return ""
-    return f"compared by its change: {e.z:.1f} < {SOLO_EXCESS_Z:g} x excess_z standard errors"
+    them): its excess must be clear (SOLO_EXCESS_Z), and its added time the pipeline's
+    to wait for (``gains``: each such rank's growth over its floor, us per step)."""
+    if e.z < SOLO_EXCESS_Z * excess_z:
+        return f"compared by its change: {e.z:.1f} < {SOLO_EXCESS_Z:g} x excess_z standard errors"
+    others = [g for r, g in gains.items() if r != e.rank]
+    if e.rank in gains and others and gains[e.rank] <= statistics.median(others):
+        return (
+            f"its time outside communication grew {gains[e.rank] / 1000:.1f} ms/step, the "
+            f"other stages' {statistics.median(others) / 1000:.1f}: they do not wait for it"
+        )
+    return ""
 
 
 def _not_a_straggler(e: Excess, cohort: list[int], why: str) -> None:

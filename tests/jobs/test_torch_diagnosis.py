@@ -95,6 +95,8 @@ def test_compute_slow_stage_of_a_pipeline_without_peers(tmp_path, fault, pp, ran
     assert (v["cause"], v["ranks"], v["group"]["role"]) == ("compute", [rank], "pp")
     (ev,) = facts(v["evidence"])["compute_change"]
     assert ev["data"]["cohort"] == list(range(pp)) and ev["data"]["ratio"] >= 1.5
+    (waits,) = facts(v["evidence"])["pipeline_waits"]  # the stage the others wait for
+    assert waits["data"]["gain_ms"] > waits["data"]["others_ms"]
     assert len(summary["verdicts"]) == 1 and code == 0
 
 

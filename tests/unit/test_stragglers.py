@@ -342,6 +342,8 @@ def test_a_slow_stage_of_a_pipeline_without_peers_is_named_by_its_change() -> No
         assert v.group is not None and v.group["role"] == "pp"
         ev = facts(v.evidence)["compute_change"][0]["data"]
         assert ev["cohort"] == [0, 1, 2, 3] and ev["ratio"] > 2
+        waits = facts(v.evidence)["pipeline_waits"][0]["data"]
+        assert waits["gain_ms"] > waits["others_ms"] + 10
         assert v.step - max(onset, 10) <= 20
     # 1.5x of steady stages stands out clearly enough too.
     got = run(pipeline(4), unequal_stages(3, 1.5, 12), steps=50)
@@ -357,6 +359,19 @@ def test_unequal_stages_of_a_healthy_pipeline_are_no_stragglers() -> None:
     for seed in range(3):
         assert run(pipeline(4), unequal_stages(None, 1.0, seed, noise=0.15), steps=200) == []
         assert run(pipeline(2), unequal_stages(None, 1.0, seed, noise=0.15), steps=200) == []
+
+
+def test_a_stage_that_changed_more_but_adds_less_than_the_other_is_not_named() -> None:
+    # A host that slows both stages of a two-stage pipeline, each by its own measure: the
+    # light stage 2.5x (8 -> 20 ms), the heavy one 1.5x (40 -> 60 ms). By its change the
+    # light one stands 1.25x the median; but the pipeline waits for the heavy one's 20 ms
+    # more, not its 12, and naming it would blame the stage that holds nobody up.
+    def compute_ms(r: int, step: int) -> float:
+        rng = random.Random(step * 10 + r)
+        base, factor = {0: (40.0, 1.5), 1: (8.0, 2.5)}[r]
+        return base * (1 + rng.uniform(-0.05, 0.05)) * (factor if step >= 15 else 1.0)
+
+    assert [v.ranks for v in run(pipeline(2), compute_ms, steps=60)] == []
 
 
 RECORDED = Path(__file__).parent / "recorded"
