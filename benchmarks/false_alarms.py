@@ -253,7 +253,10 @@ def judge_change(r: int, d: dict, compute: dict, cfg) -> tuple[bool | None, str]
     peers), true when its own times show its compute changed slow_ratio more than the
     others' did over the verdict's steps: each step's compute over the rank's baseline
     (the detector's: a low quantile of its sliding window medians before those steps),
-    against the same for the others that step, as the detector measures it."""
+    against the same for the others that step, as the detector measures it. Compute
+    here leaves out every op: a stage's asynchronous sends and receives (Megatron's
+    batched ones) are where it waits for its neighbours, and counted as compute they
+    charge a healthy stage with the time a slow neighbour made it wait."""
     lo, hi = int(d["first_step"]), int(d["last_step"])
     w = cfg.window_steps
     base = {}
@@ -261,16 +264,16 @@ def judge_change(r: int, d: dict, compute: dict, cfg) -> tuple[bool | None, str]
         own = compute.get(c, {})
         floor = RecentFloor(BASELINE_QUANTILE, BASELINE_WINDOWS)
         for a in range(FIRST_STEP, lo - w + 1):
-            if len(times := [own[s][0] for s in range(a, a + w) if s in own]) == w:
+            if len(times := [own[s][1] for s in range(a, a + w) if s in own]) == w:
                 floor.add(statistics.median(times))
         if not len(floor):
             return None, f"rank {c}: no steps before {lo} for a baseline"
         base[c] = floor.value
     ratios = []
     for s in range(lo, hi + 1):
-        others = [compute[c][s][0] / base[c] for c in base if c != r and s in compute[c]]
+        others = [compute[c][s][1] / base[c] for c in base if c != r and s in compute[c]]
         if s in compute.get(r, {}) and others and statistics.median(others) > 0:
-            ratios.append(compute[r][s][0] / base[r] / statistics.median(others))
+            ratios.append(compute[r][s][1] / base[r] / statistics.median(others))
     if len(ratios) * 2 < hi - lo + 1:
         return None, f"own times for {len(ratios)} of steps {lo}-{hi}"
     x = statistics.median(ratios)
