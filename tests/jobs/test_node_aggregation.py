@@ -17,7 +17,9 @@ TORCH = dict(framework="torch", world=4, overrides=FAST_UNRESPONSIVE, timeout_s=
 
 
 def _leading(res) -> dict[int, bool]:
-    return {r: line["leading"] for r in range(4) for line in res.json_lines(r, "NODE")}
+    """Per rank: whether it led its node over most of the steps looked at (a leader late
+    by two ticks on a loaded host hands one tick to the next rank of its node)."""
+    return {r: line["leading"] > 0.5 for r in range(4) for line in res.json_lines(r, "NODE")}
 
 
 def test_healthy_job_publishes_one_key_per_node(tmp_path: Path) -> None:

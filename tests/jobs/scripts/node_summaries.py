@@ -10,7 +10,9 @@ the store from inside: rank 0 reads the keys the agents wrote and prints what it
                                     rank 0's diagnoser has its verdicts (or after a deadline)
 
 Printed lines: ``STORE <json>`` (rank 0), ``VERDICTS <json>`` (rank 0), ``NODE <json>``
-(each rank, at step LOOK_AT + 15: whether its agent led its node at its last tick).
+(each rank, at step LOOK_AT + 15: the share of steps LOOK_AT..LOOK_AT + 15 at which its
+agent had led its node at its last tick; a leader whose tick comes two ticks late on a
+loaded host is replaced for that tick, by design).
 """
 
 import json
@@ -86,11 +88,17 @@ def look_at_store() -> None:
     print("STORE " + json.dumps(found), flush=True)
 
 
+led: list[bool] = []  # whether this rank's agent led its node, at each step from LOOK_AT
+
+
 def look_beside_training(step: int) -> None:
     if rank == 0 and step == LOOK_AT:
         threading.Thread(target=look_at_store, daemon=True).start()
+    if LOOK_AT <= step <= LOOK_AT + 15:
+        led.append(agent.leading)
     if step == LOOK_AT + 15:  # while the store still answers every rank
-        print("NODE " + json.dumps({"rank": rank, "leading": agent.leading}), flush=True)
+        share = sum(led) / len(led)
+        print("NODE " + json.dumps({"rank": rank, "leading": share}), flush=True)
 
 
 def end_when_diagnosed() -> None:
