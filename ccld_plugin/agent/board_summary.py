@@ -134,13 +134,17 @@ def final_summary(snap: BoardSnapshot, last: RankSummary, died: bool = True) -> 
     silent), as its board stood then: ``last`` (made by its own agent, up to an interval
     before) brought up to its last step and op. Its heartbeat stays ``last``'s, as its
     agent beat no more; what only the live process knew (its step times, its sockets, its
-    stack) stays ``last``'s too. A dead rank's is flagged its last words."""
+    stack) stays ``last``'s too. A dead rank's is flagged its last words; one whose board
+    is closed left through the exit path (its final summary may never have reached the
+    store: a store hosted by rank 0 ends with it) and is flagged exited."""
     offset = snap.header.clock_offset_ns
     since = last.time_ns + offset  # on the rank's clock: ops done after ``last`` count
     s = summarize_board(snap, max(last_seen_ns(snap), since), since, offset, last.groups_version)
     s.heartbeat_ns = last.heartbeat_ns
     s.host, s.steps, s.stack = last.host, last.steps, last.stack
-    if died:
+    if snap.header.closed:
+        s.flags |= FLAG_EXITED
+    elif died:
         s.flags |= FLAG_LAST_WORDS
     return s
 

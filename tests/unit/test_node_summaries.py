@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from builders import rank_summary
 
+from ccld_plugin.agent.board_summary import as_board_stands
 from ccld_plugin.agent.node_board import (
     EXITED,
     STORE_LOST,
@@ -252,7 +253,7 @@ def test_ranks_alone_on_their_nodes_write_their_own_keys(monkeypatch: pytest.Mon
 _DIES_AT_STEP_6 = """
 import os, signal, sys
 from ccld_plugin import _native
-from ccld_plugin.wire.codes import OP_CODES
+from ccld_plugin.wire.codes import OP_CODES, STATE_DONE
 b = _native.Board(sys.argv[1], 1, 2, "j", "h", 16, 4, 4, 16)
 slot = b.register_group(7, 3, [0, 1], 1)
 b.set_clock_offset(1000)
@@ -289,6 +290,24 @@ def test_a_dead_ranks_summary_is_brought_up_to_its_board(tmp_path: Path) -> None
     write_local(summary_path(board), other)
     s = decode_summary(decode_node(share.frame(mine, 5, JOB_START), range(2))[1])
     assert s.step == 0
+
+
+def test_a_rank_whose_board_is_closed_left_through_its_exit_path(tmp_path: Path) -> None:
+    # The rank closed its board on its way out (board.cleanup off), then its process ended
+    # before its final summary reached the store (one hosted by rank 0 ends with it). Its
+    # board tells a clean exit, not a death: a diagnoser that reads it must not call the
+    # rank unresponsive.
+    board = tmp_path / "rank1.board"
+    script = _DIES_AT_STEP_6.replace(
+        "os.kill(os.getpid(), signal.SIGKILL)", "b.exit(0, STATE_DONE)\nb.close()\nos._exit(0)"
+    )
+    child = subprocess.run([sys.executable, "-c", script, str(board)], capture_output=True)
+    assert child.returncode == 0, child.stderr
+    pid = int(child.stdout)
+    last = rank_summary(1, time_ns=50, pid=pid, step=0, heartbeat_ns=40, last_progress_ns=40)
+    s = as_board_stands(board, pid, last, died=True)
+    assert s is not None and s.exited and not s.flags & FLAG_LAST_WORDS
+    assert s.step == 6
 
 
 def test_a_stopped_ranks_summary_is_told_as_its_board_stands(tmp_path: Path) -> None:
