@@ -346,6 +346,19 @@ class SlowDetector:
                 )
                 _not_a_straggler(e, cohort, why)
                 continue
+            if host_wait is None and held.keys() & set(cohort):
+                busy = self._busy_medians(e.first, e.last + 1)
+                others = [busy[c] for c in cohort if c != e.rank and c in busy]
+                if e.rank in busy and others and busy[e.rank] <= statistics.median(others):
+                    # Its cohort computes less only because a member waits for a CPU (held
+                    # back by its host): with that wait counted they are the slower ones,
+                    # and it is not this rank that they wait for.
+                    why = (
+                        f"{busy[e.rank] / 1000:.1f} ms/step outside communication, its cohort "
+                        f"{statistics.median(others) / 1000:.1f} with their wait for a CPU"
+                    )
+                    _not_a_straggler(e, cohort, why)
+                    continue
             # The arrival order over the steps it has been slow in (since its first span),
             # the longer span's at most.
             since = self._slow_since.setdefault(e.rank, e.first)

@@ -216,6 +216,17 @@ def test_a_rank_held_back_by_its_host_is_named_by_its_wait_for_a_cpu() -> None:
         assert 1.7 <= got[0].severity <= 2.3
 
 
+def test_the_peer_of_a_rank_held_back_by_its_host_is_not_named_for_computing_more() -> None:
+    # A real run (`ccld demo --framework deepspeed --world 2 --fault cpu-contention@1`):
+    # rank 1, held back by a busy process on its core, was named (25 ms/step waiting for a
+    # CPU). Rank 0 then computed 1.31x rank 1's compute over steps 34-43 (12.7 standard
+    # errors), but only because rank 1's time went to waiting for its CPU: with that wait
+    # counted, rank 0 was the faster one, and it was named a straggler too.
+    _, got = replay(RECORDED / "cpu-contention-rank1-deepspeed-dp2.rec")
+    assert [(v.cause, v.ranks) for v in got] == [(Cause.COMPUTE, [1])]
+    assert "cpu_wait" in facts(got[0].evidence)
+
+
 def test_on_a_host_where_every_rank_waits_for_a_cpu_one_held_back_is_no_verdict() -> None:
     # More busy threads than cores: every rank waits for a CPU, 10-30 ms a step; rank 2
     # waits 40 ms from step 10. One held back there is the scheduler taking turns: no
