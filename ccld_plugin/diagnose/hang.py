@@ -255,7 +255,7 @@ def _root_hang(
     stuck = [blocked[r] for r in waiters]
     age = max(b.age_s for b in stuck)
     assert v.group is not None  # _compute_hang always names the root's group
-    v.cause, v.link, v.stack = Cause.COMMUNICATION, cut.link, None
+    v.cause, v.ranks, v.link, v.stack = Cause.COMMUNICATION, cut.ranks, cut.link, None
     v.evidence = [
         Evidence.of(
             "waits_for_silent",

@@ -240,8 +240,33 @@ def cut_off_rank(view: JobView, rank: int, peers: Iterable[int]) -> Located | No
         )
     )
     senders = sorted({r for r, _, _ in to_it})
+    obs = view.observer
+    if obs is not None and senders == [obs] and not _speaking(view, {obs, rank}, interval):
+        # Only the diagnoser's rank lost it, and no third rank speaks to show that the
+        # diagnoser's own link works: either end's port may be the one down.
+        pair = sorted([obs, rank])
+        evidence.append(
+            Evidence.of(
+                "either_end",
+                "no rank but {rank} and {observer} (the diagnoser's) is there to tell "
+                "which end of link {a}<->{b} is cut off",
+                rank=rank,
+                observer=obs,
+                a=pair[0],
+                b=pair[1],
+            )
+        )
+        return Located(pair, pair, evidence)
     return Located(
         [rank], [senders[0], rank] if len(senders) == 1 and len(ps) == 1 else None, evidence
+    )
+
+
+def _speaking(view: JobView, besides: set[int], interval: float) -> bool:
+    """Whether a rank not in ``besides`` still reports (and has not left)."""
+    return any(
+        r not in besides and not s.exited and not is_silent(view, r, interval)
+        for r, s in view.summaries.items()
     )
 
 

@@ -176,6 +176,19 @@ def test_early_cut_of_a_lone_diagnoser_names_it(
     assert len(summary["verdicts"]) == 1 and code == 0
 
 
+@pytest.mark.parametrize("cut", [0, 1], ids=["diagnoser-rank", "other-rank"])
+def test_a_two_rank_cut_names_the_link_and_both_ends(tmp_path: Path, cut: int) -> None:
+    # Two ranks, the diagnoser on rank 0: with one peer, either end's port may be the one
+    # down, and what rank 0 sees is the same (before: rank 1 named for a cut of rank 0).
+    code, summary = netns_demo(
+        tmp_path, 2, 1, 40, f"comm-hang@{cut}:step=6", world=2, extra=CUT_LINK
+    )
+    v = only(summary, "hang", "communication")
+    assert (v["ranks"], v["link"], v["group"]["role"]) == ([0, 1], [0, 1], "tp")
+    assert facts(v["evidence"])["either_end"]
+    assert len(summary["verdicts"]) == 1 and code == 0
+
+
 def test_cut_store_host_is_named_by_a_diagnoser_elsewhere(tmp_path: Path) -> None:
     # Rank 0 hosts the store; the diagnoser is rank 1. Cut rank 0's link: the store stops
     # answering everyone, so the diagnoser hears from nobody, and its own link to rank 0

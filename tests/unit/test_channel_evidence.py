@@ -3,6 +3,8 @@ connections, and slow links over windows: on synthetic views."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from builders import S, facts, group, job_view, peer_channel, rank_summary
 
@@ -188,6 +190,26 @@ def test_cut_link_names_the_silent_rank() -> None:
     assert found is not None and found.ranks == [2]
     # A fresh rank is not cut off, whatever its peers' connections show.
     assert cut_off_rank(view({1: [entry(2, **CUT)], 2: []}), 2, [1]) is None
+
+
+def test_a_cut_that_only_the_diagnoser_sees_with_nobody_else_speaking_names_both_ends() -> None:
+    # Two ranks, the diagnoser on rank 0: rank 1 fell silent and rank 0's bytes to it go
+    # unacknowledged. That is what rank 0 sees whichever end's port is down (a live demo
+    # with rank 0's cut named rank 1): the link and both ranks are named.
+    pair = [group("tp", [0, 1])]
+    v = replace(
+        view({0: [entry(1, **CUT)], 1: [entry(0, sent=10**6)]}, ages={1: 5.0}, groups=pair),
+        observer=0,
+    )
+    found = cut_off_rank(v, 1, v.summaries)
+    assert found is not None and (found.ranks, found.link) == ([0, 1], [0, 1])
+    assert facts(found.evidence)["either_end"]
+    # A third rank that still reports shows the diagnoser's own link working: rank 1 alone.
+    trio = [group("tp", [0, 1, 2])]
+    reports = {0: [entry(1, **CUT)], 1: [entry(0, sent=10**6)], 2: [entry(0, sent=10**6)]}
+    v = replace(view(reports, ages={1: 5.0}, groups=trio, world=3), observer=0)
+    found = cut_off_rank(v, 1, v.summaries)
+    assert found is not None and found.ranks == [1]
 
 
 def test_a_silent_rank_is_not_called_wedged_before_its_peers_could_show_a_cut() -> None:
