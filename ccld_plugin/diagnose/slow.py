@@ -368,8 +368,9 @@ class SlowDetector:
             longest = last - since + 1 >= max(self.spans)
             strong = e.z >= CLEAR_EXCESS_Z * self.cfg.excess_z
             decisive = e.z >= SOLO_EXCESS_Z * self.cfg.excess_z
+            gains = self._busy_gains(e.first, e.last) if e.rank in self._solo else {}
             if e.rank in self._solo:
-                why = _solo_not_confirmed(e, self.cfg.excess_z, self._busy_gains(e.first, e.last))
+                why = _solo_not_confirmed(e, self.cfg.excess_z, gains)
             elif host_wait is not None and not (longest or decisive):
                 why = f"held back by its host {last - since + 1} steps: the longer span decides"
             else:
@@ -380,7 +381,7 @@ class SlowDetector:
                 _not_a_straggler(e, cohort, why)
                 continue
             self._straggler_told.add(e.rank)
-            out.append(self._straggler_verdict(view, e, cohort, mine, balance, host_wait))
+            out.append(self._straggler_verdict(view, e, cohort, mine, balance, host_wait, gains))
         return out
 
     def _held_by_host(
@@ -467,6 +468,7 @@ class SlowDetector:
         mine: RankJoined,
         balance: _WaitBalance,
         host_wait: _HostWait | None = None,
+        gains: dict[int, float] | None = None,
     ) -> Verdict:
         r = e.rank
         imposed: dict[int, float] = defaultdict(float)
@@ -536,9 +538,8 @@ class SlowDetector:
                 **measured,
             )
         evidence = [excess]
-        gains = self._busy_gains(e.first, e.last) if solo else {}
-        others = [g for s, g in gains.items() if s != r]
-        if r in gains and others:
+        others = _others_gain(gains or {}, r)
+        if gains and others is not None:
             # Its peers' arrival order is the pipeline's drain; what they wait for is this.
             evidence.append(
                 Evidence.of(
@@ -547,7 +548,7 @@ class SlowDetector:
                     "fastest before, the other stages' {others_ms:.1f} ms (median): the "
                     "pipeline waits for it",
                     gain_ms=gains[r] / 1000,
-                    others_ms=statistics.median(others) / 1000,
+                    others_ms=others / 1000,
                 )
             )
         elif balance.share is not None and mine:
@@ -896,13 +897,19 @@ def _solo_not_confirmed(e: Excess, excess_z: float, gains: dict[int, float]) -> 
     to wait for (``gains``: each such rank's growth over its floor, us per step)."""
     if e.z < SOLO_EXCESS_Z * excess_z:
         return f"compared by its change: {e.z:.1f} < {SOLO_EXCESS_Z:g} x excess_z standard errors"
-    others = [g for r, g in gains.items() if r != e.rank]
-    if e.rank in gains and others and gains[e.rank] <= statistics.median(others):
+    others = _others_gain(gains, e.rank)
+    if others is not None and gains[e.rank] <= others:
         return (
             f"its time outside communication grew {gains[e.rank] / 1000:.1f} ms/step, the "
-            f"other stages' {statistics.median(others) / 1000:.1f}: they do not wait for it"
+            f"other stages' {others / 1000:.1f}: they do not wait for it"
         )
     return ""
+
+
+def _others_gain(gains: dict[int, float], r: int) -> float | None:
+    """The median of the other ranks' ``gains``; None without r's or any other's."""
+    others = [g for s, g in gains.items() if s != r]
+    return statistics.median(others) if r in gains and others else None
 
 
 def _not_a_straggler(e: Excess, cohort: list[int], why: str) -> None:
