@@ -120,6 +120,7 @@ class ReachProbe:
         self._last: dict[int, Reach] = {}
         self.verified = False  # some handshake was answered: the ports can be reached
         self._control_at = -CONTROL_EVERY_S
+        self._control: int | None = None  # the rank of the last control handshake
 
     def update(self, silent: Iterable[int], controls: Iterable[int] = ()) -> dict[int, bool]:
         """Start or advance the handshakes to ``silent`` ranks (and drop those of ranks
@@ -138,7 +139,14 @@ class ReachProbe:
         if not self.verified:
             controls = list(controls)
             self._look_up([r for r in controls if r not in self._known], now)
-            control = next((r for r in controls if r in self._known and not self._here(r)), None)
+            if self._control in self._tries:
+                # seen to its end, whichever rank leads the controls now: dropped, none
+                # would be made for CONTROL_EVERY_S
+                control = self._control
+            else:
+                control = next(
+                    (r for r in controls if r in self._known and not self._here(r)), None
+                )
         for rank in [r for r in self._tries if r not in silent and r != control]:
             self._tries.pop(rank).sock.close()
         self._poll(now)
@@ -155,6 +163,7 @@ class ReachProbe:
             and now - self._control_at >= CONTROL_EVERY_S
         ):
             self._control_at = now
+            self._control = control
             due.append(control)
         self._look_up([r for r in due if r not in self._known], now)
         for rank in due:

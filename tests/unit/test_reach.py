@@ -140,3 +140,32 @@ def test_landmarks_are_looked_up_at_every_call_until_known() -> None:
     probe.prefetch([0, 1])
     probe.prefetch([0, 1])  # all known: no lookup
     assert calls == [[0, 1], [0, 1]]
+
+
+def test_a_control_handshake_in_flight_ends_though_another_rank_leads_the_controls() -> None:
+    # Ranks publish their ports at their first tick, in any order: the first round may
+    # know only rank 3's and start the control handshake there, the next know rank 1's
+    # too. Were 3's handshake dropped for 1, none would be made for CONTROL_EVERY_S, and
+    # a cut found in that time could not be told from a wedged process (a CI run named
+    # a cut rank unresponsive).
+    ports = {1: ReachPort("127.0.0.1"), 3: ReachPort("127.0.0.1")}
+    published = {3: ports[3].address}
+    srv, fillers = _full_listener()
+    try:
+
+        def read(ranks: list[int]) -> dict[int, tuple[str, int]]:
+            return {r: published[r] for r in ranks if r in published}
+
+        probe = ReachProbe(read, timeout_s=0.3, is_local=_elsewhere)
+        assert probe.update(set(), controls=[1, 3]) == {}  # to 3, the only one known
+        published.update({1: ports[1].address, 2: srv.getsockname()})
+        probe.prefetch([1, 3])  # as the diagnoser does for its landmarks, each round
+        got = _rounds(probe, {2}, ended={2}, controls=[1, 3])
+        assert got == {2: False} and probe.verified
+        probe.close()
+    finally:
+        for p in ports.values():
+            p.close()
+        srv.close()
+        for c in fillers:
+            c.close()
