@@ -12,6 +12,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,7 @@ from ccld_plugin.errors import log, report_error
 from ccld_plugin.sinks import Sink
 from ccld_plugin.wire.packed import PackedSummaries
 from ccld_plugin.wire.round_record import RecordedRound, RoundRecorder
-from ccld_plugin.wire.summary import FLAG_LAST_WORDS, HEAD_DTYPE, encode_summary
+from ccld_plugin.wire.summary import FLAG_EXITED, FLAG_LAST_WORDS, HEAD_DTYPE, encode_summary
 from ccld_plugin.wire.summary_batch import SummaryTable
 from ccld_plugin.wire.topology import GroupInfo, Topology, role_index
 
@@ -110,6 +111,9 @@ class DiagnoserService:
         # stood then (its last summary can be an interval older), read once.
         self.boards = boards
         self._words_read: set[tuple[int, int]] = set()
+        # (rank, pid) whose board was seen while the process ran: only the exit path
+        # removes a board (board.cleanup), so one gone since tells a clean exit
+        self._boards_seen: set[tuple[int, int]] = set()
         self.diagnoser = Diagnoser(
             cfg.diagnoser, cfg.agent.interval_s, channel_evidence=located_by_channels
         )
@@ -485,15 +489,23 @@ class DiagnoserService:
 
     def _gone(self, summaries: SummaryTable) -> set[int]:
         """The ranks whose process is seen gone without leaving through the exit path (only
-        a process of this host can be looked at)."""
+        a process of this host can be looked at). The boards of those that run are noted
+        (``_boards_seen``)."""
         here = os.uname().nodename[:HOST_BYTES]
         local = summaries.rows_on_hosts(lambda h: not h or h[:HOST_BYTES] == here)
         pids = summaries.heads["pid"]
-        return {
-            int(summaries.ranks[i])
-            for i in np.flatnonzero(local & ~summaries.exited).tolist()
-            if process_alive(int(pids[i]), summaries.host(i)) is False
-        }
+        gone = set()
+        for i in np.flatnonzero(local & ~summaries.exited).tolist():
+            rank, pid = int(summaries.ranks[i]), int(pids[i])
+            if process_alive(pid, summaries.host(i)) is False:
+                gone.add(rank)
+            elif (
+                self.boards is not None
+                and (rank, pid) not in self._boards_seen
+                and board_file(self.boards, rank).exists()
+            ):
+                self._boards_seen.add((rank, pid))
+        return gone
 
     def _last_words(self, summaries: SummaryTable, gone: set[int]) -> dict[int, bytes]:
         """By rank gone on this host with no last words in its summary yet: its summary as
@@ -507,8 +519,14 @@ class DiagnoserService:
             if last.flags & FLAG_LAST_WORDS or (rank, last.pid) in self._words_read:
                 continue
             self._words_read.add((rank, last.pid))
+            board = board_file(self.boards, rank)
+            if (rank, last.pid) in self._boards_seen and not board.exists():
+                # removed on the exit path: its final summary never reached us (the store
+                # may have ended first, with the rank that hosts it)
+                out[rank] = encode_summary(replace(last, flags=last.flags | FLAG_EXITED))
+                continue
             try:
-                now = as_board_stands(board_file(self.boards, rank), last.pid, last, died=True)
+                now = as_board_stands(board, last.pid, last, died=True)
             except Exception as exc:  # noqa: BLE001 - its last summary stands
                 report_error("diagnoser.last_words", exc)
                 continue

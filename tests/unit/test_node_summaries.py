@@ -28,9 +28,10 @@ from ccld_plugin.agent.node_board import (
 )
 from ccld_plugin.agent.node_share import NodeShare
 from ccld_plugin.board.process import PF_EXITING, process_alive, running
-from ccld_plugin.config import ControlConfig
+from ccld_plugin.config import CcldConfig, ControlConfig
 from ccld_plugin.control import ControlPlane
 from ccld_plugin.harness.launch import free_port
+from ccld_plugin.runtime.diagnoser import DiagnoserService
 from ccld_plugin.wire.codes import OP_NAMES, STATE_IN_FLIGHT
 from ccld_plugin.wire.node_summary import (
     decode_node,
@@ -355,3 +356,53 @@ def test_a_process_in_exit_is_not_alive() -> None:
     fields[6], fields[0] = str(int(fields[6]) & ~PF_EXITING), "Z"
     assert not running(f"{head}) {' '.join(fields)}")
     assert not process_alive(2**22 + 7, host="")  # no such process
+
+
+_LEAVES_ON_INPUT = """
+import os, sys
+from ccld_plugin import _native
+b = _native.Board(sys.argv[1], int(sys.argv[2]), 4, "j", "h", 16, 4, 4, 16)
+print(os.getpid(), flush=True)
+sys.stdin.readline()
+b.close()
+if sys.argv[3] == "exit path":
+    os.unlink(sys.argv[1])  # board.cleanup: the exit path removes the board
+os._exit(0)
+"""
+
+
+def test_a_rank_whose_board_went_with_it_left_through_its_exit_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A diagnoser process beside a job whose store is rank 0's: the store ends with rank 0,
+    # and a rank's final summary may never be read. With board.cleanup on, the rank's exit
+    # path removes its board: a board seen while the rank ran and gone with it tells a
+    # clean exit, not a death. A rank killed outright leaves its board (read as its last
+    # words), and a board this diagnoser never saw (another board dir) tells nothing.
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    cfg = ControlConfig(store="dedicated", port=free_port(), connect_timeout_s=10)
+    plane = ControlPlane(cfg, 0, 4, "exit-test", 0)
+    svc = DiagnoserService(CcldConfig(), plane, 4, 0, [], boards=tmp_path)
+    here = os.uname().nodename
+    children = {}
+    for rank, how in ((1, "exit path"), (2, "killed"), (3, "exit path")):
+        board = tmp_path / f"rank{rank}.board"
+        args = [sys.executable, "-c", _LEAVES_ON_INPUT, str(board), str(rank), how]
+        children[rank] = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    pids = {r: int(c.stdout.readline()) for r, c in children.items()}  # type: ignore[union-attr]
+    raw = {r: encode_summary(rank_summary(r, pid=pids[r], host=here)) for r in pids}
+    # ranks 1 and 2 seen running with their boards; rank 3's board is moved out of sight
+    (tmp_path / "rank3.board").rename(tmp_path / "elsewhere")
+    assert svc._gone(svc._summaries(raw)) == set()
+    (tmp_path / "elsewhere").rename(tmp_path / "rank3.board")
+    children[2].kill()
+    for rank in (1, 3):
+        children[rank].communicate(b"\n")
+    children[2].wait()
+    table = svc._summaries(raw)
+    gone = svc._gone(table)
+    assert gone == {1, 2, 3}
+    words = {r: decode_summary(w) for r, w in svc._last_words(table, gone).items()}
+    assert words[1].exited and not words[1].flags & FLAG_LAST_WORDS
+    assert words[2].flags & FLAG_LAST_WORDS and not words[2].exited
+    assert 3 not in words  # no board, never seen: its last summary stands
