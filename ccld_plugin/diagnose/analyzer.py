@@ -282,10 +282,5 @@ class DurationHistory:
 
 def _all_peers_silent(view: JobView, interval_s: float) -> bool:
     """Whether no rank but the observer speaks (every other one is silent or exited): what
-    ``observer_isolated`` needs to find anything, checked on the columns (it reads every
-    summary)."""
-    if view.observer is None:
-        return False
-    t = view.columns
-    fresh = (view.now_ns - t.heads["time_ns"]) / 1e9 < chan.SILENT_INTERVALS * interval_s
-    return not (fresh & (t.ranks != view.observer) & ~t.exited).any()
+    ``observer_isolated`` needs to find anything."""
+    return view.observer is not None and not chan.speaking(view, {view.observer}, interval_s)

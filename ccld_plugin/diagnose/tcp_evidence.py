@@ -22,6 +22,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from ccld_plugin.diagnose.records import Cause, Evidence
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.wire.peer_channels import ChannelReport, PeerChannel, decode_channels
@@ -37,6 +39,7 @@ __all__ = [
     "is_silent",
     "peers_reported_since",
     "report_of",
+    "speaking",
     "stall_evidence",
     "stalled_links",
     "toward_evidence",
@@ -241,7 +244,7 @@ def cut_off_rank(view: JobView, rank: int, peers: Iterable[int]) -> Located | No
     )
     senders = sorted({r for r, _, _ in to_it})
     obs = view.observer
-    if obs is not None and senders == [obs] and not _speaking(view, {obs, rank}, interval):
+    if obs is not None and senders == [obs] and not speaking(view, {obs, rank}, interval):
         # Only the diagnoser's rank lost it, and no third rank speaks to show that the
         # diagnoser's own link works: either end's port may be the one down.
         pair = sorted([obs, rank])
@@ -262,12 +265,13 @@ def cut_off_rank(view: JobView, rank: int, peers: Iterable[int]) -> Located | No
     )
 
 
-def _speaking(view: JobView, besides: set[int], interval: float) -> bool:
-    """Whether a rank not in ``besides`` still reports (and has not left)."""
-    return any(
-        r not in besides and not s.exited and not is_silent(view, r, interval)
-        for r, s in view.summaries.items()
-    )
+def speaking(view: JobView, besides: set[int], interval_s: float) -> bool:
+    """Whether a rank not in ``besides`` still reports: one that has not left, whose last
+    summary is under SILENT_INTERVALS agent intervals old (checked on the columns: every
+    summary is read)."""
+    t = view.columns
+    fresh = (view.now_ns - t.heads["time_ns"]) / 1e9 < SILENT_INTERVALS * interval_s
+    return bool((fresh & ~t.exited & ~np.isin(t.ranks, list(besides))).any())
 
 
 def _unreachable(view: JobView, rank: int, interval: float) -> Located | None:

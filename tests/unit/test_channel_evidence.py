@@ -210,6 +210,11 @@ def test_a_cut_that_only_the_diagnoser_sees_with_nobody_else_speaking_names_both
     v = replace(view(reports, ages={1: 5.0}, groups=trio, world=3), observer=0)
     found = cut_off_rank(v, 1, v.summaries)
     assert found is not None and found.ranks == [1]
+    # A third rank whose process is gone, its last summary as old, shows nothing of the
+    # diagnoser's link: both ends again.
+    v = replace(view(reports, ages={1: 5.0, 2: 5.0}, groups=trio, world=3), observer=0, gone={2})
+    found = cut_off_rank(v, 1, v.summaries)
+    assert found is not None and (found.ranks, found.link) == ([0, 1], [0, 1])
 
 
 def test_a_silent_rank_is_not_called_wedged_before_its_peers_could_show_a_cut() -> None:
