@@ -148,7 +148,16 @@ class Injector:
         import torch
         import torch.distributed as dist
 
-        group = next((self._groups[r] for r in ("dp", "tp") if r in self._groups), None)
+        # a group with a peer to disagree with (Megatron hands a data-parallel group of
+        # one at DP=1); the world's where the rank has none
+        group = next(
+            (
+                self._groups[r]
+                for r in ("dp", "tp")
+                if r in self._groups and dist.get_world_size(self._groups[r]) > 1
+            ),
+            None,
+        )
         size = dist.get_world_size(group)
         out = torch.zeros(size * 3)
         # The peers' next op on this group is an all_reduce of another size.
