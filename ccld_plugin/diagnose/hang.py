@@ -158,7 +158,9 @@ def find_hangs(
     if frozen and not verdicts:
         return []  # the waits end at a rank of unknown state: named unresponsive later
     if not verdicts:
-        verdicts += [_deadlock(view, c, blocked) for c in cycles]
+        verdicts += [
+            _lone_collective(view, c, blocked) or _deadlock(view, c, blocked) for c in cycles
+        ]
     if not verdicts:
         verdicts += _comm_hangs(view, stuck, graph, channel_evidence)
     return verdicts
@@ -274,6 +276,69 @@ def _root_hang(
     v.step = max(view.summaries[r].step for r in waiters)  # the root's own is stale
     v.severity = round(age, 1)
     return v
+
+
+def _lone_collective(
+    view: JobView, cycle: list[int], blocked: dict[int, Blocked]
+) -> Verdict | None:
+    """A cycle that is one group's members disagreeing on their next op: one member in a
+    collective that none of the others entered, each of them in a point-to-point transfer
+    of the same group (a pipeline's stages sending activations while one of them, alone,
+    began a collective over the pipeline). A mismatch, as find_mismatches' of two ops in
+    one seq, named by majority: the member in the collective; both with two members."""
+    collectives = [blocked[r] for r in cycle if not blocked[r].p2p]
+    if len(collectives) != 1:
+        return None
+    b = collectives[0]
+    gid = b.group.group_id
+    others = [m for m in b.group.ranks if m != b.rank]
+    transfers = [blocked.get(m) for m in others]
+    if not all(t is not None and t.p2p and t.group.group_id == gid for t in transfers):
+        return None
+    if any((view.entered_seq(m, gid) or -1) >= b.op.seq for m in others):
+        return None
+    tie = len(others) < 2
+    evidence = [
+        Evidence.of(
+            "entered_op",
+            "rank {rank} entered {op} ({bytes} B) as seq {seq} of {role}{members}",
+            rank=b.rank,
+            op=b.op_name,
+            bytes=b.op.bytes,
+            seq=b.op.seq,
+            role=b.group.role,
+            members=list(b.group.ranks),
+        ),
+        Evidence.of(
+            "in_transfers",
+            "ranks {ranks} have not entered it: each is in a point-to-point transfer of "
+            "{role}{members} ({ops:join(; )}) for {wait_s:.1f} s",
+            ranks=others,
+            role=b.group.role,
+            members=list(b.group.ranks),
+            ops=[
+                f"rank {t.rank} {t.op_name} {'to' if t.sends else 'from'} {t.op.peer}"
+                for t in transfers
+                if t is not None
+            ],
+            wait_s=max(t.age_s for t in transfers if t is not None),
+        ),
+    ]
+    if tie:
+        evidence.append(Evidence.of("no_majority", "no majority among the members: all are named"))
+    return Verdict(
+        kind=Kind.MISMATCH,
+        cause=Cause.SOFTWARE,
+        ranks=sorted(b.group.ranks) if tie else [b.rank],
+        group=b.group.to_dict(),
+        op=b.op_name,
+        trace_id=b.trace_id,
+        step=view.summaries[b.rank].step,
+        onset_s=view.seconds(b.op.enter_ns),
+        detected_s=view.seconds(view.now_ns),
+        severity=round(b.age_s, 1),
+        evidence=evidence,
+    )
 
 
 def _deadlock(view: JobView, cycle: list[int], blocked: dict[int, Blocked]) -> Verdict:

@@ -40,3 +40,17 @@ def test_mismatch_in_a_tensor_parallel_pair_at_dp1(tmp_path):
     entered = {e["data"]["rank"]: e["data"]["op"] for e in v["evidence"] if "op" in e["data"]}
     assert entered == {2: "all_gather_into_tensor", 3: "all_reduce"}, v["evidence"]
     assert code == 0
+
+
+def test_mismatch_on_a_stage_of_a_pipeline_alone(tmp_path):
+    # TP1xPP4: no group but the pipeline's has peers. Rank 2 begins an all-gather over it
+    # that no other stage enters; they wait in their sends and receives. The waits form a
+    # cycle, yet what broke is one member's order of ops: a mismatch naming rank 2.
+    options = {**MEGATRON, "tp": 1, "pp": 4}
+    code, summary = demo(tmp_path / "out", "mismatch@2", steps=30, **options)
+    (v,) = summary["verdicts"]
+    assert (v["kind"], v["cause"], v["ranks"]) == ("mismatch", "software", [2])
+    assert v["group"]["ranks"] == [0, 1, 2, 3] and v["op"] == "all_gather_into_tensor"
+    (waiting,) = [e["data"] for e in v["evidence"] if e["fact"] == "in_transfers"]
+    assert waiting["ranks"] == [0, 1, 3]
+    assert code == 0

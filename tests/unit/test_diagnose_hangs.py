@@ -169,6 +169,45 @@ def test_p2p_ordering_cycle_is_a_deadlock():
     assert (h.kind.value, h.cause.value, h.ranks) == ("deadlock", "software", [0, 1])
 
 
+def test_a_member_alone_in_a_collective_among_transfers_is_a_mismatch():
+    # A four-stage pipeline: rank 2 began an all-gather over the pipeline (seq 8) that no
+    # other stage entered; stages 0 and 1 wait to hand it activations, stage 3 to receive
+    # from it. The waits form a cycle (2 waits for 0 to join, 0 for 1, 1 for 2), but what
+    # broke is one member's order of ops: a mismatch naming rank 2 (a live Megatron
+    # TP1xPP4 job was named a deadlock of ranks 0, 1, 2).
+    pp = group("pp", list(range(4)))
+    tables = {r: [pp] for r in range(4)}
+    send, recv = FLAG_P2P | FLAG_SEND, FLAG_P2P
+    flights = {
+        0: (0, "send", 14, 12, send, 1),
+        1: (0, "send", 13, 12, send, 2),
+        2: (0, "all_gather_into_tensor", 8, 12, 0, -1),
+        3: (0, "recv", 13, 12, recv, 2),
+    }
+    summaries = [summary(r, {0: 8 if r == 2 else 7}, [flights[r]], idle_s=12) for r in range(4)]
+    (m,) = find_hangs(view(summaries, tables), lambda gid: 10.0, 1.0)
+    assert (m.kind.value, m.cause.value, m.ranks) == ("mismatch", "software", [2])
+    facts = {e.fact: e.data for e in m.evidence}
+    assert facts["in_transfers"]["ranks"] == [0, 1, 3]
+    # A stage that is not in a transfer (computing, or in another group's op) leaves the
+    # cycle a deadlock: who broke the order is not told by the group alone.
+    summaries[3] = summary(3, {0: 7}, idle_s=0.5)
+    (d,) = find_hangs(view(summaries, tables), lambda gid: 10.0, 1.0)
+    assert (d.kind.value, d.ranks) == ("deadlock", [0, 1, 2])
+    # Two members: the one in the collective and the one in a transfer; no majority.
+    pair = group("pp", [0, 1])
+    v = view(
+        [
+            summary(0, {0: 3}, [(0, "all_reduce", 3, 12, 0, -1)], idle_s=12),
+            summary(1, {0: 2}, [(0, "recv", 5, 12, recv, 0)], idle_s=12),
+        ],
+        {0: [pair], 1: [pair]},
+    )
+    (m,) = find_hangs(v, lambda gid: 10.0, 1.0)
+    assert (m.kind.value, m.ranks) == ("mismatch", [0, 1])
+    assert "no_majority" in {e.fact for e in m.evidence}
+
+
 SETTLE_S = 3.0  # the group's hang threshold, as the diagnoser passes it
 
 
