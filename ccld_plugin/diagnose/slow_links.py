@@ -339,9 +339,17 @@ _REFERENCES = {
     "siblings": "links of the same role that share no rank with it",
     "history": "its own history",
 }
-# The reference of the other connections of a slow port's rank (see PORT_RATIO): in the
-# evidence's data it is "siblings" too, the same direction of them.
-_SAME_DIRECTION = "the same direction of the links of its role that share no rank with it"
+# The references of the other connections of a slow port's rank (see PORT_RATIO): in the
+# evidence's data they are "siblings" too.
+_PORT_REFERENCES = {
+    "same direction": "the same direction of the links of its role that share no rank with it",
+    "same way around": "the links of its group as far the same way around it (a ring's or a "
+    "pipeline's next rank, or previous) that share no rank with it",
+}
+
+
+def _described(ref: str) -> str:
+    return _REFERENCES.get(ref) or _PORT_REFERENCES.get(ref, _PORT_REFERENCES["same direction"])
 
 
 def _tcp_line(st: LinkStats, r_rtt: float, r_spm: float, ref: str) -> Evidence:
@@ -350,7 +358,7 @@ def _tcp_line(st: LinkStats, r_rtt: float, r_spm: float, ref: str) -> Evidence:
         "rank {rank} -> {peer}: RTT {rtt_ms:.1f} ms (floor {floor_ms:.2f} ms), send queue busy "
         "{busy_share:.0%}, {ms_per_mb:.0f} ms per MB ({mb_s:.1f} MB/s while busy), up to "
         "{queued:bytes} queued, {retransmits} retransmits; {rtt_ratio:.1f}x the RTT and "
-        "{time_ratio:.1f}x the time per byte of " + _REFERENCES.get(ref, _SAME_DIRECTION),
+        "{time_ratio:.1f}x the time per byte of " + _described(ref),
         rank=st.src,
         peer=st.dst,
         rtt_ms=st.rtt_us / 1000,
@@ -371,7 +379,7 @@ def _nccl_line(st: LinkStats, r_rtt: float, r_spm: float, ref: str) -> Evidence:
         "nccl_link_slow",
         "rank {rank} -> {peer} (NCCL): send steps wait {ms_per_mb:.1f} ms per MB handed to "
         "the network, {time_ratio:.1f}x "
-        + _REFERENCES.get(ref, _SAME_DIRECTION)
+        + _described(ref)
         + " ({ref_ms_per_mb:.2f} ms); {sent:bytes} sent in {intervals} intervals",
         rank=st.src,
         peer=st.dst,
@@ -511,6 +519,12 @@ def _lines(shown: list[_Shown], strict: int) -> list[_Shown]:
     return picked[:MAX_LINK_LINES]
 
 
+def _around(place: tuple) -> tuple:
+    """A link's place by how far around its group it goes: (role, size, steps forward)."""
+    role, size, src, dst = place
+    return (role, size, (dst - src) % size)
+
+
 class _Ports:
     """A rank's other connections, judged against the same direction of their siblings:
     is the rank's port slow (see PORT_RATIO)? Built only in a window with slow links."""
@@ -547,19 +561,24 @@ class _Ports:
         return (g.role, g.size, pos[k[0]], pos[k[1]])
 
     def reference(self, k: tuple[int, int]) -> tuple[tuple[float, float], str] | None:
-        """The same direction of k's siblings (RTT, time per MB); else all its siblings
-        (a role of one group), else its own history."""
+        """The same direction of k's siblings (RTT, time per MB); else, in a role of one
+        group, the links as far around it the same way (a ring's or a pipeline's: the
+        next rank's, or the previous one's; its two directions carry different traffic);
+        else all its siblings, else its own history."""
         if self._by_place is None:
             places: dict[tuple, dict[tuple[int, int], LinkStats]] = defaultdict(dict)
             for j, st in self.links.items():
                 pl = self.place(j)
                 if pl is not None:
                     places[pl][j] = st
+                    places[_around(pl)][j] = st
             self._by_place = {pl: _SiblingMedians(ls) for pl, ls in places.items()}
         pl = self.place(k)
-        ref = self._by_place[pl].without(k) if pl is not None else None
-        if ref is not None:
-            return ref, "same direction"
+        if pl is not None:
+            for key, source in ((pl, "same direction"), (_around(pl), "same way around")):
+                ref = self._by_place[key].without(k)
+                if ref is not None:
+                    return ref, source
         g = self.groups.get(k)
         ref = self.siblings[g.role if g is not None else None].without(k)
         if ref is not None:

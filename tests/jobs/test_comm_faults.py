@@ -43,6 +43,19 @@ def test_comm_slow_at_the_diagnoser_rank(tmp_path: Path, diagnoser: int) -> None
     assert fault["applied_by"] == "netjob" and fault["onset_s"] > 0
 
 
+def test_slow_port_in_a_lone_tensor_parallel_ring(tmp_path: Path) -> None:
+    # TP4, one group: no sibling group, and the ring stalls at the shaped rank, so its
+    # healthy links queue too. Rank 2's other connection is judged against the links as
+    # far the same way around the ring: the rank is named, not the link 1<->2.
+    code, summary = netns_demo(
+        tmp_path, 4, 1, 60, "comm-slow@2:rate=50mbit,step=8", extra=NO_SHORT_HANGS
+    )
+    v = only(summary, "slow", "communication")
+    assert (v["ranks"], v["link"], v["group"]["role"]) == ([2], None, "tp")
+    assert [e["data"] for e in facts(v["evidence"])["common_rank"]] == [{"rank": 2}]
+    assert len(summary["verdicts"]) == 1 and code == 0
+
+
 def test_comm_slow_on_one_rank_of_tp2_pp2_megatron(tmp_path: Path) -> None:
     # Megatron GPT (the demo's default), rank 1: TP peer 0, PP peer 3. Both of its links
     # are slow, its TP sibling 2<->3 and PP sibling 0<->2 are not. (At 50 Mbit/s on a busy

@@ -500,6 +500,36 @@ def test_slow_port_names_its_rank_with_its_links_in_both_groups(port: int) -> No
     assert f"rank {tp_peer}'s other connections are not slow" in ev["common_rank"][0]["text"]
 
 
+def test_slow_port_in_a_lone_ring_names_its_rank() -> None:
+    # One TP4 group (no sibling group) of a live job, rank 2's port shaped to 50 Mbit/s:
+    # its ring 0->1->2->3->0 stalls at it, so healthy 0->1 queues too (7 s per MB); 1->2
+    # is slow by far, 2->3 only 2x 0->1, and the backward 3->2 and 2->1 carry little but
+    # show it in their RTTs. Against all of the role's links, forward and backward in one
+    # median, rank 2's other connection was no slower than that: the live job got the link
+    # 1<->2. Against the links as far the same way around the ring (2->3 with 0->1, 3->2
+    # with 1->0), rank 2's is slow, and rank 1's is not: rank 2 is named.
+    def link(peer: int, busy: float, s_per_mb: float, rtt: int) -> PeerChannel:
+        # (seconds per MB as measured at 1 s ticks: the bytes of a 0.5 s tick at half that)
+        sent = int(busy * INTERVAL / (s_per_mb / 2) * 1e6)
+        return entry(peer, wait="network", sent=sent, rtt_us=rtt, min_rtt_us=8, busy_share=busy)
+
+    tp4 = [group("world", [0, 1, 2, 3]), group("tp", [0, 1, 2, 3])]
+    per_tick = {
+        0: [link(1, 0.80, 7.0, 244), link(3, 0.02, 0.022, 92)],
+        1: [link(2, 0.87, 14.5, 1_674), link(0, 0.01, 0.011, 41)],
+        2: [link(3, 0.69, 14.3, 2_084), link(1, 0.08, 0.095, 1_111)],
+        3: [link(0, 0.50, 2.6, 99), link(2, 0.08, 0.093, 1_858)],
+    }
+    h = ChannelHistory()
+    v = feed(h, 10, per_tick, tp4)
+    found = h.slow_links(v, 10 * S, 15 * S).found
+    assert found is not None and (found.ranks, found.link) == ([2], None)
+    ev = facts(found.evidence)
+    assert "rank 1's other connections are not slow" in ev["common_rank"][0]["text"]
+    shown = {(e["data"]["rank"], e["data"]["peer"]) for e in ev["link_slow"]}
+    assert {(1, 2), (2, 3), (3, 2)} <= shown
+
+
 @pytest.mark.parametrize("pair", [{0, 1}, {2, 3}])
 @pytest.mark.parametrize(("lean", "rtt_lean"), [(1.0, 1.0), (1.35, 1.35), (1.3, 1.8)])
 def test_one_slow_connection_names_the_link(pair: set[int], lean: float, rtt_lean: float) -> None:
