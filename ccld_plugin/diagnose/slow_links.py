@@ -85,6 +85,18 @@ SLOW_BUSY_SHARE = 0.2
 PORT_RATIO = 1.4
 PORT_MIN_EXCESS = 0.05
 PORT_RTT_FLOOR_US = 1_000
+# A pipeline's connection (both directions of a point-to-point link) among sibling
+# pipelines: its one-way flows wait on delayed ACKs and late reads on healthy links too,
+# so one direction's time per byte rarely reaches SLOW_RATIO over links that mix both
+# directions (a TP1xPP2xDP2 link shaped to 30 Mbit/s, doubling the step: 2.8x and 2.2x).
+# Against the same direction of the sibling pipelines' link at its place, the geometric
+# mean of both directions' time per byte and RTT ratios (as PORT_RATIO) read 3.7-3.9
+# there; healthy pipeline connections of 166 kept runs (TP2xPP2, TP1xPP2xDP4,
+# TP1xPP4xDP2, TP2xPP2xDP2, torch and Megatron, some beside busy processes) at most
+# 1.57. Judged where no link is slow by the rule above, on jobs of at most
+# PIPE_MAX_LINKS such links (a larger job's are many siblings' worth per place).
+PIPE_RATIO = 3.0
+PIPE_MAX_LINKS = 8192
 # Evidence lines of the links named (one per connection first, its slower direction).
 MAX_LINK_LINES = 8
 # Reports this much older than the window being evaluated are dropped (windows only go
@@ -449,6 +461,8 @@ def _locate(
             continue
         if rules.slow(st, ref[1]):
             slow.append((st, ref[0], ref[1], source))
+    if not slow and rules.rtt:
+        slow = _slow_pipe_connections(view, links, roles, history, group, late)
     if not slow:
         history.append(links)
         return None
@@ -497,6 +511,36 @@ def _locate(
     (i,) = np.flatnonzero((links.src == worst.src) & (links.dst == worst.dst)).tolist()
     worst_group = roles.groups[group[i]] if group[i] >= 0 else None
     return LinkFinding(ranks, link, worst_group, severity, evidence)
+
+
+def _slow_pipe_connections(
+    view: JobView,
+    links: LinkTable,
+    roles: _LinkRoles,
+    history: LinkHistory,
+    group: np.ndarray,
+    late: frozenset[int],
+) -> list[_Shown]:
+    """Both directions of each pipeline connection slow by PIPE_RATIO against the same
+    direction of its sibling pipelines' link at its place (see PIPE_RATIO)."""
+    pp = np.array([g.role == "pp" for g in roles.groups] + [False], bool)[group]
+    if not pp.any() or pp.sum() > PIPE_MAX_LINKS:
+        return []
+    ports = _Ports(view, links.select(pp), roles, history, rtt=True)
+    slow: list[_Shown] = []
+    for a, b in [k for k in ports.links if k[0] < k[1] and (k[1], k[0]) in ports.links]:
+        if a in late or b in late:
+            continue
+        ways = []
+        for k in ((a, b), (b, a)):
+            found = ports.reference(k)
+            if found is None or found[1] != "same direction" or found[0][1] <= 0:
+                break
+            (r_rtt, r_spm), source = found
+            ways.append((ports.links[k], r_rtt, r_spm, source))
+        if len(ways) == 2 and ports.slow(ways, PIPE_RATIO):
+            slow += ways
+    return slow
 
 
 def _lines(shown: list[_Shown], strict: int) -> list[_Shown]:
@@ -600,12 +644,12 @@ class _Ports:
             if found is not None and found[0][1] > 0:
                 (r_rtt, r_spm), source = found
                 per_peer[peer].append((self.links[k], r_rtt, r_spm, source))
-        slow = [xs for xs in per_peer.values() if self._slow(xs)]
+        slow = [xs for xs in per_peer.values() if self.slow(xs)]
         if 2 * len(slow) <= len(per_peer):
             return []
         return [x for xs in slow for x in xs if x[0].s_per_mb > x[2]]
 
-    def _slow(self, directions: list[_Shown]) -> bool:
+    def slow(self, directions: list[_Shown], ratio: float = PORT_RATIO) -> bool:
         """Whether one connection's directions (against their references) are slow."""
         logs, excess = [], 0.0
         for st, r_rtt, r_spm, _ in directions:
@@ -615,4 +659,4 @@ class _Ports:
                 logs.append(math.log((st.rtt_us + floor) / (r_rtt + floor)))
             if st.s_per_mb > 0:
                 excess = max(excess, st.busy * (1 - r_spm / st.s_per_mb))
-        return math.exp(statistics.fmean(logs)) >= PORT_RATIO and excess >= PORT_MIN_EXCESS
+        return math.exp(statistics.fmean(logs)) >= ratio and excess >= PORT_MIN_EXCESS

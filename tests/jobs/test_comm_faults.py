@@ -56,6 +56,20 @@ def test_slow_port_in_a_lone_tensor_parallel_ring(tmp_path: Path) -> None:
     assert len(summary["verdicts"]) == 1 and code == 0
 
 
+def test_slow_connection_of_one_of_two_pipelines(tmp_path: Path) -> None:
+    # TP1xPP2xDP2: pipelines 0->2 and 1->3; only the connection 1<->3 is shaped. Its
+    # one-way flows look like healthy pipeline links by the time per byte of both
+    # directions at once; against the same direction of the other pipeline's link they
+    # are slow both ways, and the two ranks' DP connections are not: the link is named.
+    code, summary = netns_demo(
+        tmp_path, 1, 2, 120, "comm-slow@1:rate=30mbit,peer=3,step=8", extra=NO_SHORT_HANGS
+    )
+    v = only(summary, "slow", "communication")
+    assert (v["ranks"], v["link"], v["group"]["role"]) == ([1, 3], [1, 3], "pp")
+    assert facts(v["evidence"])["one_link"]
+    assert len(summary["verdicts"]) == 1 and code == 0
+
+
 def test_comm_slow_on_one_rank_of_tp2_pp2_megatron(tmp_path: Path) -> None:
     # Megatron GPT (the demo's default), rank 1: TP peer 0, PP peer 3. Both of its links
     # are slow, its TP sibling 2<->3 and PP sibling 0<->2 are not. (At 50 Mbit/s on a busy

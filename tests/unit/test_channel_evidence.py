@@ -530,6 +530,46 @@ def test_slow_port_in_a_lone_ring_names_its_rank() -> None:
     assert {(1, 2), (2, 3), (3, 2)} <= shown
 
 
+def test_slow_connection_of_one_of_two_pipelines_names_the_link() -> None:
+    # TP1xPP2xDP2, pipelines 0->2 and 1->3, the connection 1<->3 shaped to 30 Mbit/s (a
+    # live job's measurements): each direction is only 2-3x the time per byte of the
+    # pipeline links in one median (forward and backward: the job's step doubled, and no
+    # verdict came), but against the same direction of the other pipeline's link both
+    # directions are 2-5x the time per byte and 4-12x the RTT: the link is named.
+    def link(peer: int, busy: float, s_per_mb: float, rtt: int) -> PeerChannel:
+        # (seconds per MB as measured at 1 s ticks: the bytes of a 0.5 s tick at half that)
+        sent = int(busy * INTERVAL / (s_per_mb / 2) * 1e6)
+        return entry(peer, wait="network", sent=sent, rtt_us=rtt, min_rtt_us=8, busy_share=busy)
+
+    groups = [
+        group("world", [0, 1, 2, 3]),
+        group("dp", [0, 1]),
+        group("dp", [2, 3]),
+        group("pp", [0, 2]),
+        group("pp", [1, 3]),
+    ]
+    healthy_pp = {0: link(2, 0.10, 0.044, 673), 2: link(0, 0.20, 0.113, 2_067)}
+    per_tick = {
+        0: [link(1, 0.05, 0.0023, 224), healthy_pp[0]],
+        1: [link(0, 0.05, 0.0012, 264), link(3, 0.42, 0.218, 8_047)],
+        2: [link(3, 0.05, 0.0009, 238), healthy_pp[2]],
+        3: [link(2, 0.05, 0.0008, 103), link(1, 0.50, 0.251, 10_537)],
+    }
+    h = ChannelHistory()
+    v = feed(h, 10, per_tick, groups)
+    found = h.slow_links(v, 10 * S, 15 * S).found
+    assert found is not None and (found.ranks, found.link) == ([1, 3], [1, 3])
+    assert found.group is not None and found.group.role == "pp"
+    ev = facts(found.evidence)
+    assert {(e["data"]["rank"], e["data"]["peer"]) for e in ev["link_slow"]} == {(1, 3), (3, 1)}
+    # The same connection as its sibling: nothing.
+    per_tick[1][1] = link(3, 0.10, 0.044, 673)
+    per_tick[3][1] = link(1, 0.20, 0.113, 2_067)
+    h = ChannelHistory()
+    v = feed(h, 10, per_tick, groups)
+    assert h.slow_links(v, 10 * S, 15 * S).found is None
+
+
 @pytest.mark.parametrize("pair", [{0, 1}, {2, 3}])
 @pytest.mark.parametrize(("lean", "rtt_lean"), [(1.0, 1.0), (1.35, 1.35), (1.3, 1.8)])
 def test_one_slow_connection_names_the_link(pair: set[int], lean: float, rtt_lean: float) -> None:
