@@ -225,12 +225,6 @@ def shape_pair(
             *tc, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "1"
         )
         netns._tc(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", *wide)
-        # The rest of the link's traffic queues deep enough to drop nothing: a veth has no
-        # queue of its own, and htb's default (txqueuelen, 1000 packets) dropped the
-        # bursts of a DP all-reduce (45 retransmits a window): the rank's other
-        # connections slowed as a port's would.
-        netns._tc(*tc, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "pfifo",
-                  "limit", "100000")  # fmt: skip
         netns._tc(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:2", *wide)
         netns._tc(*tc, "qdisc", "add", "dev", dev, "parent", "1:2", "handle", "20:", *tbf)
         netns._tc(*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
