@@ -299,16 +299,7 @@ def _lone_collective(
         return None
     tie = len(others) < 2
     evidence = [
-        Evidence.of(
-            "entered_op",
-            "rank {rank} entered {op} ({bytes} B) as seq {seq} of {role}{members}",
-            rank=b.rank,
-            op=b.op_name,
-            bytes=b.op.bytes,
-            seq=b.op.seq,
-            role=b.group.role,
-            members=list(b.group.ranks),
-        ),
+        _entered_op(b.rank, b.op_name, b.op.bytes, b.op.seq, b.group),
         Evidence.of(
             "in_transfers",
             "ranks {ranks} have not entered it: each is in a point-to-point transfer of "
@@ -326,10 +317,19 @@ def _lone_collective(
     ]
     if tie:
         evidence.append(Evidence.of("no_majority", "no majority among the members: all are named"))
+    ranks = sorted(b.group.ranks) if tie else [b.rank]
+    return _at_op(view, b, Kind.MISMATCH, Cause.SOFTWARE, ranks, evidence)
+
+
+def _at_op(
+    view: JobView, b: Blocked, kind: Kind, cause: Cause, ranks: list[int], evidence: list[Evidence]
+) -> Verdict:
+    """A verdict on ``ranks`` found at the op ``b`` waits in: its group, op and step, from
+    when ``b`` entered it."""
     return Verdict(
-        kind=Kind.MISMATCH,
-        cause=Cause.SOFTWARE,
-        ranks=sorted(b.group.ranks) if tie else [b.rank],
+        kind=kind,
+        cause=cause,
+        ranks=ranks,
         group=b.group.to_dict(),
         op=b.op_name,
         trace_id=b.trace_id,
@@ -420,22 +420,10 @@ def _comm_hangs(
                 )
             )
         culprit = view.summaries.get(ranks[0]) if len(ranks) == 1 else None
-        v = Verdict(
-            kind=Kind.HANG,
-            cause=cause,
-            ranks=ranks,
-            group=b.group.to_dict(),
-            link=link,
-            op=b.op_name,
-            trace_id=b.trace_id,
-            step=view.summaries[b.rank].step,
-            onset_s=view.seconds(b.op.enter_ns),
-            detected_s=view.seconds(view.now_ns),
-            severity=round(b.age_s, 1),
-            evidence=evidence,
-            # where a compute-bound culprit's host thread is (e.g. what it launched last)
-            stack=(culprit.stack or None) if culprit and cause == Cause.COMPUTE else None,
-        )
+        v = _at_op(view, b, Kind.HANG, cause, ranks, evidence)
+        v.link = link
+        # where a compute-bound culprit's host thread is (e.g. what it launched last)
+        v.stack = (culprit.stack or None) if culprit and cause == Cause.COMPUTE else None
         verdicts.append(v)
         if found is not None:
             located.append(v)
@@ -492,19 +480,7 @@ def find_mismatches(view: JobView, settle_s: Callable[[int], float]) -> list[Ver
         if not _settled(view, g, seq, entries, top_n, settle_s(gid)):
             continue
         tie = list(counts.values()).count(top_n) > 1
-        evidence = [
-            Evidence.of(
-                "entered_op",
-                "rank {rank} entered {op} ({bytes} B) as seq {seq} of {role}{members}",
-                rank=r,
-                op=n,
-                bytes=b,
-                seq=seq,
-                role=g.role,
-                members=list(g.ranks),
-            )
-            for r, (n, b, _) in sorted(entries.items())
-        ]
+        evidence = [_entered_op(r, n, b, seq, g) for r, (n, b, _) in sorted(entries.items())]
         if tie:
             # No majority inside the group (two members): what the sibling groups of the
             # same role ran as this seq decides, when they agree on one of the members' ops.
@@ -544,6 +520,19 @@ def find_mismatches(view: JobView, settle_s: Callable[[int], float]) -> list[Ver
             )
         )
     return verdicts
+
+
+def _entered_op(rank: int, op: str, size: int, seq: int, g: GroupInfo) -> Evidence:
+    return Evidence.of(
+        "entered_op",
+        "rank {rank} entered {op} ({bytes} B) as seq {seq} of {role}{members}",
+        rank=rank,
+        op=op,
+        bytes=size,
+        seq=seq,
+        role=g.role,
+        members=list(g.ranks),
+    )
 
 
 def _settled(
