@@ -247,22 +247,25 @@ def cut_off_rank(view: JobView, rank: int, peers: Iterable[int]) -> Located | No
     if obs is not None and senders == [obs] and not speaking(view, {obs, rank}, interval):
         # Only the diagnoser's rank lost it, and no third rank speaks to show that the
         # diagnoser's own link works: either end's port may be the one down.
-        pair = sorted([obs, rank])
-        evidence.append(
-            Evidence.of(
-                "either_end",
-                "no rank but {rank} and {observer} (the diagnoser's) is there to tell "
-                "which end of link {a}<->{b} is cut off",
-                rank=rank,
-                observer=obs,
-                a=pair[0],
-                b=pair[1],
-            )
-        )
-        return Located(pair, pair, evidence)
+        return _either_end(rank, obs, evidence)
     return Located(
         [rank], [senders[0], rank] if len(senders) == 1 and len(ps) == 1 else None, evidence
     )
+
+
+def _either_end(rank: int, observer: int, evidence: list[Evidence]) -> Located:
+    """The link between ``rank`` and the diagnoser's ``observer``, both ends named."""
+    pair = sorted([observer, rank])
+    either = Evidence.of(
+        "either_end",
+        "no rank but {rank} and {observer} (the diagnoser's) is there to tell which end of "
+        "link {a}<->{b} is cut off",
+        rank=rank,
+        observer=observer,
+        a=pair[0],
+        b=pair[1],
+    )
+    return Located(pair, pair, [*evidence, either])
 
 
 def speaking(view: JobView, besides: set[int], interval_s: float) -> bool:
@@ -277,26 +280,41 @@ def speaking(view: JobView, besides: set[int], interval_s: float) -> bool:
 def _unreachable(view: JobView, rank: int, interval: float) -> Located | None:
     """``rank`` cut off, by the observer's handshake to its host (``control.reach``): no
     answer, while the store answers the observer and other ranks report (else the
-    observer's own link is as likely down: ``diagnose.isolation``)."""
+    observer's own link is as likely down: ``diagnose.isolation``); in a job of two, the
+    link between them."""
     if view.reach.get(rank) is not False or view.store_failed is not None:
         return None
     silent = view.silent(SILENT_INTERVALS * interval)
     heard = len(view.summaries) - len(silent | view.gone) - (view.observer in view.summaries)
-    if heard < 1:
-        return None
     s = view.summaries[rank]
+    obs = view.observer
+    # No rank but the diagnoser's heard from: where others are silent too, its own
+    # isolation (diagnose.isolation); where the job is two ranks (the others left), nobody
+    # is there to tell whose link it is, and both ends are named.
+    alone = heard < 1
+    if alone and (
+        obs is None
+        or obs not in view.summaries
+        or any(not o.exited for r, o in view.summaries.items() if r not in (obs, rank))
+    ):
+        return None
     evidence = [
         Evidence.of(
             "host_unreachable",
             "rank {rank}'s host {host} does not answer a TCP handshake from the diagnoser "
-            "(rank {observer}) while the other ranks report: a live kernel answers even when its "
-            "process is stuck, so its link (or the host) is down",
+            "(rank {observer})"
+            + ("" if alone else " while the other ranks report")
+            + ": a live kernel answers even when its process is stuck, so "
+            + ("a link between them" if alone else "its link")
+            + " (or the host) is down",
             rank=rank,
             host=s.host,
-            observer=view.observer,
+            observer=obs,
         ),
         *_silent(view, [rank]),
     ]
+    if alone and obs is not None:
+        return _either_end(rank, obs, evidence)
     return Located([rank], None, evidence)
 
 

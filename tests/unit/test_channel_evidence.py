@@ -4,14 +4,17 @@ connections, and slow links over windows: on synthetic views."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from builders import S, facts, group, job_view, peer_channel, rank_summary
 
 from ccld_plugin.diagnose.hang import find_unresponsive
+from ccld_plugin.diagnose.records import Cause, Kind
 from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkJudgement
 from ccld_plugin.diagnose.tcp_evidence import channel_evidence, cut_off_rank, toward_evidence
 from ccld_plugin.diagnose.view import JobView
+from ccld_plugin.postmortem.replay import replay
 from ccld_plugin.wire import peer_channels as codec
 from ccld_plugin.wire.codes import SOURCE_NCCL, SOURCE_TCP
 from ccld_plugin.wire.peer_channels import (
@@ -27,6 +30,7 @@ INTERVAL = 0.5
 
 
 entry = peer_channel
+RECORDED = Path(__file__).parent / "recorded"
 
 
 DP4 = [group("world", [0, 1, 2, 3]), group("dp", [0, 1, 2, 3])]
@@ -215,6 +219,19 @@ def test_a_cut_that_only_the_diagnoser_sees_with_nobody_else_speaking_names_both
     v = replace(view(reports, ages={1: 5.0, 2: 5.0}, groups=trio, world=3), observer=0, gone={2})
     found = cut_off_rank(v, 1, v.summaries)
     assert found is not None and (found.ranks, found.link) == ([0, 1], [0, 1])
+    # A cut while rank 0 waits to receive: nothing of its is outstanding, no connection
+    # stalls. Its handshake to rank 1's host goes unanswered (a CI run named rank 1
+    # unresponsive): the link again, both ends; not before the handshake has ended.
+    idle = {0: [entry(1, sent=10**6)], 1: [entry(0, sent=10**6)]}
+    v = replace(view(idle, ages={1: 5.0}, groups=pair), observer=0)
+    assert cut_off_rank(v, 1, v.summaries) is None
+    found = cut_off_rank(replace(v, reach={1: False}), 1, v.summaries)
+    assert found is not None and (found.ranks, found.link) == ([0, 1], [0, 1])
+    ev = facts(found.evidence)
+    assert ev["host_unreachable"] and ev["either_end"]
+    # With a third rank silent as well, it is the diagnoser's own isolation: not this.
+    v = replace(view({**idle, 2: []}, ages={1: 5.0, 2: 5.0}, groups=trio, world=3), observer=0)
+    assert cut_off_rank(replace(v, reach={1: False, 2: False}), 1, v.summaries) is None
 
 
 def test_a_silent_rank_is_not_called_wedged_before_its_peers_could_show_a_cut() -> None:
@@ -810,3 +827,15 @@ def test_sibling_medians_match_the_direct_computation() -> None:
             assert np.isnan(floors[i]) or floors[i] <= by_role[1]
             assert by_role[0] == statistics.median(o.rtt_us for o in role_refs)
             assert by_role[1] == statistics.median(o.s_per_mb for o in role_refs)
+
+
+def test_a_recorded_two_rank_cut_with_nothing_outstanding_names_the_link() -> None:
+    # A CI run of test_a_two_rank_cut_names_the_link_and_both_ends[diagnoser-rank]: rank
+    # 0's link was cut while it waited to receive from rank 1, so none of its connections
+    # stalled; rank 1's summaries stopped and its host did not answer rank 0's handshake.
+    # It was named unresponsive 10 s later; it is the link, both ends.
+    _, got = replay(RECORDED / "cut-of-the-diagnosers-link-nothing-outstanding-2ranks.rec")
+    assert [(v.kind, v.cause, v.ranks, v.link) for v in got] == [
+        (Kind.HANG, Cause.COMMUNICATION, [0, 1], [0, 1])
+    ]
+    assert {"host_unreachable", "either_end"} <= {e.fact for e in got[0].evidence}
