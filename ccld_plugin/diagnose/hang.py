@@ -292,8 +292,10 @@ def _lone_collective(
     b = collectives[0]
     gid = b.group.group_id
     others = [m for m in b.group.ranks if m != b.rank]
-    transfers = [blocked.get(m) for m in others]
-    if not all(t is not None and t.p2p and t.group.group_id == gid for t in transfers):
+    transfers = [blocked[m] for m in others if m in blocked]
+    if len(transfers) < len(others) or not all(
+        t.p2p and t.group.group_id == gid for t in transfers
+    ):
         return None
     if any((view.entered_seq(m, gid) or -1) >= b.op.seq for m in others):
         return None
@@ -310,9 +312,8 @@ def _lone_collective(
             ops=[
                 f"rank {t.rank} {t.op_name} {'to' if t.sends else 'from'} {t.op.peer}"
                 for t in transfers
-                if t is not None
             ],
-            wait_s=max(t.age_s for t in transfers if t is not None),
+            wait_s=max(t.age_s for t in transfers),
         ),
     ]
     if tie:
