@@ -643,14 +643,21 @@ class SlowDetector:
             for g, b, ref in slow:
                 _not_slow(lo, hi, g, b, ref, "its links are not judged yet")
             return []
-        if found is None and fresh:
-            # A group whose own connections were measured and found healthy did not move
-            # slowly on the network: its members were slow to run (a busy host, a
-            # straggler's TP peer), and that is no communication verdict.
-            cleared = [x for x in slow if judged.measured.within(x[0].ranks)]
-            for g, b, ref in cleared:
-                _not_slow(lo, hi, g, b, ref, "but its links are healthy")
-            slow = [x for x in slow if x not in cleared]
+        # A group whose own connections were measured and found healthy did not move slowly
+        # on the network: its members were slow to run (a busy host, a straggler's TP peer),
+        # and that is no communication verdict of its own. Where the channels name a slow
+        # link or port outside it (this window or, too short to judge, the last one), that
+        # is the verdict: a member held up on a slow connection elsewhere (a pipeline's,
+        # seen) is late to this group's transfers too.
+        cleared = [
+            x
+            for x in slow
+            if judged.measured.within(x[0].ranks)
+            and (fresh if found is None else not set(found.ranks) <= set(x[0].ranks))
+        ]
+        for g, b, ref in cleared:
+            _not_slow(lo, hi, g, b, ref, "but its links are healthy")
+        slow = [x for x in slow if x not in cleared]
         if not slow:
             if found is None:
                 for key in [k for k in self.streak if k[:2] == (Kind.SLOW, Cause.COMMUNICATION)]:

@@ -153,8 +153,8 @@ class LinkJudgement:
     # False: the reports since the last judgement are too few to judge on; ``found`` is the
     # last judgement's, and the window neither confirms nor clears it.
     fresh: bool
-    # The directed links (rank, peer) that moved enough data to be judged: where ``found``
-    # is None they were judged healthy.
+    # The directed links (rank, peer) that moved enough data to be judged (not fresh: the
+    # last judgement's): where ``found`` is None they were judged healthy.
     measured: MeasuredLinks = field(default_factory=MeasuredLinks)
     # Not fresh, but this job reports channels: a judgement is on its way.
     pending: bool = False
@@ -302,7 +302,9 @@ class ChannelHistory:
         rows = self.between(start, t1)
         if not _enough(rows):
             self.span_start = start
-            return LinkJudgement(self.last.found, False, pending=bool(self.batches))
+            return LinkJudgement(
+                self.last.found, False, self.last.measured, pending=bool(self.batches)
+            )
         self.span_start = None
         tcp, nccl = tcp_links(rows), nccl_links(rows)
         episode = start if self.episode_start is None else self.episode_start

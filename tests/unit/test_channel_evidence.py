@@ -743,10 +743,11 @@ def test_too_few_intervals_are_judged_with_the_next_window() -> None:
     v = feed(h, 2, ring, DP4, t0=10 * S + int(2 * INTERVAL * S))
     judged = h.slow_links(v, 10 * S + int(2 * INTERVAL * S), 10 * S + int(4 * INTERVAL * S))
     assert judged.fresh and judged.found is not None and judged.found.ranks == [1]
-    # The next short window repeats that judgement, not fresh.
+    # The next short window repeats that judgement (and the links it measured), not fresh.
     v = feed(h, 1, ring, DP4, t0=10 * S + int(4 * INTERVAL * S))
     again = h.slow_links(v, 10 * S + int(4 * INTERVAL * S), 10 * S + int(5 * INTERVAL * S))
-    assert again == LinkJudgement(judged.found, False, pending=True)
+    assert again == LinkJudgement(judged.found, False, judged.measured, pending=True)
+    assert set(again.measured) == {(0, 3), (1, 0), (2, 1), (3, 2)}
 
 
 def test_reports_are_kept_for_a_bounded_time_while_no_window_closes() -> None:
@@ -839,3 +840,16 @@ def test_a_recorded_two_rank_cut_with_nothing_outstanding_names_the_link() -> No
         (Kind.HANG, Cause.COMMUNICATION, [0, 1], [0, 1])
     ]
     assert {"host_unreachable", "either_end"} <= {e.fact for e in got[0].evidence}
+
+
+def test_a_recorded_slow_pipeline_connection_is_named_not_the_group_it_delays() -> None:
+    # A CI run of test_slow_connection_of_one_of_two_pipelines (TP1xPP2xDP2, only the
+    # connection 1<->3 shaped): rank 1, held up on it, came late to its DP all-reduce, and
+    # dp[0, 1] moved 7x slower than dp[2, 3] though its own links were healthy. A window too
+    # short to judge the links again carried their finding, 1<->3, and the verdict named
+    # the DP group's two members. The channels' link outside the group is the verdict.
+    _, got = replay(RECORDED / "comm-slow-30mbit-link1-3-step8-tp1pp2dp2.rec")
+    assert [(v.kind, v.cause, v.ranks, v.link) for v in got] == [
+        (Kind.SLOW, Cause.COMMUNICATION, [1, 3], [1, 3])
+    ]
+    assert got[0].group is not None and got[0].group["ranks"] == [1, 3]
