@@ -388,9 +388,12 @@ def _comm_hangs(
     graph: dict[int, list[int]],
     channel_evidence: ChannelEvidence | None,
 ) -> list[Verdict]:
-    """Everyone arrived, yet the op does not finish: data does not flow."""
+    """Everyone arrived, yet the op does not finish: data does not flow. An op that waits
+    for a member stuck in such an op (a stage's recv from a rank held in its group's
+    collective) is its effect, not a hang of its own."""
     verdicts, seen, located = [], set(), []
-    for b in sorted(stuck, key=lambda b: -b.age_s):
+    arrived = [b for b in stuck if not graph[b.rank]]
+    for b in sorted(arrived, key=lambda b: -b.age_s):
         if b.group.group_id in seen:
             continue
         seen.add(b.group.group_id)

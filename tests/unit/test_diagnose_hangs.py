@@ -308,6 +308,30 @@ def test_groups_stalled_behind_a_mismatch_are_not_separate_hangs():
     assert (item["data"]["role"], item["data"]["members"]) == ("tp", [2, 3])
 
 
+def test_a_transfer_waiting_for_a_rank_held_in_a_stuck_group_is_no_hang_of_its_own():
+    # An unseen script (a hand-written TP1xPP2xDP2 pipeline, `ccld run`): ranks 0, 1 (stage
+    # 0) issued different collectives in their DP pair; stage 1's ranks 2, 3 wait in a recv
+    # from them that they never send. Those recvs wait for a rank (not "all entered"): the
+    # mismatch is the one verdict (was: a second one, a communication hang of 0 and 2).
+    dp01, dp23, world = group("dp", [0, 1]), group("dp", [2, 3]), group("world", [0, 1, 2, 3])
+    tables = {0: [dp01, world], 1: [dp01, world], 2: [dp23, world], 3: [dp23, world]}
+    p2p = FLAG_P2P
+    v = view(
+        [
+            summary(0, {0: 9, 1: 36}, [(0, "all_reduce", 9, 12, 0, -1)], idle_s=12),
+            summary(1, {0: 9, 1: 36}, [(0, "all_gather", 9, 12, 0, -1)], idle_s=12),
+            summary(2, {0: 9, 1: 37}, [(1, "recv", 37, 11, p2p, 0)], idle_s=11),
+            summary(3, {0: 9, 1: 37}, [(1, "recv", 37, 11, p2p, 1)], idle_s=11),
+        ],
+        tables,
+    )
+    verdicts = Diagnoser(DiagnoserConfig(hang_min_s=3), interval_s=0.5).round(v)
+    assert [(x.kind.value, x.ranks) for x in verdicts] == [("mismatch", [0, 1])]
+    # Alone, the stuck DP pair is the communication hang, and still the only one.
+    (h,) = find_hangs(v, lambda gid: 10.0, 1.0)
+    assert (h.cause.value, h.ranks, h.group["ranks"]) == ("communication", [0, 1], [0, 1])
+
+
 def test_unresponsive_by_heartbeat_or_gone_process_but_not_after_a_clean_exit():
     dp = group("dp", [0, 1, 2])
     tables = {r: [dp] for r in range(3)}
