@@ -16,18 +16,14 @@ import numpy as np
 
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose import tcp_evidence as chan
-from ccld_plugin.diagnose.hang import (
-    ChannelEvidence,
-    find_hangs,
-    find_mismatches,
-    find_unresponsive,
-)
+from ccld_plugin.diagnose.hang import ChannelEvidence, find_hangs, find_unresponsive
 from ccld_plugin.diagnose.isolation import (
     Isolation,
     cut_off_behind_store,
     isolation_hang,
     observer_isolated,
 )
+from ccld_plugin.diagnose.mismatch import find_left_early, find_mismatches
 from ccld_plugin.diagnose.nccl_evidence import nccl_evidence
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.slow import SlowDetector
@@ -113,7 +109,10 @@ class Diagnoser:
             return self._new(cut_off_behind_store(view))
         lost = find_unresponsive(view, self.cfg.unresponsive_s)
         unresponsive = [v for v in lost if not self._fallout_of_stall(view, v.ranks[0])]
-        mismatches = find_mismatches(view, self.threshold_s)
+        mismatches = [
+            *find_mismatches(view, self.threshold_s),
+            *find_left_early(view, self.min_wait_s),
+        ]
         # A rank found lost, or seen dead whose verdict waits a tick for its node's word on
         # it (hang._last_words_due): a group it is in stalls because of it.
         explained = {r for v in lost for r in v.ranks} | view.gone

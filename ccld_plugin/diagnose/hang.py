@@ -6,37 +6,24 @@
 3. If nobody is missing, data does not flow: a communication-bound hang in that group,
    localized further by channel evidence when there is some.
 4. A cycle of ranks each waiting for the next is a deadlock (e.g. P2P ordering).
-Mismatches (members at the same trace id with different ops or sizes) and unresponsive
-ranks are found here too, since they explain hangs.
+Unresponsive ranks are found here too, since they explain hangs (mismatches, which do
+too: ``mismatch``).
 """
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
 from ccld_plugin.diagnose import tcp_evidence as chan
+from ccld_plugin.diagnose.mismatch import entered_op
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.view import Blocked, JobView
-from ccld_plugin.wire.codes import FLAG_P2P, OP_NAMES
+from ccld_plugin.wire.codes import OP_NAMES
 from ccld_plugin.wire.summary import FLAG_LAST_WORDS, RankSummary
 from ccld_plugin.wire.topology import GroupInfo
 
-__all__ = ["find_hangs", "find_mismatches", "find_unresponsive", "wait_for_graph"]
-
-# Ops whose sizes may legitimately differ across members (uneven splits, root-only lists).
-_SIZE_MAY_DIFFER = {
-    "all_to_all",
-    "all_to_all_single",
-    "gather",
-    "scatter",
-    "all_gather",
-    "reduce_scatter",
-    "coalesced",
-    "barrier",
-    "monitored_barrier",
-}
+__all__ = ["find_hangs", "find_unresponsive", "wait_for_graph"]
 
 # How long a dead rank's verdict waits for its node's leader to read its board (agent
 # intervals after its agent's last tick: it may have died just before its next one, and
@@ -301,7 +288,7 @@ def _lone_collective(
         return None
     tie = len(others) < 2
     evidence = [
-        _entered_op(b.rank, b.op_name, b.op.bytes, b.op.seq, b.group),
+        entered_op(b.rank, b.op_name, b.op.bytes, b.op.seq, b.group),
         Evidence.of(
             "in_transfers",
             "ranks {ranks} have not entered it: each is in a point-to-point transfer of "
@@ -449,139 +436,6 @@ def _fold(verdicts: list[Verdict]) -> list[Verdict]:
                 )
             )
     return list(out.values())
-
-
-def find_mismatches(view: JobView, settle_s: Callable[[int], float]) -> list[Verdict]:
-    """Members that entered the same trace id with different ops (or sizes). A tie waits
-    for the members not seen in the seq: until each has reported since and stood still
-    for ``settle_s(group_id)`` (the group's hang threshold), its op may still come."""
-    seen: dict[tuple[int, int], dict[int, tuple[str, int, int]]] = {}
-    groups: dict[int, GroupInfo] = {}
-    in_ops = view.in_ops()
-    for rank in [r for r in view.summaries if r in in_ops] if in_ops else []:
-        for op, g in view.ops_of(rank):
-            if op.flags & FLAG_P2P:
-                continue
-            seen.setdefault((g.group_id, op.seq), {})[rank] = (
-                OP_NAMES.get(op.op, "?"),
-                op.bytes,
-                op.enter_ns,
-            )
-            groups[g.group_id] = g
-    verdicts = []
-    unanimous: dict[tuple[str, int], Counter[str]] | None = None  # built at the first tie
-    for (gid, seq), entries in seen.items():
-        if len(entries) < 2:
-            continue
-        names = {name for name, _, _ in entries.values()}
-        sizes_matter = not (names & _SIZE_MAY_DIFFER)
-        sig = {r: (n, b if sizes_matter else 0) for r, (n, b, _) in entries.items()}
-        counts = Counter(sig.values())
-        if len(counts) < 2:
-            continue
-        g = groups[gid]
-        top, top_n = counts.most_common(1)[0]
-        if not _settled(view, g, seq, entries, top_n, settle_s(gid)):
-            continue
-        tie = list(counts.values()).count(top_n) > 1
-        evidence = [_entered_op(r, n, b, seq, g) for r, (n, b, _) in sorted(entries.items())]
-        if tie:
-            # No majority inside the group (two members): what the sibling groups of the
-            # same role ran as this seq decides, when they agree on one of the members' ops.
-            if unanimous is None:
-                unanimous = _unanimous_ops(seen, groups)
-            sibling = unanimous.get((g.role, seq), Counter())
-            agreed = [n for n, _ in sibling.most_common(1) if n in names]
-            if agreed:
-                top, tie = next(v for v in sig.values() if v[0] == agreed[0]), False
-                evidence.append(
-                    Evidence.of(
-                        "sibling_majority",
-                        "{count} sibling {role} groups ran {op} as seq {seq}",
-                        count=sum(sibling.values()),
-                        role=g.role,
-                        op=agreed[0],
-                        seq=seq,
-                    )
-                )
-        culprits = sorted(r for r, v in sig.items() if tie or v != top)
-        if tie:
-            evidence.append(
-                Evidence.of("no_majority", "no majority among the members: all are named")
-            )
-        verdicts.append(
-            Verdict(
-                kind=Kind.MISMATCH,
-                cause=Cause.SOFTWARE,
-                ranks=culprits,
-                group=g.to_dict(),
-                op=entries[culprits[0]][0],
-                trace_id=f"{gid:016x}:{seq}",
-                step=view.summaries[culprits[0]].step,
-                onset_s=view.seconds(min(e for _, _, e in entries.values())),
-                detected_s=view.seconds(view.now_ns),
-                evidence=evidence,
-            )
-        )
-    return verdicts
-
-
-def _entered_op(rank: int, op: str, size: int, seq: int, g: GroupInfo) -> Evidence:
-    return Evidence.of(
-        "entered_op",
-        "rank {rank} entered {op} ({bytes} B) as seq {seq} of {role}{members}",
-        rank=rank,
-        op=op,
-        bytes=size,
-        seq=seq,
-        role=g.role,
-        members=list(g.ranks),
-    )
-
-
-def _settled(
-    view: JobView,
-    g: GroupInfo,
-    seq: int,
-    entries: dict[int, tuple[str, int, int]],
-    top_n: int,
-    settle_s: float,
-) -> bool:
-    """Whether the members seen in ``seq`` of ``g`` are enough to judge it. A member not
-    seen in it may not have reported since (its summary predates the dissent) or may still
-    be on its way (short of the seq, in the compute before it), and its op can still turn
-    a tie into a majority: judge once the ops seen hold a majority of the whole group, or
-    every member not seen in it has reported since and made no progress for ``settle_s``
-    since the last of them entered. Progress alone cannot tell: a rank computing between
-    two collectives makes none, and a live 4-rank job was judged [0, 3] before ranks 1
-    and 2 came out of their backward pass and made rank 3 the minority."""
-    if 2 * top_n > len(g.ranks):
-        return True
-    latest = max(e for _, _, e in entries.values())
-    for r in g.ranks:
-        s = view.summaries.get(r)
-        if r in entries or s is None or r in view.gone:
-            continue
-        if s.time_ns < latest:
-            return False
-        entered = view.entered_seq(r, g.group_id)
-        still_ns = view.now_ns - max(latest, s.last_progress_ns)
-        if entered is not None and entered < seq and still_ns < settle_s * 1e9:
-            return False
-    return True
-
-
-def _unanimous_ops(
-    seen: dict[tuple[int, int], dict[int, tuple[str, int, int]]], groups: dict[int, GroupInfo]
-) -> dict[tuple[str, int], Counter[str]]:
-    """Per (role, seq): how many groups of that role ran each op as that seq, counting
-    the groups whose members all ran the same one."""
-    out: dict[tuple[str, int], Counter[str]] = defaultdict(Counter)
-    for (gid, seq), entries in seen.items():
-        ops = {n for n, _, _ in entries.values()}
-        if len(ops) == 1:
-            out[(groups[gid].role, seq)][ops.pop()] += 1
-    return out
 
 
 def _last_words_due(view: JobView, s: RankSummary, shared_hosts: AbstractSet[str]) -> bool:

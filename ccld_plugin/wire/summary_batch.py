@@ -351,6 +351,11 @@ class SummaryTable(Mapping[int, RankSummary]):
         """Per row: whether the rank left through the plugin's exit path."""
         return (self.heads["flags"] & FLAG_EXITED) != 0
 
+    @property
+    def left_cleanly(self) -> np.ndarray:
+        """Per row: whether the rank left through the exit path with no op of its raising."""
+        return (self.heads["flags"] & (FLAG_EXITED | FLAG_ERRORED)) == FLAG_EXITED
+
     def without_channels(self, ranks: set[int]) -> None:
         """Leave the channel evidence of ``ranks`` out (a value that names a peer outside
         the job), in the table's rows and in their summaries."""

@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
-from job_runner import FAST, SCRIPTS
+from job_runner import FAST, SCRIPTS, facts
 
 from ccld_plugin.board.reader import BoardReader, board_files
+from ccld_plugin.cli import main
 from ccld_plugin.harness.launch import free_port
 from ccld_plugin.sinks.jsonl import read_verdicts
 from ccld_plugin.wire.codes import OP_NAMES
@@ -174,6 +175,26 @@ def test_device_mesh_straggler(tmp_path):
         _log(tmp_path),
     )
     assert slow[0]["group"]["role"] in ("tp", "dp")
+
+
+def test_device_mesh_rank_that_skipped_a_collective_is_named_after_the_job_died(tmp_path):
+    # Rank 1 leaves out one DP all-reduce: gloo pairs its later ones with rank 3's earlier
+    # ones, and the job runs on a step out until rank 1 ends its loop and leaves, one
+    # all-reduce short, while rank 3 waits in its last; rank 3 raises (the connection
+    # closed) and torchrun ends the job. From the boards: rank 1 left short of it.
+    live = ccld_run(tmp_path, "mesh_2d.py", "skip@1:5", 20)
+    assert all(v["kind"] == "mismatch" and v["ranks"] == [1] for v in live), live
+    out = tmp_path / "pm.jsonl"
+    assert main(["diagnose", str(tmp_path / "j"), "--jsonl", str(out)]) == 0
+    (v,) = read_verdicts(out)
+    assert (v["kind"], v["cause"], v["ranks"], v["op"]) == (
+        "mismatch",
+        "software",
+        [1],
+        "all_reduce",
+    )
+    assert (v["group"]["role"], v["group"]["ranks"]) == ("dp", [1, 3])
+    assert facts(v["evidence"])["left_early"][0]["data"]["entered"] == 19
 
 
 def test_deepspeed_launcher_compute_hang(tmp_path):

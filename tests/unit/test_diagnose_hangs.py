@@ -7,14 +7,11 @@ from builders import NOW, S, facts, group, job_view, rank_summary
 
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose import Diagnoser
-from ccld_plugin.diagnose.hang import (
-    LAST_WORDS_TICKS,
-    find_hangs,
-    find_mismatches,
-    find_unresponsive,
-)
+from ccld_plugin.diagnose.hang import LAST_WORDS_TICKS, find_hangs, find_unresponsive
+from ccld_plugin.diagnose.mismatch import find_left_early, find_mismatches
 from ccld_plugin.wire.codes import FLAG_P2P, FLAG_SEND, OP_CODES
 from ccld_plugin.wire.summary import (
+    FLAG_ERRORED,
     FLAG_EXITED,
     FLAG_LAST_WORDS,
     ArrivalSample,
@@ -330,6 +327,74 @@ def test_a_transfer_waiting_for_a_rank_held_in_a_stuck_group_is_no_hang_of_its_o
     # Alone, the stuck DP pair is the communication hang, and still the only one.
     (h,) = find_hangs(v, lambda gid: 10.0, 1.0)
     assert (h.cause.value, h.ranks, h.group["ranks"]) == ("communication", [0, 1], [0, 1])
+
+
+def test_a_member_that_left_short_of_a_collective_its_peers_wait_in_is_a_mismatch():
+    # An unseen script (a hand-written TP1xPP2xDP2 pipeline under `ccld run`) whose rank 2
+    # skipped one DP all-reduce: it ended its loop and left cleanly after 39 on [2, 3];
+    # rank 3 waits in the 40th, which can never complete (gloo then raised and the job
+    # ended). The pair ties; the sibling DP pair ran 40: rank 2 is short.
+    dp01, dp23 = group("dp", [0, 1]), group("dp", [2, 3])
+    tables = {0: [dp01], 1: [dp01], 2: [dp23], 3: [dp23]}
+    done = dict(flags=FLAG_EXITED, hb_age_s=1)
+    summaries = [
+        summary(0, {0: 40}, **done),
+        summary(1, {0: 40}, **done),
+        summary(2, {0: 39}, **done),
+        summary(3, {0: 40}, [(0, "all_reduce", 40, 2.0, 0, -1)], idle_s=2),
+    ]
+    v = view(summaries, tables)
+    verdicts = Diagnoser(DiagnoserConfig(hang_min_s=3), interval_s=0.5).round(v)
+    assert [(x.kind.value, x.cause.value, x.ranks) for x in verdicts] == [
+        ("mismatch", "software", [2])
+    ]
+    ev = facts(verdicts[0].evidence)
+    assert ev["left_early"][0]["data"] == {
+        "rank": 2,
+        "entered": 39,
+        "role": "dp",
+        "members": [2, 3],
+        "seq": 40,
+    }
+    assert ev["sibling_counts"][0]["data"]["reached"] == 1
+    assert verdicts[0].group["ranks"] == [2, 3] and verdicts[0].op == "all_reduce"
+    # Had the sibling pair ended at 39 too, rank 3 issued one more.
+    ended = [
+        dataclasses.replace(x, groups=[GroupProgress(0, 39, 39, 0, 0, 0, 0)]) for x in summaries[:2]
+    ]
+    (m,) = find_left_early(view([*ended, *summaries[2:]], tables), 1.0)
+    assert m.ranks == [3]
+    # One that left because an op of its raised (a peer died) left on that failure.
+    failed = dataclasses.replace(summaries[2], flags=FLAG_EXITED | FLAG_ERRORED)
+    assert find_left_early(view([*summaries[:2], failed, summaries[3]], tables), 1.0) == []
+    # Not before the wait is min_wait_s old (a post-mortem's final view: at once).
+    assert find_left_early(view(summaries, tables), 3.0) == []
+    assert find_left_early(dataclasses.replace(view(summaries, tables), final=True), 3.0)
+
+
+def test_who_left_short_is_named_by_the_groups_majority():
+    dp = group("dp", [0, 1, 2, 3])
+    tables = {r: [dp] for r in range(4)}
+    left = dict(flags=FLAG_EXITED, hb_age_s=1)
+
+    def waits(r):
+        return summary(r, {0: 40}, [(0, "all_reduce", 40, 2.0, 0, -1)], idle_s=2)
+
+    # one left after 39, three wait in the 40th: the one is short
+    (m,) = find_left_early(
+        view([waits(0), summary(1, {0: 39}, **left), waits(2), waits(3)], tables), 1.0
+    )
+    assert m.ranks == [1]
+    # three left after 39, one waits in a 40th: it issued one more
+    v = view([summary(r, {0: 39}, **left) for r in range(3)] + [waits(3)], tables)
+    assert find_left_early(v, 1.0)[0].ranks == [3]
+    # one left, one waits, two still on their way (computing before the 40th): not yet
+    on_way = [summary(r, {0: 39}, idle_s=0.5) for r in (2, 3)]
+    assert (
+        find_left_early(view([waits(0), summary(1, {0: 39}, **left), *on_way], tables), 1.0) == []
+    )
+    # nobody left: nothing here (a hang, the wait-for graph's)
+    assert find_left_early(view([waits(0), *on_way, waits(1)], tables), 1.0) == []
 
 
 def test_unresponsive_by_heartbeat_or_gone_process_but_not_after_a_clean_exit():

@@ -1,13 +1,13 @@
 """A 2-D DeviceMesh (dp x tp, named dimensions) training step that knows nothing of ccld:
 a tensor-parallel all-reduce of activations, a data-parallel all-reduce of gradients.
 
-FAULT as in ddp_plain.py: ``hang@R:S`` or ``slow@R:X``."""
+FAULT as in ddp_plain.py: ``hang@R:S`` or ``slow@R:X``; or ``skip@R:S`` (script_faults)."""
 
 import os
 
 import torch
 import torch.distributed as dist
-from script_faults import fault
+from script_faults import fault, skips
 from torch.distributed.device_mesh import init_device_mesh
 
 STEPS = int(os.environ.get("STEPS", "40"))
@@ -29,7 +29,8 @@ def main() -> None:
         loss = h.square().mean()
         opt.zero_grad()
         loss.backward()
-        dist.all_reduce(w.grad, group=dp)
+        if not skips(rank, step):
+            dist.all_reduce(w.grad, group=dp)
         opt.step()
         print(f"step {step} loss {loss.item():.4f}", flush=True)
     dist.destroy_process_group()

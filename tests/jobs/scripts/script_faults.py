@@ -1,7 +1,8 @@
 """The faults of the unchanged test scripts (they know nothing of ccld, nor of its fault
 specs): FAULT in the environment is ``hang@R:S`` (rank R blocks at step S), ``kill@R:S``
-(rank R's process ends by SIGKILL at step S) or ``slow@R:X`` (rank R's compute takes X
-seconds more every step)."""
+(rank R's process ends by SIGKILL at step S), ``slow@R:X`` (rank R's compute takes X
+seconds more every step) or ``skip@R:S`` (rank R leaves out its gradient all-reduce at
+step S: see ``skips``)."""
 
 import os
 import signal
@@ -21,3 +22,9 @@ def fault(rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "slow":
         time.sleep(float(arg))
+
+
+def skips(rank: int, step: int) -> bool:
+    """Whether rank leaves out its gradient all-reduce at this step (``skip@R:S``)."""
+    kind, _, where = os.environ.get("FAULT", "").partition("@")
+    return kind == "skip" and where == f"{rank}:{step}"

@@ -1,0 +1,275 @@
+"""Mismatches: members of a group that issued different collectives. Either two members
+entered the same trace id (group, seq) with different ops or sizes, or a member left the
+job (a clean exit) short of a collective its peers wait in: it issued fewer collectives on
+the group (its loop ended early, or it skipped one) and will never enter it. A mismatch
+explains the hangs it causes (see analyzer)."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Callable
+
+from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
+from ccld_plugin.diagnose.view import Blocked, JobView
+from ccld_plugin.wire.codes import FLAG_P2P, OP_NAMES
+from ccld_plugin.wire.topology import GroupInfo
+
+__all__ = ["entered_op", "find_left_early", "find_mismatches"]
+
+# Ops whose sizes may legitimately differ across members (uneven splits, root-only lists).
+_SIZE_MAY_DIFFER = {
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "all_gather",
+    "reduce_scatter",
+    "coalesced",
+    "barrier",
+    "monitored_barrier",
+}
+
+
+def find_mismatches(view: JobView, settle_s: Callable[[int], float]) -> list[Verdict]:
+    """Members that entered the same trace id with different ops (or sizes). A tie waits
+    for the members not seen in the seq: until each has reported since and stood still
+    for ``settle_s(group_id)`` (the group's hang threshold), its op may still come."""
+    seen: dict[tuple[int, int], dict[int, tuple[str, int, int]]] = {}
+    groups: dict[int, GroupInfo] = {}
+    in_ops = view.in_ops()
+    for rank in [r for r in view.summaries if r in in_ops] if in_ops else []:
+        for op, g in view.ops_of(rank):
+            if op.flags & FLAG_P2P:
+                continue
+            seen.setdefault((g.group_id, op.seq), {})[rank] = (
+                OP_NAMES.get(op.op, "?"),
+                op.bytes,
+                op.enter_ns,
+            )
+            groups[g.group_id] = g
+    verdicts = []
+    unanimous: dict[tuple[str, int], Counter[str]] | None = None  # built at the first tie
+    for (gid, seq), entries in seen.items():
+        if len(entries) < 2:
+            continue
+        names = {name for name, _, _ in entries.values()}
+        sizes_matter = not (names & _SIZE_MAY_DIFFER)
+        sig = {r: (n, b if sizes_matter else 0) for r, (n, b, _) in entries.items()}
+        counts = Counter(sig.values())
+        if len(counts) < 2:
+            continue
+        g = groups[gid]
+        top, top_n = counts.most_common(1)[0]
+        if not _settled(view, g, seq, entries, top_n, settle_s(gid)):
+            continue
+        tie = list(counts.values()).count(top_n) > 1
+        evidence = [entered_op(r, n, b, seq, g) for r, (n, b, _) in sorted(entries.items())]
+        if tie:
+            # No majority inside the group (two members): what the sibling groups of the
+            # same role ran as this seq decides, when they agree on one of the members' ops.
+            if unanimous is None:
+                unanimous = _unanimous_ops(seen, groups)
+            sibling = unanimous.get((g.role, seq), Counter())
+            agreed = [n for n, _ in sibling.most_common(1) if n in names]
+            if agreed:
+                top, tie = next(v for v in sig.values() if v[0] == agreed[0]), False
+                evidence.append(
+                    Evidence.of(
+                        "sibling_majority",
+                        "{count} sibling {role} groups ran {op} as seq {seq}",
+                        count=sum(sibling.values()),
+                        role=g.role,
+                        op=agreed[0],
+                        seq=seq,
+                    )
+                )
+        culprits = sorted(r for r, v in sig.items() if tie or v != top)
+        if tie:
+            evidence.append(
+                Evidence.of("no_majority", "no majority among the members: all are named")
+            )
+        verdicts.append(
+            Verdict(
+                kind=Kind.MISMATCH,
+                cause=Cause.SOFTWARE,
+                ranks=culprits,
+                group=g.to_dict(),
+                op=entries[culprits[0]][0],
+                trace_id=f"{gid:016x}:{seq}",
+                step=view.summaries[culprits[0]].step,
+                onset_s=view.seconds(min(e for _, _, e in entries.values())),
+                detected_s=view.seconds(view.now_ns),
+                evidence=evidence,
+            )
+        )
+    return verdicts
+
+
+def entered_op(rank: int, op: str, size: int, seq: int, g: GroupInfo) -> Evidence:
+    return Evidence.of(
+        "entered_op",
+        "rank {rank} entered {op} ({bytes} B) as seq {seq} of {role}{members}",
+        rank=rank,
+        op=op,
+        bytes=size,
+        seq=seq,
+        role=g.role,
+        members=list(g.ranks),
+    )
+
+
+def _settled(
+    view: JobView,
+    g: GroupInfo,
+    seq: int,
+    entries: dict[int, tuple[str, int, int]],
+    top_n: int,
+    settle_s: float,
+) -> bool:
+    """Whether the members seen in ``seq`` of ``g`` are enough to judge it. A member not
+    seen in it may not have reported since (its summary predates the dissent) or may still
+    be on its way (short of the seq, in the compute before it), and its op can still turn
+    a tie into a majority: judge once the ops seen hold a majority of the whole group, or
+    every member not seen in it has reported since and made no progress for ``settle_s``
+    since the last of them entered. Progress alone cannot tell: a rank computing between
+    two collectives makes none, and a live 4-rank job was judged [0, 3] before ranks 1
+    and 2 came out of their backward pass and made rank 3 the minority."""
+    if 2 * top_n > len(g.ranks):
+        return True
+    latest = max(e for _, _, e in entries.values())
+    for r in g.ranks:
+        s = view.summaries.get(r)
+        if r in entries or s is None or r in view.gone:
+            continue
+        if s.time_ns < latest:
+            return False
+        entered = view.entered_seq(r, g.group_id)
+        still_ns = view.now_ns - max(latest, s.last_progress_ns)
+        if entered is not None and entered < seq and still_ns < settle_s * 1e9:
+            return False
+    return True
+
+
+def _unanimous_ops(
+    seen: dict[tuple[int, int], dict[int, tuple[str, int, int]]], groups: dict[int, GroupInfo]
+) -> dict[tuple[str, int], Counter[str]]:
+    """Per (role, seq): how many groups of that role ran each op as that seq, counting
+    the groups whose members all ran the same one."""
+    out: dict[tuple[str, int], Counter[str]] = defaultdict(Counter)
+    for (gid, seq), entries in seen.items():
+        ops = {n for n, _, _ in entries.values()}
+        if len(ops) == 1:
+            out[(groups[gid].role, seq)][ops.pop()] += 1
+    return out
+
+
+def find_left_early(view: JobView, min_wait_s: float) -> list[Verdict]:
+    """Collectives that members have waited in for ``min_wait_s`` (any time, in a
+    post-mortem) while another member left the job through its exit path, with no op of
+    its raising, without entering them. Named: the side short of the group's majority
+    (those who left; where most left, those who issued one more); in a tie, the side the
+    sibling groups of the role agree with; else both. Members still on their way decide
+    a tie first."""
+    t = view.columns
+    # (one whose op raised left on that failure, as the peers of a dead rank do)
+    exited = set(t.ranks[t.left_cleanly].tolist()) - view.gone
+    if not exited:
+        return []
+    waits: dict[tuple[int, int], list[Blocked]] = defaultdict(list)
+    for b in view.blocked().values():
+        if (
+            not b.p2p
+            and not view.summaries[b.rank].exited
+            and (view.final or b.age_s >= min_wait_s)
+        ):
+            waits[(b.group.group_id, b.op.seq)].append(b)
+    verdicts = []
+    for (gid, seq), waiting in waits.items():
+        g = waiting[0].group
+        entered = {m: view.entered_seq(m, gid) or 0 for m in g.ranks}
+        left = [m for m in g.ranks if m in exited and entered[m] < seq]
+        if not left:
+            continue
+        issued = [m for m in g.ranks if entered[m] >= seq]
+        evidence = [_left(m, entered[m], seq, g) for m in left]
+        evidence += [_waits_in(b) for b in sorted(waiting, key=lambda b: b.rank)]
+        if 2 * len(issued) > g.size:
+            named = left
+        elif 2 * len(left) > g.size:
+            named = issued
+        elif len(left) + len(issued) < g.size:
+            continue  # a member on its way decides
+        else:
+            named, by_siblings = _by_siblings(view, g, seq, left, issued)
+            evidence.append(by_siblings)
+        b = min(waiting, key=lambda b: b.op.enter_ns)
+        verdicts.append(
+            Verdict(
+                kind=Kind.MISMATCH,
+                cause=Cause.SOFTWARE,
+                ranks=sorted(named),
+                group=g.to_dict(),
+                op=b.op_name,
+                trace_id=f"{gid:016x}:{seq}",
+                step=view.summaries[min(named)].step,
+                onset_s=view.seconds(b.op.enter_ns),
+                detected_s=view.seconds(view.now_ns),
+                evidence=evidence,
+            )
+        )
+    return verdicts
+
+
+def _by_siblings(
+    view: JobView, g: GroupInfo, seq: int, left: list[int], issued: list[int]
+) -> tuple[list[int], Evidence]:
+    """A tie between members that left short of ``seq`` and members that entered it, as
+    the sibling groups (same role and size, with collectives of their own) ran: through
+    ``seq`` (those who left are short) or not as far (those in it issued one more)."""
+    reached = ended = 0
+    for s in view.topology.siblings(g.role):
+        if s.group_id == g.group_id or s.size != g.size:
+            continue
+        counts = [view.entered_seq(m, s.group_id) or 0 for m in s.ranks]
+        if min(counts) >= seq:
+            reached += 1
+        elif 0 < max(counts) < seq and all(view.summaries[m].exited for m in s.ranks):
+            ended += 1
+    if reached == ended:
+        return [*left, *issued], Evidence.of(
+            "no_majority", "no majority among the members: all are named"
+        )
+    return (left if reached > ended else issued), Evidence.of(
+        "sibling_counts",
+        "{reached} sibling {role} groups reached seq {seq}, {ended} ended before it",
+        reached=reached,
+        ended=ended,
+        role=g.role,
+        seq=seq,
+    )
+
+
+def _left(rank: int, entered: int, seq: int, g: GroupInfo) -> Evidence:
+    return Evidence.of(
+        "left_early",
+        "rank {rank} left the job (a clean exit) after {entered} collectives on "
+        "{role}{members}: it will not enter seq {seq}",
+        rank=rank,
+        entered=entered,
+        role=g.role,
+        members=list(g.ranks),
+        seq=seq,
+    )
+
+
+def _waits_in(b: Blocked) -> Evidence:
+    return Evidence.of(
+        "waits_in",
+        "rank {rank} waits in {op} seq {seq} on {role}{members} ({wait_s:.1f} s)",
+        rank=b.rank,
+        op=b.op_name,
+        seq=b.op.seq,
+        role=b.group.role,
+        members=list(b.group.ranks),
+        wait_s=b.age_s,
+    )
