@@ -14,6 +14,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ from ccld_plugin.agent.node_board import EXITED, STORE_LOST
 from ccld_plugin.agent.node_share import NodeShare
 from ccld_plugin.agent.recent_steps import RecentSteps
 from ccld_plugin.agent.tcp_channels import ChannelSampler
-from ccld_plugin.board.job_files import remove_stack, write_stack
+from ccld_plugin.board.job_files import remove_stack, write_crash, write_stack
 from ccld_plugin.board.reader import BoardReader
 from ccld_plugin.config import AgentConfig
 from ccld_plugin.control import ClockSync, ControlPlane, request_timeout_s, resync_epoch
@@ -34,6 +35,7 @@ from ccld_plugin.errors import log, report_error
 from ccld_plugin.wire.codes import FLAG_ASYNC, FLAG_P2P, FLAG_SEND, STATE_DONE
 from ccld_plugin.wire.peer_channels import MAX_ENTRIES, encode_channels, entry_order
 from ccld_plugin.wire.summary import (
+    FLAG_CRASHED,
     ArrivalSample,
     P2PSample,
     RankSummary,
@@ -132,6 +134,7 @@ class Agent:
         self._backoff = cfg.interval_s
         self._request_timeout_s = request_timeout_s(cfg.interval_s, clock_timeout_s)
         self._stack_written: tuple[str, ...] = ()  # the stack in the sidecar file, if any
+        self._crash: list[str] = []  # the uncaught exception the rank left on
         self._main_ident = threading.main_thread().ident
         # Per-peer TCP progress of this rank (None where the probe cannot run), and the
         # NCCL plugin's channel records on the board (none unless NCCL loaded it).
@@ -155,10 +158,17 @@ class Agent:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
-        """Publish a last summary that says the rank left through our exit path."""
+    def stop(self, crash: Sequence[str] = ()) -> None:
+        """Publish a last summary that says the rank left through our exit path (on the
+        uncaught exception ``crash``, when it has one: also written beside the board)."""
         self._stop.set()
         self._thread.join(timeout=self.cfg.interval_s + 5)
+        self._crash = list(crash)
+        if crash:
+            try:
+                write_crash(self._reader.path, self._crash)
+            except OSError as exc:
+                report_error("agent.crash_file", exc)
         try:
             self._publish(final=True)
         except Exception as exc:  # noqa: BLE001
@@ -330,6 +340,9 @@ class Agent:
         summary.p2p = self._p2p_samples(done, clock.to_diag)
         summary.channels = self._channel_evidence(now)
         summary.stack = self._stack(stuck_s(summary))
+        if final and self._crash:
+            summary.flags |= FLAG_CRASHED
+            summary.stack = self._crash
         return summary
 
     def _stack(self, stuck_for_s: float) -> list[str]:

@@ -1,6 +1,8 @@
 """Files the plugin keeps beside the boards, for a post-mortem of a job that is gone: the
 main-thread stack of a stuck rank (``rank<r>.stack``, the one part of a summary that is not
-on the board) and the job's configuration (its thresholds, for the same analysis)."""
+on the board), the uncaught exception a rank left on (``rank<r>.crash``: where it was
+raised, then the exception) and the job's configuration (its thresholds, for the same
+analysis)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,16 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["JOB_CONFIG", "board_file", "read_stack", "remove_stack", "stack_path", "write_stack"]
+__all__ = [
+    "JOB_CONFIG",
+    "board_file",
+    "read_crash",
+    "read_stack",
+    "remove_stack",
+    "stack_path",
+    "write_crash",
+    "write_stack",
+]
 
 JOB_CONFIG = "ccld-config.yaml"  # in the job's board directory, written by the diagnoser rank
 
@@ -24,11 +35,7 @@ def stack_path(board: Path) -> Path:
 
 
 def write_stack(board: Path, frames: Sequence[str]) -> None:
-    """Replace the sidecar atomically: a reader sees the old stack or the new, never half."""
-    path = stack_path(board)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(list(frames)))
-    os.replace(tmp, path)
+    _write_frames(stack_path(board), frames)
 
 
 def remove_stack(board: Path) -> None:
@@ -37,7 +44,27 @@ def remove_stack(board: Path) -> None:
 
 def read_stack(board: Path) -> list[str]:
     """The frames a stuck rank last wrote, or [] (none written, or unreadable)."""
+    return _read_frames(stack_path(board))
+
+
+def write_crash(board: Path, record: Sequence[str]) -> None:
+    _write_frames(board.with_suffix(".crash"), record)
+
+
+def read_crash(board: Path) -> list[str]:
+    """The uncaught exception the rank left on (see ``write_crash``), or []."""
+    return _read_frames(board.with_suffix(".crash"))
+
+
+def _write_frames(path: Path, frames: Sequence[str]) -> None:
+    """Replace the file atomically: a reader sees the old frames or the new, never half."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(list(frames)))
+    os.replace(tmp, path)
+
+
+def _read_frames(path: Path) -> list[str]:
     try:
-        return [str(f) for f in json.loads(stack_path(board).read_text())]
+        return [str(f) for f in json.loads(path.read_text())]
     except (OSError, ValueError, TypeError):
         return []

@@ -16,6 +16,7 @@ import numpy as np
 
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose import tcp_evidence as chan
+from ccld_plugin.diagnose.crash import find_crashes
 from ccld_plugin.diagnose.hang import ChannelEvidence, find_hangs, find_unresponsive
 from ccld_plugin.diagnose.isolation import (
     Isolation,
@@ -66,6 +67,7 @@ class Diagnoser:
         self._stalled_ns: int | None = None
         self._isolation: Isolation | None = None  # the observer's, once seen
         self._stalled_ranks: set[int] = set()
+        self._crashed_ns: int | None = None  # when the first crash seen happened
 
     def threshold_s(self, group_id: int) -> float:
         """max(hang_min_s, hang_k x p99 duration of ops on the group). Before any op of the
@@ -107,15 +109,25 @@ class Diagnoser:
             # is not isolated itself: the peers' silence is the store's, and says nothing
             # of them; only its handshakes single out ranks that are cut off.
             return self._new(cut_off_behind_store(view))
+        crashes = find_crashes(view)
+        crashed = {r for v in crashes for r in v.ranks}
+        if crashed:
+            first = min(view.summaries[r].time_ns for r in crashed)
+            self._crashed_ns = min(first, self._crashed_ns or first)
         lost = find_unresponsive(view, self.cfg.unresponsive_s)
-        unresponsive = [v for v in lost if not self._fallout_of_stall(view, v.ranks[0])]
+        unresponsive = [
+            v
+            for v in lost
+            if not self._fallout_of_stall(view, v.ranks[0])
+            and not self._fallout_of_crash(view, v.ranks[0])
+        ]
         mismatches = [
             *find_mismatches(view, self.threshold_s),
             *find_left_early(view, self.min_wait_s),
         ]
         # A rank found lost, or seen dead whose verdict waits a tick for its node's word on
         # it (hang._last_words_due): a group it is in stalls because of it.
-        explained = {r for v in lost for r in v.ranks} | view.gone
+        explained = {r for v in lost for r in v.ranks} | view.gone | crashed
         explained_groups = {v.group["group_id"] for v in mismatches if v.group}
         hangs = [
             v
@@ -129,13 +141,22 @@ class Diagnoser:
         if mismatches or self.reported(Kind.MISMATCH):
             hangs = self._fold_into_mismatch(hangs, mismatches)
         slow = self.slow.evaluate(view) if not hangs else []
-        new = self._new([*unresponsive, *mismatches, *hangs, *slow])
+        new = self._new([*crashes, *unresponsive, *mismatches, *hangs, *slow])
         for v in new:
             if v.kind in STALLS:
                 if self._stalled_ns is None:
                     self._stalled_ns = view.now_ns
                 self._stalled_ranks.update(v.ranks)
         return new
+
+    def _fallout_of_crash(self, view: JobView, rank: int) -> bool:
+        """Whether ``rank``, found gone or silent, still ran when a rank crashed (its last
+        heartbeat at most two agent ticks older than the crash): a launcher ends the
+        others once one rank fails (torchrun: SIGTERM), and that is the crash's doing."""
+        if self._crashed_ns is None:
+            return False
+        ticks_ns = self.min_wait_s * 1e9  # two agent intervals
+        return view.summaries[rank].heartbeat_ns >= self._crashed_ns - ticks_ns
 
     def _fallout_of_stall(self, view: JobView, rank: int) -> bool:
         """Whether ``rank``, found gone or silent, went down with a stall reported before:

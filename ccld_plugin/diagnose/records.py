@@ -22,6 +22,7 @@ class Kind(str, Enum):
     MISMATCH = "mismatch"
     UNRESPONSIVE = "unresponsive"
     DEADLOCK = "deadlock"
+    CRASH = "crash"
 
 
 class Cause(str, Enum):

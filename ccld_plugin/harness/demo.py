@@ -60,10 +60,11 @@ _EXPECTED = {
     "comm-slow": ("slow", "communication"),
     "comm-hang": ("hang", "communication"),
     "kill": ("unresponsive", "unknown"),
+    "crash": ("crash", "software"),
     "freeze": ("unresponsive", "unknown"),
     "cpu-contention": ("slow", "compute"),
 }
-_TERMINAL = {"hang", "deadlock", "mismatch", "unresponsive"}
+_TERMINAL = {"hang", "deadlock", "mismatch", "unresponsive", "crash"}
 
 
 @dataclass

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ccld_plugin.agent.board_summary import BoardSnapshot, last_seen_ns
-from ccld_plugin.board.job_files import read_stack
+from ccld_plugin.board.job_files import read_crash, read_stack
 from ccld_plugin.board.reader import BoardError, BoardReader, board_files
 from ccld_plugin.wire.codes import FLAG_P2P, STATE_DONE, STATE_ERROR, STATE_IN_FLIGHT
 from ccld_plugin.wire.topology import GroupInfo
@@ -34,6 +34,7 @@ class RankBoard:
     groups: list[GroupInfo]
     channels: np.ndarray
     stack: list[str]  # the main-thread stack the rank wrote while stuck, if any
+    crash: list[str]  # the uncaught exception it left on, if it did (job_files.write_crash)
 
     @property
     def offset_ns(self) -> int:
@@ -86,7 +87,7 @@ class RankBoard:
             closed=h.closed and seen <= cut,
         )
         snap = BoardSnapshot(header, ops, table)
-        return replace(self, snap=snap)
+        return replace(self, snap=snap, crash=self.crash if header.closed else [])
 
 
 @dataclass
@@ -142,7 +143,7 @@ def load_boards(path: Path) -> JobBoards:
 def _read(path: Path) -> RankBoard:
     with BoardReader(path) as r:
         snap = BoardSnapshot.read(r)
-        return RankBoard(path, snap, r.groups(), r.channels(), read_stack(path))
+        return RankBoard(path, snap, r.groups(), r.channels(), read_stack(path), read_crash(path))
 
 
 def _one_run(boards: list[RankBoard], notes: list[str]) -> dict[int, RankBoard]:

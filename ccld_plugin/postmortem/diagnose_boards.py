@@ -20,7 +20,7 @@ from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
 from ccld_plugin.diagnose.analyzer import located_by_channels
 from ccld_plugin.postmortem.boards import JobBoards, RankBoard
 from ccld_plugin.wire.peer_channels import MAX_ENTRIES, encode_channels, entry_order
-from ccld_plugin.wire.summary import RankSummary
+from ccld_plugin.wire.summary import FLAG_CRASHED, RankSummary
 
 __all__ = ["diagnose_boards", "job_config", "job_view"]
 
@@ -46,6 +46,9 @@ def _summary(b: RankBoard, interval_s: float) -> RankSummary:
     # the group's op durations as the live rounds did.
     s = summarize_board(b.snap, seen, 0, b.offset_ns, groups_version=1, exited=h.closed)
     s.stack = b.stack
+    if h.closed and b.crash:
+        s.flags |= FLAG_CRASHED
+        s.stack = b.crash
     entries = NcclChannels().sample(b.channels, seen)
     if entries:
         entries.sort(key=entry_order)

@@ -32,12 +32,13 @@ class Services:
     diagnoser: DiagnoserService | None = None
     standby: Standby | None = None
 
-    def stop(self, failing: bool = False) -> None:
+    def stop(self, failing: bool = False, crash: list[str] | None = None) -> None:
         """The agent first, then the diagnoser or standby (a last round sees the agent's
         last summary; on a ``failing`` rank's way out it waits a moment for the evidence);
-        each failure contained."""
+        each failure contained. ``crash``: the uncaught exception the rank leaves on (see
+        ``session.crash_record``), for its last summary."""
         try:
-            self.agent.stop()
+            self.agent.stop(crash or [])
         except Exception as exc:  # noqa: BLE001
             report_error("services.stop", exc)
         for svc in (self.diagnoser, self.standby):

@@ -17,6 +17,7 @@ import stat
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from ccld_plugin.config import (
 )
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.runtime.tracer import Tracer
+from ccld_plugin.wire.summary import MAX_FRAMES
 
 if TYPE_CHECKING:
     from ccld_plugin.runtime.services import Services
@@ -215,18 +217,36 @@ def _private_file(path: Path) -> None:
 
 
 _abnormal_exit = False
+# The uncaught exception a rank leaves on: where it was raised (innermost last), then
+# the exception itself. Empty for an interrupt (Ctrl-C reaches every rank: no culprit).
+_crash: list[str] = []
 
 
 def _watch_uncaught_exceptions() -> None:
-    """Remember an uncaught exception, so that a crashing rank keeps its board."""
+    """Remember an uncaught exception, so that a crashing rank keeps its board and says
+    what it died of."""
     previous = sys.excepthook
 
     def hook(*exc_info: Any) -> None:
-        global _abnormal_exit
+        global _abnormal_exit, _crash
         _abnormal_exit = True
+        try:
+            _crash = crash_record(*exc_info)
+        except Exception as exc:  # noqa: BLE001 - the job's own report comes first
+            report_error("session.crash_record", exc)
         previous(*exc_info)
 
     sys.excepthook = hook
+
+
+def crash_record(kind: type[BaseException], exc: BaseException, tb: Any) -> list[str]:
+    """The frames where ``exc`` was raised (innermost last) and, last, the exception as
+    one line; empty for a KeyboardInterrupt."""
+    if issubclass(kind, KeyboardInterrupt):
+        return []
+    frames = [f"{f.filename}:{f.lineno} in {f.name}" for f in traceback.extract_tb(tb)]
+    text = " ".join(str(exc).split())
+    return [*frames[-(MAX_FRAMES - 1) :], f"{kind.__name__}: {text}" if text else kind.__name__]
 
 
 def _at_exit() -> None:
@@ -325,7 +345,7 @@ def disable(keep_board: bool = False, failing: bool = False) -> None:
         if s is None:
             return
         if s.services is not None:
-            s.services.stop(failing)
+            s.services.stop(failing, _crash if failing else [])
             keep_board = keep_board or s.services.store_lost
         try:
             s.tracer.uninstall()

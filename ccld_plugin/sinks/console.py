@@ -14,6 +14,7 @@ _STYLE = {
     "deadlock": "bold red",
     "mismatch": "bold magenta",
     "unresponsive": "bold red",
+    "crash": "bold red",
     "slow": "bold yellow",
 }
 

@@ -59,6 +59,9 @@ FLAG_EXITED = 1  # the rank left through the plugin's exit path
 FLAG_ERRORED = 2  # ...after a collective raised
 # made from its board by its node's leader after its process died (agent.node_share)
 FLAG_LAST_WORDS = 4
+# ...on an uncaught exception (the summary's stack: where it was raised, then the exception)
+FLAG_CRASHED = 8
+KNOWN_FLAGS = FLAG_EXITED | FLAG_ERRORED | FLAG_LAST_WORDS | FLAG_CRASHED
 MAX_HOST = 255  # bytes of the host name kept
 MAX_FRAMES, MAX_FRAME = 32, 400  # stack frames kept, bytes per frame
 _OP_FLAGS = FLAG_ASYNC | FLAG_P2P | FLAG_SEND | FLAG_CUDA
@@ -425,7 +428,7 @@ def _problem(s: RankSummary) -> str | None:
     late = s.time_ns + LATE_NS
     if s.rank < 0 or s.pid <= 0:
         return f"rank {s.rank}, pid {s.pid}"
-    if s.flags & ~(FLAG_EXITED | FLAG_ERRORED | FLAG_LAST_WORDS) or s.step < 0:
+    if s.flags & ~KNOWN_FLAGS or s.step < 0:
         return f"flags {s.flags:#x}, step {s.step}"
     if s.heartbeat_ns > late or s.last_progress_ns > late:
         return "a time after the summary's own"

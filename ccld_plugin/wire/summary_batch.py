@@ -28,12 +28,13 @@ from ccld_plugin.wire.peer_channels import ChannelRows, channel_rows
 from ccld_plugin.wire.summary import (
     _FRAME_LEN,
     _OP_FLAGS,
+    FLAG_CRASHED,
     FLAG_ERRORED,
     FLAG_EXITED,
-    FLAG_LAST_WORDS,
     FLIGHT_DTYPE,
     GROUP_DTYPE,
     HEAD_DTYPE,
+    KNOWN_FLAGS,
     LATE_NS,
     MAX_FRAME,
     MAX_FRAMES,
@@ -353,8 +354,16 @@ class SummaryTable(Mapping[int, RankSummary]):
 
     @property
     def left_cleanly(self) -> np.ndarray:
-        """Per row: whether the rank left through the exit path with no op of its raising."""
-        return (self.heads["flags"] & (FLAG_EXITED | FLAG_ERRORED)) == FLAG_EXITED
+        """Per row: whether the rank left through the exit path, neither on an uncaught
+        exception nor with an op of its raising."""
+        failed = FLAG_ERRORED | FLAG_CRASHED
+        return (self.heads["flags"] & (FLAG_EXITED | failed)) == FLAG_EXITED
+
+    @property
+    def crashed(self) -> np.ndarray:
+        """Per row: whether the rank left on an uncaught exception that no op of its
+        raised (one that did: a peer's failure reached it through the op)."""
+        return (self.heads["flags"] & (FLAG_CRASHED | FLAG_ERRORED)) == FLAG_CRASHED
 
     def without_channels(self, ranks: set[int]) -> None:
         """Leave the channel evidence of ``ranks`` out (a value that names a peer outside
@@ -434,8 +443,7 @@ class SummaryTable(Mapping[int, RankSummary]):
                 found.setdefault(i, why)
 
         flag((h["rank"] < 0) | (h["pid"] <= 0), "rank or pid out of range")
-        known = FLAG_EXITED | FLAG_ERRORED | FLAG_LAST_WORDS
-        flag(((h["flags"] & ~known) != 0) | (h["step"] < 0), "flags or step")
+        flag(((h["flags"] & ~KNOWN_FLAGS) != 0) | (h["step"] < 0), "flags or step")
         flag(
             (h["heartbeat_ns"] > late) | (h["last_progress_ns"] > late),
             "a time after the summary's own",

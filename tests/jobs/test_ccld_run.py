@@ -197,6 +197,22 @@ def test_device_mesh_rank_that_skipped_a_collective_is_named_after_the_job_died(
     assert facts(v["evidence"])["left_early"][0]["data"]["entered"] == 19
 
 
+def test_device_mesh_rank_that_crashed_is_named_not_the_ranks_torchrun_ended(tmp_path):
+    # Rank 2 raises an exception it does not catch: Python's exit path runs (the plugin
+    # records the exception), its peers' collectives raise as its connections close, and
+    # torchrun ends the rest with SIGTERM. One finding, live and from the boards: rank 2.
+    live = ccld_run(tmp_path, "mesh_2d.py", "crash@2:6", 30)
+    assert [(v["kind"], v["cause"], v["ranks"]) for v in live] == [("crash", "software", [2])]
+    out = tmp_path / "pm.jsonl"
+    assert main(["diagnose", str(tmp_path / "j"), "--jsonl", str(out)]) == 0
+    (v,) = read_verdicts(out)
+    assert (v["kind"], v["ranks"], v["step"]) == ("crash", [2], 6)
+    (ev,) = facts(v["evidence"])["exception"]
+    assert ev["data"]["exception"] == "MemoryError: out of memory (a test script's crash)"
+    assert "script_faults.py" in ev["data"]["where"] and "in fault" in ev["data"]["where"]
+    assert any("mesh_2d.py" in f and "in main" in f for f in v["stack"])
+
+
 def test_deepspeed_launcher_compute_hang(tmp_path):
     """An unchanged DeepSpeed script under the deepspeed launcher: its groups get their roles
     at deepspeed.initialize, its steps come from the optimizer step hook."""

@@ -1,6 +1,6 @@
 """``ccld diagnose`` on the boards of real jobs that are gone: killed while hung, with a
-mismatch, with a rank killed by SIGKILL. The post-mortem names what the live diagnoser
-named, from the boards alone."""
+mismatch, with a crashed rank, with a rank killed by SIGKILL. The post-mortem names what the
+live diagnoser named, from the boards alone."""
 
 from __future__ import annotations
 
@@ -59,6 +59,18 @@ def test_mismatch(tmp_path):
     (pm,) = [v for v in verdicts if v["kind"] == "mismatch"]
     assert {k: pm[k] for k in SAME} == {k: live[k] for k in SAME}
     assert not [v for v in verdicts if v["kind"] == "hang"]
+
+
+def test_crash_on_the_diagnoser_rank(tmp_path):
+    # Rank 0, the diagnoser's, raises an exception its loop does not catch: its own last
+    # round (on its way out) names it from its last summary, and so do the boards.
+    code, summary = demo(tmp_path / "out", "crash@0:step=4", **TORCH)
+    live = only(summary, "crash")
+    assert (live["cause"], live["ranks"], live["step"]) == ("software", [0], 4)
+    assert code == 0 and summary["exit"][0] == 1  # the crashed rank's own exit code
+    (pm,) = _postmortem(tmp_path / "out" / "boards", tmp_path / "pm.jsonl")
+    assert {k: pm[k] for k in SAME} == {k: live[k] for k in SAME}
+    assert pm["stack"][-1].startswith("InjectedCrash: injected crash (crash@0:step=4)")
 
 
 def test_rank_killed_first(tmp_path):

@@ -149,5 +149,10 @@ def rank_board(
     )
     snap = BoardSnapshot(BoardHeader(**{**fields, **header}), recs, table)
     return RankBoard(
-        Path(f"rank{rank}.board"), snap, list(groups), np.zeros(0, CHANNEL_DTYPE), stack=[]
+        Path(f"rank{rank}.board"),
+        snap,
+        list(groups),
+        np.zeros(0, CHANNEL_DTYPE),
+        stack=[],
+        crash=[],
     )

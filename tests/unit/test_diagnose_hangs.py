@@ -7,10 +7,13 @@ from builders import NOW, S, facts, group, job_view, rank_summary
 
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose import Diagnoser
+from ccld_plugin.diagnose.crash import find_crashes
 from ccld_plugin.diagnose.hang import LAST_WORDS_TICKS, find_hangs, find_unresponsive
 from ccld_plugin.diagnose.mismatch import find_left_early, find_mismatches
+from ccld_plugin.runtime.session import crash_record
 from ccld_plugin.wire.codes import FLAG_P2P, FLAG_SEND, OP_CODES
 from ccld_plugin.wire.summary import (
+    FLAG_CRASHED,
     FLAG_ERRORED,
     FLAG_EXITED,
     FLAG_LAST_WORDS,
@@ -395,6 +398,75 @@ def test_who_left_short_is_named_by_the_groups_majority():
     )
     # nobody left: nothing here (a hang, the wait-for graph's)
     assert find_left_early(view([waits(0), *on_way, waits(1)], tables), 1.0) == []
+
+
+def test_a_crashed_rank_is_named_with_its_exception_and_its_fallout_is_not():
+    # Rank 2 left on an uncaught exception 2.5 s ago. Rank 1's op raised when rank 2's
+    # connections closed (it left on that), rank 0 waits in the all-reduce rank 2 never
+    # entered, and the launcher ended rank 3 (SIGTERM: gone, no exit path) while it ran.
+    dp = group("dp", [0, 1, 2, 3])
+    tables = {r: [dp] for r in range(4)}
+    raised_in = ["train.py:10 in main", "model.py:5 in forward", "MemoryError: out of memory"]
+    at = NOW - int(2.5 * S)
+    crashed = summary(2, {0: 7}, flags=FLAG_EXITED | FLAG_CRASHED)
+    crashed = dataclasses.replace(crashed, time_ns=at, heartbeat_ns=at, stack=raised_in)
+    fallout = summary(1, {0: 8}, flags=FLAG_EXITED | FLAG_CRASHED | FLAG_ERRORED, hb_age_s=2)
+    waits = summary(0, {0: 8}, [(0, "all_reduce", 8, 5.0, 0, -1)], idle_s=5)
+    ended = summary(3, {0: 7}, hb_age_s=2)
+    cfg = DiagnoserConfig(hang_min_s=3)
+    verdicts = Diagnoser(cfg, interval_s=0.5).round(
+        view([waits, fallout, crashed, ended], tables, gone=[3])
+    )
+    assert [(x.kind.value, x.cause.value, x.ranks) for x in verdicts] == [
+        ("crash", "software", [2])
+    ]
+    (ev,) = facts(verdicts[0].evidence)["exception"]
+    assert ev["data"] == {
+        "exception": "MemoryError: out of memory",
+        "where": "model.py:5 in forward",
+    }
+    assert verdicts[0].stack == raised_in and verdicts[0].step == 5
+    # A rank gone well before the crash (its heartbeat 10 s old) went on its own.
+    earlier = summary(3, {0: 7}, hb_age_s=10)
+    verdicts = Diagnoser(cfg, interval_s=0.5).round(
+        view([waits, fallout, crashed, earlier], tables, gone=[3])
+    )
+    assert sorted((x.kind.value, x.ranks) for x in verdicts) == [
+        ("crash", [2]),
+        ("unresponsive", [3]),
+    ]
+
+
+def test_ranks_that_crashed_with_one_exception_are_one_finding():
+    dp = group("dp", [0, 1, 2])
+    oom = ["train.py:10 in main", "MemoryError: out of memory"]
+    bug = ["train.py:12 in main", "KeyError: 'labels'"]
+    left = dict(flags=FLAG_EXITED | FLAG_CRASHED)
+    v = view(
+        [
+            dataclasses.replace(summary(r, {0: 7}, **left), stack=stack)
+            for r, stack in ((0, oom), (1, bug), (2, oom))
+        ],
+        {r: [dp] for r in range(3)},
+    )
+    got = sorted((x.ranks, x.evidence[0].data["exception"]) for x in find_crashes(v))
+    assert got == [([0, 2], "MemoryError: out of memory"), ([1], "KeyError: 'labels'")]
+
+
+def test_the_exception_a_rank_leaves_on_is_recorded_but_not_an_interrupt():
+    def raise_oom():
+        raise MemoryError("CUDA out of memory.\n  Tried to allocate 2.0 GiB")
+
+    try:
+        raise_oom()
+    except MemoryError as exc:
+        record = crash_record(MemoryError, exc, exc.__traceback__)
+    assert record[-1] == "MemoryError: CUDA out of memory. Tried to allocate 2.0 GiB"
+    assert record[-2].endswith("in raise_oom") and "test_diagnose_hangs.py" in record[-2]
+    assert crash_record(KeyboardInterrupt, KeyboardInterrupt(), None) == []
+    # the summary carries it, and says the rank crashed
+    s = dataclasses.replace(summary(0, {}, flags=FLAG_EXITED | FLAG_CRASHED), stack=record)
+    assert decode_summary(encode_summary(s)).stack == record
 
 
 def test_unresponsive_by_heartbeat_or_gone_process_but_not_after_a_clean_exit():

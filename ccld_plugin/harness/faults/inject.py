@@ -1,5 +1,5 @@
 """Faults inside a rank: slow compute, a compute hang, a mismatched collective, a kill, a
-freeze, contention for its CPU.
+crash, a freeze, contention for its CPU.
 
 A training loop calls ``before_step`` at each step start and ``bind_groups`` once its
 groups exist. A compute-slow fault then hooks into the tracer, which calls ``stretch()``
@@ -30,9 +30,13 @@ from typing import Any
 
 from ccld_plugin.harness.faults.spec import FaultSpec, parse_faults
 
-__all__ = ["Injector", "injector_for"]
+__all__ = ["InjectedCrash", "Injector", "injector_for"]
 
 CONTENTION_MAX_S = 600.0  # a cpu-contention fault's busy process ends by then at the latest
+
+
+class InjectedCrash(RuntimeError):
+    """The crash fault's exception: the training loop does not catch it."""
 
 
 class Injector:
@@ -73,6 +77,8 @@ class Injector:
                 # A crash that runs no handler: no exit path, no board cleanup, no last
                 # summary. The fault log line above is flushed and closed already.
                 os.kill(os.getpid(), signal.SIGKILL)
+            elif f.kind == "crash":
+                raise InjectedCrash(f"injected crash ({f}) at step {step}")
             elif f.kind == "cpu-contention":
                 self._share_the_core()
             elif f.kind == "freeze":

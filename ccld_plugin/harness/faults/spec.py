@@ -12,6 +12,8 @@ Kinds and their parameters:
 - a comm fault with ``after_s=T`` starts T seconds after rank R reaches step S (mid-step:
   e.g. while its peers already wait in a collective for it);
 - ``kill@R[:step=S]``: rank R's process ends itself with SIGKILL (no exit path runs);
+- ``crash@R[:step=S]``: rank R's training code raises an exception it does not catch (an
+  out-of-memory error, a bug): the process leaves through Python's exit path;
 - ``freeze@R[:step=S]``: rank R's process stops itself (SIGSTOP): alive, its connections
   open, every thread of it frozen;
 - ``cpu-contention@R[:step=S]``: another process takes rank R's CPU (a noisy neighbour):
@@ -37,6 +39,7 @@ FAULT_KINDS: dict[str, tuple[set[str], set[str]]] = {
     "comm-slow": ({"rate"}, {"step", "peer", "after_s"}),
     "comm-hang": (set(), {"step", "after_s"}),
     "kill": (set(), {"step"}),
+    "crash": (set(), {"step"}),
     "freeze": (set(), {"step"}),
     "cpu-contention": (set(), {"step"}),
 }

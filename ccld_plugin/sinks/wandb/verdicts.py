@@ -9,7 +9,7 @@ from ccld_plugin.diagnose.records import Verdict
 
 __all__ = ["VERDICT_COLUMNS", "alert_message", "verdict_row"]
 
-_STUCK_KINDS = {"hang", "deadlock", "unresponsive", "mismatch"}
+_STUCK_KINDS = {"hang", "deadlock", "unresponsive", "mismatch", "crash"}
 
 VERDICT_COLUMNS: list[str] = [
     *(f.name for f in dataclasses.fields(Verdict) if f.name != "group"),

@@ -1,6 +1,7 @@
 """The faults of the unchanged test scripts (they know nothing of ccld, nor of its fault
 specs): FAULT in the environment is ``hang@R:S`` (rank R blocks at step S), ``kill@R:S``
-(rank R's process ends by SIGKILL at step S), ``slow@R:X`` (rank R's compute takes X
+(rank R's process ends by SIGKILL at step S), ``crash@R:S`` (rank R raises an exception it
+does not catch at step S), ``slow@R:X`` (rank R's compute takes X
 seconds more every step) or ``skip@R:S`` (rank R leaves out its gradient all-reduce at
 step S: see ``skips``)."""
 
@@ -20,6 +21,8 @@ def fault(rank: int, step: int) -> None:
         time.sleep(3600)
     if kind == "kill" and step == int(arg):
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "crash" and step == int(arg):
+        raise MemoryError("out of memory (a test script's crash)")
     if kind == "slow":
         time.sleep(float(arg))
 
