@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Callable
 
+import numpy as np
+
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.view import Blocked, JobView
 from ccld_plugin.wire.codes import FLAG_P2P, OP_NAMES
@@ -167,9 +169,8 @@ def find_left_early(view: JobView, min_wait_s: float) -> list[Verdict]:
     """Collectives that members have waited in for ``min_wait_s`` (any time, in a
     post-mortem) while another member left the job through its exit path, with no op of
     its raising, without entering them. Named: the side short of the group's majority
-    (those who left; where most left, those who issued one more); in a tie, the side the
-    sibling groups of the role agree with; else both. Members still on their way decide
-    a tie first."""
+    (those who left; where most left, those who issued one more); in a tie, see
+    ``_tie_broken``. Members still on their way decide a tie first."""
     t = view.columns
     # (one whose op raised left on that failure, as the peers of a dead rank do)
     exited = set(t.ranks[t.left_cleanly].tolist()) - view.gone
@@ -200,8 +201,8 @@ def find_left_early(view: JobView, min_wait_s: float) -> list[Verdict]:
         elif len(left) + len(issued) < g.size:
             continue  # a member on its way decides
         else:
-            named, by_siblings = _by_siblings(view, g, seq, left, issued)
-            evidence.append(by_siblings)
+            named, why = _tie_broken(view, g, seq, left, issued)
+            evidence.append(why)
         b = min(waiting, key=lambda b: b.op.enter_ns)
         verdicts.append(
             Verdict(
@@ -220,12 +221,14 @@ def find_left_early(view: JobView, min_wait_s: float) -> list[Verdict]:
     return verdicts
 
 
-def _by_siblings(
+def _tie_broken(
     view: JobView, g: GroupInfo, seq: int, left: list[int], issued: list[int]
 ) -> tuple[list[int], Evidence]:
-    """A tie between members that left short of ``seq`` and members that entered it, as
+    """A tie between members that left short of ``seq`` and members that entered it. As
     the sibling groups (same role and size, with collectives of their own) ran: through
-    ``seq`` (those who left are short) or not as far (those in it issued one more)."""
+    ``seq`` (those who left are short) or not as far (those in it issued one more). Where
+    they do not tell, as the job's other ranks went on: still running (those who left
+    ended early) or all gone the same way (those in it issued one more)."""
     reached = ended = 0
     for s in view.topology.siblings(g.role):
         if s.group_id == g.group_id or s.size != g.size:
@@ -233,19 +236,31 @@ def _by_siblings(
         counts = [view.entered_seq(m, s.group_id) or 0 for m in s.ranks]
         if min(counts) >= seq:
             reached += 1
-        elif 0 < max(counts) < seq and all(view.summaries[m].exited for m in s.ranks):
+        elif 0 < max(counts) < seq and all(
+            m in view.summaries and view.summaries[m].exited for m in s.ranks
+        ):
             ended += 1
-    if reached == ended:
-        return [*left, *issued], Evidence.of(
-            "no_majority", "no majority among the members: all are named"
+    if reached != ended:
+        return (left if reached > ended else issued), Evidence.of(
+            "sibling_counts",
+            "{reached} sibling {role} groups reached seq {seq}, {ended} ended before it",
+            reached=reached,
+            ended=ended,
+            role=g.role,
+            seq=seq,
         )
-    return (left if reached > ended else issued), Evidence.of(
-        "sibling_counts",
-        "{reached} sibling {role} groups reached seq {seq}, {ended} ended before it",
-        reached=reached,
-        ended=ended,
-        role=g.role,
-        seq=seq,
+    t = view.columns
+    others = ~np.isin(t.ranks, list(g.ranks))
+    running = int((others & ~t.exited & ~np.isin(t.ranks, list(view.gone))).sum())
+    if others.any() and (running > 0) != bool(t.left_cleanly[others].all()):
+        return (left if running else issued), Evidence.of(
+            "job_went_on",
+            "{running} of the job's {others} other ranks still ran",
+            running=running,
+            others=int(others.sum()),
+        )
+    return [*left, *issued], Evidence.of(
+        "no_majority", "no majority among the members: all are named"
     )
 
 

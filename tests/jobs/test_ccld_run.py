@@ -21,7 +21,7 @@ from ccld_plugin.sinks.jsonl import read_verdicts
 from ccld_plugin.wire.codes import OP_NAMES
 
 CCLD = [sys.executable, "-m", "ccld_plugin.cli"]
-TERMINAL = {"hang", "deadlock", "mismatch", "unresponsive"}
+TERMINAL = {"hang", "deadlock", "mismatch", "unresponsive", "crash"}
 
 
 def _torchrun(world: int) -> list[str]:

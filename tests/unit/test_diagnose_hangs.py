@@ -361,6 +361,15 @@ def test_a_member_that_left_short_of_a_collective_its_peers_wait_in_is_a_mismatc
     }
     assert ev["sibling_counts"][0]["data"]["reached"] == 1
     assert verdicts[0].group["ranks"] == [2, 3] and verdicts[0].op == "all_reduce"
+    # Where the siblings do not tell (no sibling group), the job's other ranks do: still
+    # running, rank 2 ended early; all gone the same way, rank 3 issued one more.
+    alone = {2: [dp23], 3: [dp23]}
+    running = [summary(r, {}, idle_s=0.1) for r in (0, 1)]
+    (m,) = find_left_early(view([*running, *summaries[2:]], {**tables, **alone}), 1.0)
+    assert m.ranks == [2] and facts(m.evidence)["job_went_on"][0]["data"]["running"] == 2
+    gone = [summary(r, {}, flags=FLAG_EXITED) for r in (0, 1)]
+    (m,) = find_left_early(view([*gone, *summaries[2:]], {**tables, **alone}), 1.0)
+    assert m.ranks == [3]
     # Had the sibling pair ended at 39 too, rank 3 issued one more.
     ended = [
         dataclasses.replace(x, groups=[GroupProgress(0, 39, 39, 0, 0, 0, 0)]) for x in summaries[:2]
