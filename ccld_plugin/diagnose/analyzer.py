@@ -125,6 +125,8 @@ class Diagnoser:
             *find_mismatches(view, self.threshold_s),
             *find_left_early(view, self.min_wait_s),
         ]
+        if mismatches and unresponsive:
+            unresponsive = _fold_deaths_into_mismatch(view, unresponsive, mismatches)
         # A rank found lost, or seen dead whose verdict waits a tick for its node's word on
         # it (hang._last_words_due): a group it is in stalls because of it.
         explained = {r for v in lost for r in v.ranks} | view.gone | crashed
@@ -304,3 +306,23 @@ def _all_peers_silent(view: JobView, interval_s: float) -> bool:
     """Whether no rank but the observer speaks (every other one is silent or exited): what
     ``observer_isolated`` needs to find anything."""
     return view.observer is not None and not chan.speaking(view, {view.observer}, interval_s)
+
+
+def _fold_deaths_into_mismatch(
+    view: JobView, lost: list[Verdict], mismatches: list[Verdict]
+) -> list[Verdict]:
+    """A rank whose process ended inside a mismatched collective (gloo aborts the process
+    on a size mismatch) died of the mismatch: said under it, not as a finding of its own."""
+    by_trace = {m.trace_id: m for m in mismatches}
+    kept = []
+    for v in lost:
+        rank = v.ranks[0]
+        traces = [f"{g.group_id:016x}:{op.seq}" for op, g in view.ops_of(rank)]
+        m = next((by_trace[t] for t in traces if t in by_trace), None)
+        if m is None:
+            kept.append(v)
+            continue
+        m.evidence.append(
+            Evidence.of("ended_in_it", "rank {rank}'s process ended inside it", rank=rank)
+        )
+    return kept

@@ -50,7 +50,8 @@ def find_mismatches(view: JobView, settle_s: Callable[[int], float]) -> list[Ver
             )
             groups[g.group_id] = g
     verdicts = []
-    unanimous: dict[tuple[str, int], Counter[str]] | None = None  # built at the first tie
+    # per (role, seq): the (op, bytes) sibling groups ran; built at the first tie
+    unanimous: dict[tuple[str, int], Counter[tuple[str, int]]] | None = None
     for (gid, seq), entries in seen.items():
         if len(entries) < 2:
             continue
@@ -71,17 +72,24 @@ def find_mismatches(view: JobView, settle_s: Callable[[int], float]) -> list[Ver
             # same role ran as this seq decides, when they agree on one of the members' ops.
             if unanimous is None:
                 unanimous = _unanimous_ops(seen, groups)
-            sibling = unanimous.get((g.role, seq), Counter())
-            agreed = [n for n, _ in sibling.most_common(1) if n in names]
+            # (sizes compared where they must match: the same op with half the bytes, a
+            # live gloo job's, is the dissent)
+            sibling: Counter[tuple[str, int]] = Counter()
+            for (n, b), count in unanimous.get((g.role, seq), Counter()).items():
+                sibling[(n, b if sizes_matter else 0)] += count
+            agreed = [x for x in sibling.most_common(1) if x[0] in sig.values()]
             if agreed:
-                top, tie = next(v for v in sig.values() if v[0] == agreed[0]), False
+                (top, count), tie = agreed[0], False
                 evidence.append(
                     Evidence.of(
                         "sibling_majority",
-                        "{count} sibling {role} groups ran {op} as seq {seq}",
-                        count=sum(sibling.values()),
+                        "{count} sibling {role} groups ran {op}"
+                        + (" ({bytes} B)" if sizes_matter else "")
+                        + " as seq {seq}",
+                        count=count,
                         role=g.role,
-                        op=agreed[0],
+                        op=top[0],
+                        bytes=top[1] if sizes_matter else None,
                         seq=seq,
                     )
                 )
@@ -154,12 +162,12 @@ def _settled(
 
 def _unanimous_ops(
     seen: dict[tuple[int, int], dict[int, tuple[str, int, int]]], groups: dict[int, GroupInfo]
-) -> dict[tuple[str, int], Counter[str]]:
-    """Per (role, seq): how many groups of that role ran each op as that seq, counting
-    the groups whose members all ran the same one."""
-    out: dict[tuple[str, int], Counter[str]] = defaultdict(Counter)
+) -> dict[tuple[str, int], Counter[tuple[str, int]]]:
+    """Per (role, seq): how many groups of that role ran each (op, bytes) as that seq,
+    counting the groups whose members all ran the same one."""
+    out: dict[tuple[str, int], Counter[tuple[str, int]]] = defaultdict(Counter)
     for (gid, seq), entries in seen.items():
-        ops = {n for n, _, _ in entries.values()}
+        ops = {(n, b) for n, b, _ in entries.values()}
         if len(ops) == 1:
             out[(groups[gid].role, seq)][ops.pop()] += 1
     return out

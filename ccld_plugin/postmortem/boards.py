@@ -55,6 +55,20 @@ class RankBoard:
         failed = ops[ops["state"] == STATE_ERROR]
         return int(failed["exit_ns"].min()) if len(failed) else None
 
+    def failed_with(self) -> set[int]:
+        """The ranks the rank's first op that raised was with: its peer (a transfer) or its
+        group's other members; none if no op raised."""
+        ops = self.snap.ops
+        failed = ops[ops["state"] == STATE_ERROR]
+        if not len(failed):
+            return set()
+        first = failed[int(np.argmin(failed["exit_ns"]))]
+        if first["flags"] & FLAG_P2P:
+            return {int(first["peer"])}
+        slot = int(first["group_slot"])
+        members = self.groups[slot].ranks if 0 <= slot < len(self.groups) else ()
+        return set(members) - {self.snap.header.rank}
+
     def as_of(self, cut_ns: int) -> RankBoard:
         """The board as it stood at ``cut_ns`` (diagnoser's clock): ops entered later are
         not there yet, ops that ended later (or raised) are still in flight, the group

@@ -62,6 +62,8 @@ def job_view(boards: JobBoards, cfg: CcldConfig) -> JobView:
     interval_s = cfg.agent.interval_s
     failures = {r: b.diag(t) for r, b in boards.ranks.items() if (t := b.failed_ns()) is not None}
     ranks = boards.ranks
+    # the ranks whose connections broke under an op that raised: where the job failed
+    implicated = set().union(*(b.failed_with() for b in ranks.values()))
     if failures:  # judged at the first failure: see RankBoard.as_of
         ranks = {r: b.as_of(min(failures.values())) for r, b in ranks.items()}
     summaries = {r: _summary(b, interval_s) for r, b in ranks.items()}
@@ -76,7 +78,7 @@ def job_view(boards: JobBoards, cfg: CcldConfig) -> JobView:
         gone={
             r
             for r, s in summaries.items()
-            if _died_first(s, ranks[r], now, r in failures, failures != {}, interval_s)
+            if _died_first(s, ranks[r], now, r in failures, r in implicated, interval_s)
         },
     )
 
@@ -86,17 +88,18 @@ def _died_first(
     b: RankBoard,
     now_ns: int,
     raised: bool,
-    job_failed: bool,
+    implicated: bool,
     interval_s: float,
 ) -> bool:
     """A rank whose process ended without our exit path before the job did: its last sign
     of life is ticks before the others' (they ran on, then waited for it), or, in a job
     where collectives raised (gloo raises when a peer's connection closes), before the
-    first of them while none of its own did."""
+    first of them, while none of its own did and an op that did was with it (a rank the
+    launcher ended afterwards, blocked in an op with nobody's failure, is not)."""
     if s.exited or process_alive(s.pid, b.snap.header.host) is True:
         return False
     stale = now_ns - s.heartbeat_ns > STALE_TICKS * interval_s * 1e9
-    return stale or (job_failed and not raised and s.heartbeat_ns < now_ns)
+    return stale or (implicated and not raised and s.heartbeat_ns < now_ns)
 
 
 def diagnose_boards(boards: JobBoards, cfg: CcldConfig) -> list[Verdict]:

@@ -283,7 +283,34 @@ def test_mismatch_tie_in_a_pair_is_broken_by_the_sibling_groups():
     (m,) = find_mismatches(v, settle)
     assert m.ranks == [2] and m.group["ranks"] == [0, 2]
     (ev,) = facts(m.evidence)["sibling_majority"]
-    assert ev["data"] == {"count": 1, "role": "dp", "op": "all_reduce", "seq": 5}
+    assert ev["data"] == {"count": 1, "role": "dp", "op": "all_reduce", "bytes": 64, "seq": 5}
+    # The same op with other bytes (an unseen script's half tensor): the siblings' size
+    # decides. (It used to pick whichever member's op came first by name alone.)
+    half = [summary(r, {0: 5}, [(0, "all_reduce", 5, 1, 0, -1)]) for r in range(4)]
+    half[2].in_flight[0] = half[2].in_flight[0]._replace(bytes=32)
+    (m,) = find_mismatches(view(half, tables), settle)
+    assert m.ranks == [2] and "(64 B)" in facts(m.evidence)["sibling_majority"][0]["text"]
+    half[1].in_flight[0] = half[1].in_flight[0]._replace(bytes=16)
+    assert find_mismatches(view(half, tables), settle)[0].ranks == [0, 2]  # nobody agrees
+
+
+def test_a_rank_that_died_inside_a_mismatched_collective_died_of_it():
+    # gloo aborts a process on a size mismatch: rank 1's process ended inside the
+    # all-reduce it entered with half the bytes. One finding, the mismatch, says so.
+    dp = group("dp", [0, 1])
+    tables = {0: [dp], 1: [dp]}
+    v = view(
+        [
+            summary(0, {0: 9}, [(0, "all_reduce", 9, 2, 0, -1)], idle_s=2),
+            summary(1, {0: 9}, [(0, "all_reduce", 9, 2, 0, -1)], idle_s=2, hb_age_s=5),
+        ],
+        tables,
+        gone=[1],
+    )
+    v.summaries[1].in_flight[0] = v.summaries[1].in_flight[0]._replace(bytes=32)
+    verdicts = Diagnoser(DiagnoserConfig(hang_min_s=3), interval_s=0.5).round(v)
+    assert [(x.kind.value, x.ranks) for x in verdicts] == [("mismatch", [0, 1])]
+    assert facts(verdicts[0].evidence)["ended_in_it"][0]["data"] == {"rank": 1}
 
 
 def test_groups_stalled_behind_a_mismatch_are_not_separate_hangs():

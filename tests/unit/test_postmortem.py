@@ -218,3 +218,31 @@ def test_peers_raising_one_after_another_are_not_taken_for_the_dead_rank():
     assert job_view(_job(*boards, dead), CFG).gone == {2}
     (v,) = [x.to_dict() for x in diagnose_boards(_job(*boards, dead), CFG)]
     assert (v["kind"], v["ranks"]) == ("unresponsive", [2])
+
+
+def test_ranks_the_launcher_ended_in_an_op_nobody_failed_in_did_not_die_first():
+    # DP pairs [0, 1] and [2, 3]. Rank 1 died at 79.9 s (gloo aborted it); rank 0's
+    # all-reduce with it raised at 80.05 s. Ranks 2 and 3 sat in their own pair's
+    # all-reduce until torchrun ended them: they raised nothing and their last tick
+    # predates the failure, yet no failed op was with them. (An unseen script's
+    # post-mortem named rank 2 unresponsive too.)
+    pair01, pair23 = group("dp", [0, 1]), group("dp", [2, 3])
+    raised = [*_history(5, 79.9), _op(6, 79.95, 80.05, state=STATE_ERROR)]
+    failed = rank_board(0, 4, [pair01], raised, heartbeat_ns=int(80.05 * S), host="elsewhere")
+    dead = rank_board(
+        1, 4, [pair01], _history(5, 79.9), heartbeat_ns=int(79.9 * S), host="elsewhere"
+    )
+    waiting = [
+        rank_board(
+            r,
+            4,
+            [pair23],
+            [*_history(5, 79.9), _op(6, 79.95)],
+            heartbeat_ns=int(79.7 * S),
+            host="elsewhere",
+        )
+        for r in (2, 3)
+    ]
+    assert job_view(_job(failed, dead, *waiting), CFG).gone == {1}
+    verdicts = [x.to_dict() for x in diagnose_boards(_job(failed, dead, *waiting), CFG)]
+    assert [(v["kind"], v["ranks"]) for v in verdicts] == [("unresponsive", [1])]
