@@ -332,22 +332,7 @@ def _at_op(
 def _deadlock(view: JobView, cycle: list[int], blocked: dict[int, Blocked]) -> Verdict:
     ops = [blocked[r] for r in cycle]
     first = ops[0]
-    evidence = [
-        Evidence.of(
-            "waits_in",
-            "rank {rank} waits in {op} seq {seq} on {role}{members}"
-            + (" for peer {peer}" if b.p2p else "")
-            + " ({wait_s:.1f} s)",
-            rank=b.rank,
-            op=b.op_name,
-            seq=b.op.seq,
-            role=b.group.role,
-            members=list(b.group.ranks),
-            peer=b.op.peer if b.p2p else None,
-            wait_s=b.age_s,
-        )
-        for b in ops
-    ]
+    evidence = [b.waits_in() for b in ops]
     evidence.append(
         Evidence.of(
             "cycle", "the waits form a cycle: {cycle:join( -> )} -> {cycle[0]}", cycle=cycle

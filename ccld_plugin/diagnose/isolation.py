@@ -118,16 +118,7 @@ def isolation_hang(
             silent_s=silent_s,
             rank=iso.observer,
         ),
-        Evidence.of(
-            "waits_in",
-            "rank {rank} waits in {op} seq {seq} on {role}{members} ({wait_s:.1f} s)",
-            rank=iso.observer,
-            op=b.op_name,
-            seq=b.op.seq,
-            role=b.group.role,
-            members=list(b.group.ranks),
-            wait_s=b.age_s,
-        ),
+        b.waits_in(),
     ]
     if view.store_failed is not None:
         evidence.append(_store_unreachable(view))

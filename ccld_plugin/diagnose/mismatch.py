@@ -201,7 +201,7 @@ def find_left_early(view: JobView, min_wait_s: float) -> list[Verdict]:
             continue
         issued = [m for m in g.ranks if entered[m] >= seq]
         evidence = [_left(m, entered[m], seq, g) for m in left]
-        evidence += [_waits_in(b) for b in sorted(waiting, key=lambda b: b.rank)]
+        evidence += [b.waits_in() for b in sorted(waiting, key=lambda b: b.rank)]
         if 2 * len(issued) > g.size:
             named = left
         elif 2 * len(left) > g.size:
@@ -219,7 +219,7 @@ def find_left_early(view: JobView, min_wait_s: float) -> list[Verdict]:
                 ranks=sorted(named),
                 group=g.to_dict(),
                 op=b.op_name,
-                trace_id=f"{gid:016x}:{seq}",
+                trace_id=b.trace_id,
                 step=view.summaries[min(named)].step,
                 onset_s=view.seconds(b.op.enter_ns),
                 detected_s=view.seconds(view.now_ns),
@@ -282,17 +282,4 @@ def _left(rank: int, entered: int, seq: int, g: GroupInfo) -> Evidence:
         role=g.role,
         members=list(g.ranks),
         seq=seq,
-    )
-
-
-def _waits_in(b: Blocked) -> Evidence:
-    return Evidence.of(
-        "waits_in",
-        "rank {rank} waits in {op} seq {seq} on {role}{members} ({wait_s:.1f} s)",
-        rank=b.rank,
-        op=b.op_name,
-        seq=b.op.seq,
-        role=b.group.role,
-        members=list(b.group.ranks),
-        wait_s=b.age_s,
     )

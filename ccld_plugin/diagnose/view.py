@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ccld_plugin.diagnose.records import Evidence
 from ccld_plugin.wire.codes import FLAG_P2P, FLAG_SEND, OP_NAMES, STATE_IN_FLIGHT
 from ccld_plugin.wire.summary import InFlightOp, RankSummary
 from ccld_plugin.wire.summary_batch import SummaryTable
@@ -48,6 +49,22 @@ class Blocked:
     @property
     def trace_id(self) -> str:
         return f"{self.group.group_id:016x}:{self.op.seq}"
+
+    def waits_in(self) -> Evidence:
+        """Where the rank waits, as evidence: its op, seq and group (a transfer's peer)."""
+        return Evidence.of(
+            "waits_in",
+            "rank {rank} waits in {op} seq {seq} on {role}{members}"
+            + (" for peer {peer}" if self.p2p else "")
+            + " ({wait_s:.1f} s)",
+            rank=self.rank,
+            op=self.op_name,
+            seq=self.op.seq,
+            role=self.group.role,
+            members=list(self.group.ranks),
+            peer=self.op.peer if self.p2p else None,
+            wait_s=self.age_s,
+        )
 
 
 @dataclass
