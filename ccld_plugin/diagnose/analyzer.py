@@ -32,7 +32,7 @@ from ccld_plugin.diagnose.tcp_evidence import Located, channel_evidence
 from ccld_plugin.diagnose.view import GroupIndex, JobView
 from ccld_plugin.wire.codes import STATE_IN_FLIGHT
 from ccld_plugin.wire.summary_batch import Summaries, SummaryTable
-from ccld_plugin.wire.topology import GroupInfo
+from ccld_plugin.wire.topology import GroupInfo, trace_id
 
 __all__ = ["Diagnoser", "DurationHistory", "located_by_channels"]
 
@@ -317,7 +317,7 @@ def _fold_deaths_into_mismatch(
     kept = []
     for v in lost:
         rank = v.ranks[0]
-        traces = [f"{g.group_id:016x}:{op.seq}" for op, g in view.ops_of(rank)]
+        traces = [trace_id(g.group_id, op.seq) for op, g in view.ops_of(rank)]
         m = next((by_trace[t] for t in traces if t in by_trace), None)
         if m is None:
             kept.append(v)

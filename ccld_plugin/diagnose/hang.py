@@ -16,7 +16,7 @@ from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
 from ccld_plugin.diagnose import tcp_evidence as chan
-from ccld_plugin.diagnose.mismatch import entered_op
+from ccld_plugin.diagnose.mismatch import entered_op, no_majority
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.view import Blocked, JobView
 from ccld_plugin.wire.codes import OP_NAMES
@@ -304,7 +304,7 @@ def _lone_collective(
         ),
     ]
     if tie:
-        evidence.append(Evidence.of("no_majority", "no majority among the members: all are named"))
+        evidence.append(no_majority())
     ranks = sorted(b.group.ranks) if tie else [b.rank]
     return _at_op(view, b, Kind.MISMATCH, Cause.SOFTWARE, ranks, evidence)
 

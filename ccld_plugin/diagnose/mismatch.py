@@ -14,9 +14,9 @@ import numpy as np
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.view import Blocked, JobView
 from ccld_plugin.wire.codes import FLAG_P2P, OP_NAMES
-from ccld_plugin.wire.topology import GroupInfo
+from ccld_plugin.wire.topology import GroupInfo, trace_id
 
-__all__ = ["entered_op", "find_left_early", "find_mismatches"]
+__all__ = ["entered_op", "find_left_early", "find_mismatches", "no_majority"]
 
 # Ops whose sizes may legitimately differ across members (uneven splits, root-only lists).
 _SIZE_MAY_DIFFER = {
@@ -95,9 +95,7 @@ def find_mismatches(view: JobView, settle_s: Callable[[int], float]) -> list[Ver
                 )
         culprits = sorted(r for r, v in sig.items() if tie or v != top)
         if tie:
-            evidence.append(
-                Evidence.of("no_majority", "no majority among the members: all are named")
-            )
+            evidence.append(no_majority())
         verdicts.append(
             Verdict(
                 kind=Kind.MISMATCH,
@@ -105,7 +103,7 @@ def find_mismatches(view: JobView, settle_s: Callable[[int], float]) -> list[Ver
                 ranks=culprits,
                 group=g.to_dict(),
                 op=entries[culprits[0]][0],
-                trace_id=f"{gid:016x}:{seq}",
+                trace_id=trace_id(gid, seq),
                 step=view.summaries[culprits[0]].step,
                 onset_s=view.seconds(min(e for _, _, e in entries.values())),
                 detected_s=view.seconds(view.now_ns),
@@ -267,9 +265,12 @@ def _tie_broken(
             running=running,
             others=int(others.sum()),
         )
-    return [*left, *issued], Evidence.of(
-        "no_majority", "no majority among the members: all are named"
-    )
+    return [*left, *issued], no_majority()
+
+
+def no_majority() -> Evidence:
+    """A tie with nothing to break it: every member is named."""
+    return Evidence.of("no_majority", "no majority among the members: all are named")
 
 
 def _left(rank: int, entered: int, seq: int, g: GroupInfo) -> Evidence:

@@ -11,7 +11,7 @@ from ccld_plugin.diagnose.records import Evidence
 from ccld_plugin.wire.codes import FLAG_P2P, FLAG_SEND, OP_NAMES, STATE_IN_FLIGHT
 from ccld_plugin.wire.summary import InFlightOp, RankSummary
 from ccld_plugin.wire.summary_batch import SummaryTable
-from ccld_plugin.wire.topology import GroupInfo, Topology
+from ccld_plugin.wire.topology import GroupInfo, Topology, trace_id
 
 __all__ = ["Blocked", "GroupIndex", "JobView", "topology_of"]
 
@@ -48,7 +48,7 @@ class Blocked:
 
     @property
     def trace_id(self) -> str:
-        return f"{self.group.group_id:016x}:{self.op.seq}"
+        return trace_id(self.group.group_id, self.op.seq)
 
     def waits_in(self) -> Evidence:
         """Where the rank waits, as evidence: its op, seq and group (a transfer's peer)."""

@@ -51,15 +51,13 @@ class RankBoard:
 
     def failed_ns(self) -> int | None:
         """When the rank's first collective raised (its clock), if one did."""
-        ops = self.snap.ops
-        failed = ops[ops["state"] == STATE_ERROR]
+        failed = self._failed()
         return int(failed["exit_ns"].min()) if len(failed) else None
 
     def failed_with(self) -> set[int]:
         """The ranks the rank's first op that raised was with: its peer (a transfer) or its
         group's other members; none if no op raised."""
-        ops = self.snap.ops
-        failed = ops[ops["state"] == STATE_ERROR]
+        failed = self._failed()
         if not len(failed):
             return set()
         first = failed[int(np.argmin(failed["exit_ns"]))]
@@ -68,6 +66,11 @@ class RankBoard:
         slot = int(first["group_slot"])
         members = self.groups[slot].ranks if 0 <= slot < len(self.groups) else ()
         return set(members) - {self.snap.header.rank}
+
+    def _failed(self) -> np.ndarray:
+        """The rank's ops that raised."""
+        ops = self.snap.ops
+        return ops[ops["state"] == STATE_ERROR]
 
     def as_of(self, cut_ns: int) -> RankBoard:
         """The board as it stood at ``cut_ns`` (diagnoser's clock): ops entered later are

@@ -21,6 +21,7 @@ import numpy as np
 
 from ccld_plugin.postmortem.boards import JobBoards, RankBoard
 from ccld_plugin.wire.codes import FLAG_P2P, FLAG_SEND, OP_NAMES, STATE_IN_FLIGHT, STATE_NAMES
+from ccld_plugin.wire.topology import trace_id
 
 __all__ = ["STEPS_TID", "trace_events", "write_trace"]
 
@@ -109,12 +110,12 @@ def _ops(rank: int, b: RankBoard, start: int) -> tuple[list[dict[str, Any]], lis
             continue
         g = b.groups[slot]
         op = OP_NAMES.get(int(r["op"]), "unknown")
-        trace_id = f"{g.group_id:016x}:{seq}"
+        trace = trace_id(g.group_id, seq)
         state = int(r["state"])
         t0 = int(r["enter_ns"])
         t1 = end if state == STATE_IN_FLIGHT else max(t0, int(r["exit_ns"]))
         args: dict[str, Any] = {
-            "trace_id": trace_id,
+            "trace_id": trace,
             "group": list(g.ranks),
             "bytes": int(r["bytes"]),
             "step": int(r["step"]),
@@ -130,7 +131,7 @@ def _ops(rank: int, b: RankBoard, start: int) -> tuple[list[dict[str, Any]], lis
         events.append(
             {
                 "ph": "X",
-                "name": f"{op} {g.role} {trace_id}",
+                "name": f"{op} {g.role} {trace}",
                 "cat": "p2p" if flags & FLAG_P2P else "collective",
                 "pid": rank,
                 "tid": slot + 1,

@@ -13,7 +13,15 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["GROUP_ROLES", "GroupInfo", "Topology", "group_id_of", "role_index", "role_name"]
+__all__ = [
+    "GROUP_ROLES",
+    "GroupInfo",
+    "Topology",
+    "group_id_of",
+    "role_index",
+    "role_name",
+    "trace_id",
+]
 
 # Order is part of the board format (the role index is written to the board).
 GROUP_ROLES: tuple[str, ...] = (
@@ -55,6 +63,11 @@ def role_index(role: str) -> int:
 
 def role_name(index: int) -> str:
     return GROUP_ROLES[index] if 0 <= index < len(GROUP_ROLES) else "other"
+
+
+def trace_id(group_id: int, seq: int) -> str:
+    """One collective of one group, as verdicts and timelines name it: "<group id hex>:<seq>"."""
+    return f"{group_id:016x}:{seq}"
 
 
 def more_specific(current: str, new: str) -> str:
