@@ -68,6 +68,9 @@ class Diagnoser:
         self._isolation: Isolation | None = None  # the observer's, once seen
         self._stalled_ranks: set[int] = set()
         self._crashed_ns: int | None = None  # when the first crash seen happened
+        # whether the job marks its steps (a loop with no optimizer and no mark_step stays
+        # at step 0: its verdicts then name no step)
+        self._steps_marked = False
 
     def threshold_s(self, group_id: int) -> float:
         """max(hang_min_s, hang_k x p99 duration of ops on the group). Before any op of the
@@ -109,7 +112,7 @@ class Diagnoser:
             # is not isolated itself: the peers' silence is the store's, and says nothing
             # of them; only its handshakes single out ranks that are cut off.
             return self._new(cut_off_behind_store(view))
-        crashes = find_crashes(view)
+        crashes = find_crashes(view, self.min_wait_s)
         crashed = {r for v in crashes for r in v.ranks}
         if crashed:
             first = min(view.summaries[r].time_ns for r in crashed)
@@ -144,6 +147,12 @@ class Diagnoser:
             hangs = self._fold_into_mismatch(hangs, mismatches)
         slow = self.slow.evaluate(view) if not hangs else []
         new = self._new([*crashes, *unresponsive, *mismatches, *hangs, *slow])
+        self._steps_marked = self._steps_marked or bool(
+            (view.columns.heads["step"] > 0).any() or len(view.columns.steps)
+        )
+        if not self._steps_marked:
+            for v in new:
+                v.step = None
         for v in new:
             if v.kind in STALLS:
                 if self._stalled_ns is None:

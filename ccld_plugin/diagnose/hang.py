@@ -330,6 +330,10 @@ def _at_op(
 
 
 def _deadlock(view: JobView, cycle: list[int], blocked: dict[int, Blocked]) -> Verdict:
+    """The cycle told from its oldest wait: whichever member a round's walk started from,
+    the verdict is at the same op (one finding, reported once)."""
+    at = min(range(len(cycle)), key=lambda i: (blocked[cycle[i]].op.enter_ns, cycle[i]))
+    cycle = cycle[at:] + cycle[:at]
     ops = [blocked[r] for r in cycle]
     first = ops[0]
     evidence = [b.waits_in() for b in ops]
@@ -338,7 +342,6 @@ def _deadlock(view: JobView, cycle: list[int], blocked: dict[int, Blocked]) -> V
             "cycle", "the waits form a cycle: {cycle:join( -> )} -> {cycle[0]}", cycle=cycle
         )
     )
-    onset = min(b.op.enter_ns for b in ops)
     return Verdict(
         kind=Kind.DEADLOCK,
         cause=Cause.SOFTWARE,
@@ -347,7 +350,7 @@ def _deadlock(view: JobView, cycle: list[int], blocked: dict[int, Blocked]) -> V
         op=first.op_name,
         trace_id=first.trace_id,
         step=view.summaries[first.rank].step,
-        onset_s=view.seconds(onset),
+        onset_s=view.seconds(first.op.enter_ns),
         detected_s=view.seconds(view.now_ns),
         severity=round(max(b.age_s for b in ops), 1),
         evidence=evidence,

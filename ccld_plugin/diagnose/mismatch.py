@@ -2,7 +2,8 @@
 entered the same trace id (group, seq) with different ops or sizes, or a member left the
 job (a clean exit) short of a collective its peers wait in: it issued fewer collectives on
 the group (its loop ended early, or it skipped one) and will never enter it. A mismatch
-explains the hangs it causes (see analyzer)."""
+explains the hangs it causes (see analyzer). A transfer waited in whose peer left the same
+way is one too: one end posted a send or receive that the other never will."""
 
 from __future__ import annotations
 
@@ -183,14 +184,18 @@ def find_left_early(view: JobView, min_wait_s: float) -> list[Verdict]:
     if not exited:
         return []
     waits: dict[tuple[int, int], list[Blocked]] = defaultdict(list)
-    for b in view.blocked().values():
-        if (
-            not b.p2p
-            and not view.summaries[b.rank].exited
-            and (view.final or b.age_s >= min_wait_s)
-        ):
-            waits[(b.group.group_id, b.op.seq)].append(b)
     verdicts = []
+    for b in view.blocked().values():
+        if view.summaries[b.rank].exited or not (view.final or b.age_s >= min_wait_s):
+            continue
+        if not b.p2p:
+            waits[(b.group.group_id, b.op.seq)].append(b)
+        elif b.op.peer in exited and (
+            view.final or view.summaries[b.rank].time_ns > view.summaries[b.op.peer].time_ns
+        ):
+            # (live: as the rank stood after its peer left, not a summary from before the
+            # peer's last send)
+            verdicts.append(_transfer_left_early(view, b))
     for (gid, seq), waiting in waits.items():
         g = waiting[0].group
         entered = {m: view.entered_seq(m, gid) or 0 for m in g.ranks}
@@ -224,7 +229,24 @@ def find_left_early(view: JobView, min_wait_s: float) -> list[Verdict]:
                 evidence=evidence,
             )
         )
-    return verdicts
+    return _one_per_finding(verdicts)
+
+
+def _one_per_finding(verdicts: list[Verdict]) -> list[Verdict]:
+    """The verdicts that name the same ranks as one: a rank that left early leaves its
+    peers waiting in each of its groups and transfers. Told at the oldest wait, with the
+    others' evidence of who left and who waits."""
+    by_ranks: dict[tuple[int, ...], list[Verdict]] = defaultdict(list)
+    for v in verdicts:
+        by_ranks[tuple(v.ranks)].append(v)
+    out = []
+    for same in by_ranks.values():
+        same.sort(key=lambda v: v.onset_s if v.onset_s is not None else 0.0)
+        first = same[0]
+        for v in same[1:]:
+            first.evidence += [e for e in v.evidence if e.fact in ("left_early", "waits_in")]
+        out.append(first)
+    return out
 
 
 def _tie_broken(
@@ -255,8 +277,16 @@ def _tie_broken(
             role=g.role,
             seq=seq,
         )
+    return _as_the_job_went_on(view, g.ranks, left, issued)
+
+
+def _as_the_job_went_on(
+    view: JobView, members: tuple[int, ...], left: list[int], issued: list[int]
+) -> tuple[list[int], Evidence]:
+    """A tie broken by the job's other ranks: still running (those who left ended early)
+    or all gone the same way (those who issued one more). Else every member is named."""
     t = view.columns
-    others = ~np.isin(t.ranks, list(g.ranks))
+    others = ~np.isin(t.ranks, list(members))
     running = int((others & ~t.exited & ~np.isin(t.ranks, list(view.gone))).sum())
     if others.any() and (running > 0) != bool(t.left_cleanly[others].all()):
         return (left if running else issued), Evidence.of(
@@ -266,6 +296,39 @@ def _tie_broken(
             others=int(others.sum()),
         )
     return [*left, *issued], no_majority()
+
+
+def _transfer_left_early(view: JobView, b: Blocked) -> Verdict:
+    """``b`` waits in a transfer whose peer left through its exit path: the peer will not
+    post its side. Which end is wrong (one too few, or one too many) a pair does not say:
+    the job's other ranks decide as for a collective's tie."""
+    peer = b.op.peer
+    named, why = _as_the_job_went_on(view, (b.rank, peer), [peer], [b.rank])
+    evidence = [
+        Evidence.of(
+            "left_early",
+            "rank {rank} left the job (a clean exit) without posting its side of rank "
+            "{waiting}'s {op} (transfer {seq} between them)",
+            rank=peer,
+            waiting=b.rank,
+            op=b.op_name,
+            seq=b.op.seq,
+        ),
+        b.waits_in(),
+        why,
+    ]
+    return Verdict(
+        kind=Kind.MISMATCH,
+        cause=Cause.SOFTWARE,
+        ranks=sorted(named),
+        group=b.group.to_dict(),
+        op=b.op_name,
+        trace_id=b.trace_id,
+        step=view.summaries[b.rank].step,
+        onset_s=view.seconds(b.op.enter_ns),
+        detected_s=view.seconds(view.now_ns),
+        evidence=evidence,
+    )
 
 
 def no_majority() -> Evidence:

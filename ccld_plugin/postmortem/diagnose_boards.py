@@ -18,6 +18,7 @@ from ccld_plugin.board.process import process_alive
 from ccld_plugin.config import CcldConfig, load_config
 from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
 from ccld_plugin.diagnose.analyzer import located_by_channels
+from ccld_plugin.diagnose.crash import peer_failure
 from ccld_plugin.postmortem.boards import JobBoards, RankBoard
 from ccld_plugin.wire.peer_channels import MAX_ENTRIES, encode_channels, entry_order
 from ccld_plugin.wire.summary import FLAG_CRASHED, RankSummary
@@ -62,10 +63,11 @@ def job_view(boards: JobBoards, cfg: CcldConfig) -> JobView:
     interval_s = cfg.agent.interval_s
     failures = {r: b.diag(t) for r, b in boards.ranks.items() if (t := b.failed_ns()) is not None}
     ranks = boards.ranks
-    # the ranks whose connections broke under an op that raised: where the job failed
-    implicated = set().union(*(b.failed_with() for b in ranks.values()))
-    if failures:  # judged at the first failure: see RankBoard.as_of
-        ranks = {r: b.as_of(min(failures.values())) for r, b in ranks.items()}
+    implicated = _implicated(ranks, set(failures))
+    first = min(failures, key=lambda r: (failures[r], r)) if failures else None
+    if first is not None and not _raised_on_its_own(ranks[first]):
+        # judged at the first failure: see RankBoard.as_of
+        ranks = {r: b.as_of(failures[first]) for r, b in ranks.items()}
     summaries = {r: _summary(b, interval_s) for r, b in ranks.items()}
     now = max(s.heartbeat_ns for s in summaries.values())
     return JobView(
@@ -81,6 +83,23 @@ def job_view(boards: JobBoards, cfg: CcldConfig) -> JobView:
             if _died_first(s, ranks[r], now, r in failures, r in implicated, interval_s)
         },
     )
+
+
+def _implicated(ranks: dict[int, RankBoard], raised: set[int]) -> set[int]:
+    """The ranks whose connections broke under an op that raised: where the job failed.
+    An op with one peer that did not raise itself (a transfer, a pair's collective) names
+    it; where such ops exist, an op over a larger group (a world all-reduce that raised
+    after the first failure) would add its bystanders, which the launcher ended later."""
+    each = [b.failed_with() - raised for b in ranks.values()]
+    exact = [peers for peers in each if len(peers) == 1]
+    return set().union(*(exact or each))
+
+
+def _raised_on_its_own(b: RankBoard) -> bool:
+    """Whether the rank left on the exception its op raised, and not for a peer's failure
+    or a timeout (a collective called with bad arguments): the job failed there, and is
+    judged as it ended, with that rank's crash (diagnose.crash)."""
+    return bool(b.crash) and not peer_failure(b.crash[-1])
 
 
 def _died_first(

@@ -28,12 +28,13 @@ def render_verdict(v: dict) -> Text:
     sev_txt = f", {sev}x slower" if v["kind"] == "slow" and sev else ""
     link = f", link {v['link'][0]}<->{v['link'][1]}" if v.get("link") else ""
     onset = f"onset {v['onset_s']:.1f}s, " if v.get("onset_s") is not None else ""
+    step = f"step {v['step']}, " if v.get("step") is not None else ""
     text = Text()
     text.append(f"[ccld] {v['kind'].upper()} ", style=_STYLE.get(v["kind"], "bold"))
     text.append(
         f"{v['cause']}-bound: rank{'s' if len(v['ranks']) > 1 else ''} "
         f"{', '.join(map(str, v['ranks']))}{where}{what}{link}{sev_txt} "
-        f"(step {v.get('step')}, {onset}detected {v.get('detected_s', 0):.1f}s)"
+        f"({step}{onset}detected {v.get('detected_s', 0):.1f}s)"
     )
     for e in v.get("evidence", []):
         text.append(f"\n    - {e['text']}", style="dim")

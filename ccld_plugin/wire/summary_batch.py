@@ -362,8 +362,15 @@ class SummaryTable(Mapping[int, RankSummary]):
     @property
     def crashed(self) -> np.ndarray:
         """Per row: whether the rank left on an uncaught exception that no op of its
-        raised (one that did: a peer's failure reached it through the op)."""
+        raised (one that did: a peer's failure may have reached it through the op)."""
         return (self.heads["flags"] & (FLAG_CRASHED | FLAG_ERRORED)) == FLAG_CRASHED
+
+    @property
+    def errored_crashes(self) -> np.ndarray:
+        """Per row: whether the rank left on an uncaught exception after an op of its
+        raised."""
+        both = FLAG_CRASHED | FLAG_ERRORED
+        return (self.heads["flags"] & both) == both
 
     def without_channels(self, ranks: set[int]) -> None:
         """Leave the channel evidence of ``ranks`` out (a value that names a peer outside

@@ -11,7 +11,7 @@ from ccld_plugin.diagnose.crash import find_crashes
 from ccld_plugin.diagnose.hang import LAST_WORDS_TICKS, find_hangs, find_unresponsive
 from ccld_plugin.diagnose.mismatch import find_left_early, find_mismatches
 from ccld_plugin.runtime.session import crash_record
-from ccld_plugin.wire.codes import FLAG_P2P, FLAG_SEND, OP_CODES
+from ccld_plugin.wire.codes import FLAG_ASYNC, FLAG_P2P, FLAG_SEND, OP_CODES
 from ccld_plugin.wire.summary import (
     FLAG_CRASHED,
     FLAG_ERRORED,
@@ -167,6 +167,31 @@ def test_p2p_ordering_cycle_is_a_deadlock():
     )
     (h,) = find_hangs(v, lambda gid: 10.0, 1.0)
     assert (h.kind.value, h.cause.value, h.ranks) == ("deadlock", "software", [0, 1])
+
+
+def test_a_deadlock_is_told_from_its_oldest_wait_whichever_rank_is_walked_first():
+    # An unseen MoE script: rank 1 skipped an all-to-all of ep[0, 1] and went on to the
+    # world all-reduce; rank 0 waits in the all-to-all. Two rounds walked the cycle from
+    # different ranks and gave two verdicts (one at each op) for one finding.
+    world, ep01, ep23 = group("world", range(4)), group("ep", [0, 1]), group("ep", [2, 3])
+    tables = {r: [world, ep01 if r < 2 else ep23] for r in range(4)}
+    waits = [
+        summary(0, {0: 6, 1: 53}, [(1, "all_to_all_single", 53, 12, 0, -1)], idle_s=12),
+        summary(1, {0: 7, 1: 52}, [(0, "all_reduce", 7, 13, 0, -1)], idle_s=13),
+        *(summary(r, {0: 7, 1: 56}, [(0, "all_reduce", 7, 12, 0, -1)], idle_s=12) for r in (2, 3)),
+    ]
+    keys = set()
+    for order in (waits, waits[::-1]):
+        (d,) = find_hangs(view(order, tables), lambda gid: 10.0, 1.0)
+        assert (d.kind.value, d.ranks, d.op, d.group["role"]) == (
+            "deadlock",
+            [0, 1],
+            "all_reduce",
+            "world",
+        )
+        assert facts(d.evidence)["cycle"][0]["data"]["cycle"] == [1, 0]
+        keys.add(d.key())
+    assert len(keys) == 1
 
 
 def test_a_member_alone_in_a_collective_among_transfers_is_a_mismatch():
@@ -411,6 +436,50 @@ def test_a_member_that_left_short_of_a_collective_its_peers_wait_in_is_a_mismatc
     assert find_left_early(dataclasses.replace(view(summaries, tables), final=True), 3.0)
 
 
+def test_a_transfer_whose_peer_left_cleanly_is_a_mismatch():
+    # An unseen context-parallel script: rank 2 skipped one ring exchange of K/V blocks;
+    # gloo paired the rest one off until rank 2 ended its loop and left, while rank 3
+    # waited in its exchange with it (then raised), and rank 1 in the DP all-reduce rank
+    # 3 never reached. No verdict from the boards: the left-early rule took collectives only.
+    world, dp13 = group("world", range(4)), group("dp", [1, 3])
+    tables = {0: [world], 1: [world, dp13], 2: [world], 3: [world, dp13]}
+    send = FLAG_P2P | FLAG_SEND | FLAG_ASYNC
+    summaries = [
+        summary(0, {0: 300}, flags=FLAG_EXITED),
+        summary(1, {0: 300, 1: 299}, [(1, "all_reduce", 300, 2.0, 0, -1)], idle_s=2),
+        summary(2, {0: 300}, flags=FLAG_EXITED, hb_age_s=1),
+        summary(3, {0: 300, 1: 299}, [(0, "isend", 1197, 2.0, send, 2)], idle_s=2),
+    ]
+    summaries[2] = dataclasses.replace(summaries[2], time_ns=NOW - S)  # its exit
+    (m,) = find_left_early(view(summaries, tables), 1.0)
+    assert (m.kind.value, m.ranks, m.op, m.group["role"]) == ("mismatch", [2], "isend", "world")
+    ev = facts(m.evidence)
+    assert ev["left_early"][0]["data"] == {"rank": 2, "waiting": 3, "op": "isend", "seq": 1197}
+    assert ev["job_went_on"][0]["data"] == {"running": 1, "others": 2}
+    # Rank 2 left short in a collective too (its DP pair with rank 0 waits): one finding.
+    dp02 = group("dp", [0, 2])
+    both = {**tables, 0: [world, dp02], 2: [world, dp02]}
+    in_dp = summary(0, {0: 300, 1: 5}, [(1, "all_reduce", 5, 1.5, 0, -1)], idle_s=1.5)
+    left = dataclasses.replace(summary(2, {0: 300, 1: 4}, flags=FLAG_EXITED), time_ns=NOW - S)
+    (m,) = find_left_early(view([in_dp, summaries[1], left, summaries[3]], both), 1.0)
+    assert m.ranks == [2] and m.op == "isend"  # told at the oldest wait
+    assert [
+        e["data"]["waiting" if "waiting" in e["data"] else "seq"]
+        for e in facts(m.evidence)["left_early"]
+    ] == [3, 5]
+    # Every other rank gone the same way: rank 3 is the one that issued one more.
+    summaries[1] = summary(1, {0: 300, 1: 300}, flags=FLAG_EXITED)
+    (m,) = find_left_early(view(summaries, tables), 1.0)
+    assert m.ranks == [3] and facts(m.evidence)["job_went_on"][0]["data"]["running"] == 0
+    # A pair alone in its job: nothing tells; both named.
+    (m,) = find_left_early(view(summaries[2:], {2: [world], 3: [world]}), 1.0)
+    assert m.ranks == [2, 3] and "no_majority" in facts(m.evidence)
+    # Live, a summary from before the peer left says nothing: its last send may be
+    # what the rank waited for.
+    summaries[3] = dataclasses.replace(summaries[3], time_ns=summaries[2].time_ns - 1)
+    assert find_left_early(view(summaries, tables), 1.0) == []
+
+
 def test_who_left_short_is_named_by_the_groups_majority():
     dp = group("dp", [0, 1, 2, 3])
     tables = {r: [dp] for r in range(4)}
@@ -485,8 +554,42 @@ def test_ranks_that_crashed_with_one_exception_are_one_finding():
         ],
         {r: [dp] for r in range(3)},
     )
-    got = sorted((x.ranks, x.evidence[0].data["exception"]) for x in find_crashes(v))
+    got = sorted((x.ranks, x.evidence[0].data["exception"]) for x in find_crashes(v, 1.0))
     assert got == [([0, 2], "MemoryError: out of memory"), ([1], "KeyError: 'labels'")]
+
+
+def test_a_collective_that_raised_on_its_caller_alone_is_that_ranks_crash():
+    # An unseen MoE script: rank 2 called all_to_all_single with splits that do not add
+    # up; gloo raised on rank 2 alone, and its peers' ops raised when its connections
+    # closed. Every rank left on an exception out of an op: none was named, live or from
+    # the boards. The first to raise, on an error that is not a peer's, is the crash.
+    ep, world = group("ep", [2, 3]), group("world", [0, 1, 2, 3])
+    tables = {r: [world, ep] for r in range(4)}
+    left = FLAG_EXITED | FLAG_CRASHED | FLAG_ERRORED
+    call = ["train.py:43 in main", "/venv/torch/distributed/distributed_c10d.py:5140 in a2a"]
+    own = [*call, "RuntimeError: [enforce fail at alltoallv.cc:138] inLength == outLength."]
+    lost = [*call, "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:8631."]
+
+    def crashed(rank, stack, age_s):
+        at = NOW - int(age_s * S)
+        s = summary(rank, {0: 8, 1: 40}, [(1, "all_to_all_single", 40, age_s, 0, -1)], flags=left)
+        return dataclasses.replace(s, time_ns=at, heartbeat_ns=at, stack=stack)
+
+    ranks = [crashed(2, own, 1.0), crashed(3, lost, 0.9), crashed(0, lost, 0.8)]
+    ranks.append(summary(1, {0: 8}, hb_age_s=0.8))  # ended by the launcher: gone
+    cfg = DiagnoserConfig(hang_min_s=3)
+    verdicts = Diagnoser(cfg, interval_s=0.5).round(view(ranks, tables, gone=[1]))
+    assert [(x.kind.value, x.cause.value, x.ranks) for x in verdicts] == [
+        ("crash", "software", [2])
+    ]
+    (ev,) = facts(verdicts[0].evidence)["exception"]
+    assert ev["data"]["where"] == "train.py:43 in main"  # the call, not torch's frame
+    # The first to raise did so on a lost connection: a peer's failure, not named.
+    first_lost = [crashed(3, lost, 1.0), crashed(2, lost, 0.9), crashed(0, lost, 0.8)]
+    assert find_crashes(view(first_lost, tables), 1.0) == []
+    # A rank seen gone well before it (killed): its death came first.
+    early = [*ranks[:3], summary(1, {0: 8}, hb_age_s=5)]
+    assert find_crashes(view(early, tables, gone=[1]), 1.0) == []
 
 
 def test_the_exception_a_rank_leaves_on_is_recorded_but_not_an_interrupt():

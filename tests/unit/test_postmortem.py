@@ -246,3 +246,30 @@ def test_ranks_the_launcher_ended_in_an_op_nobody_failed_in_did_not_die_first():
     assert job_view(_job(failed, dead, *waiting), CFG).gone == {1}
     verdicts = [x.to_dict() for x in diagnose_boards(_job(failed, dead, *waiting), CFG)]
     assert [(v["kind"], v["ranks"]) for v in verdicts] == [("unresponsive", [1])]
+
+
+def test_a_later_failure_over_a_larger_group_does_not_implicate_its_bystanders():
+    # An unseen MoE script: rank 1 was killed at 79.9 s; rank 0's all-to-all with it
+    # (ep [0, 1]) raised at 80.05, then rank 2's world all-reduce at 80.10, once rank 0
+    # had gone. Rank 3 sat in that all-reduce until torchrun ended it. The world op's
+    # failure named rank 3 as having died first, beside rank 1.
+    world, ep01, ep23 = group("world", range(4)), group("ep", [0, 1]), group("ep", [2, 3])
+    hist = _history(5, 79.9)
+    raised = [*hist, _op(1, 79.95, 80.05, slot=1, op="all_to_all_single", state=STATE_ERROR)]
+    first = rank_board(0, 4, [world, ep01], raised, heartbeat_ns=int(80.05 * S), host="x")
+    dead = rank_board(1, 4, [world, ep01], hist, heartbeat_ns=int(79.9 * S), host="x")
+    later = rank_board(
+        2,
+        4,
+        [world, ep23],
+        [*hist, _op(6, 79.95, 80.10, state=STATE_ERROR)],
+        heartbeat_ns=int(80.10 * S),
+        host="x",
+    )
+    ended = rank_board(
+        3, 4, [world, ep23], [*hist, _op(6, 79.95)], heartbeat_ns=int(79.7 * S), host="x"
+    )
+    job = _job(first, dead, later, ended)
+    assert job_view(job, CFG).gone == {1}
+    verdicts = [x.to_dict() for x in diagnose_boards(job, CFG)]
+    assert [(v["kind"], v["ranks"]) for v in verdicts] == [("unresponsive", [1])]

@@ -51,7 +51,8 @@ def alert_message(v: dict) -> dict:
         f"{v['kind']} verdict, {v['cause']}-bound: rank {ranks}{where}"
         + (f" at {v['op']}" if v.get("op") else "")
         + (f", {v['severity']}x" if v.get("severity") and v["kind"] == "slow" else "")
-        + f" (step {v.get('step')}, detected {v.get('detected_s')} s)",
+        + (f" (step {v['step']}, " if v.get("step") is not None else " (")
+        + f"detected {v.get('detected_s')} s)",
         *[f"- {e['text']}" for e in v.get("evidence", [])[:6]],
     ]
     return {
