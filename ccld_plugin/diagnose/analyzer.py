@@ -124,9 +124,15 @@ class Diagnoser:
             if not self._fallout_of_stall(view, v.ranks[0])
             and not self._fallout_of_crash(view, v.ranks[0])
         ]
+        # A crashed rank's last op differs from its peers' when that op is what raised
+        # (a collective called with bad arguments): the crash says why; not a mismatch.
         mismatches = [
-            *find_mismatches(view, self.threshold_s),
-            *find_left_early(view, self.min_wait_s),
+            v
+            for v in (
+                *find_mismatches(view, self.threshold_s),
+                *find_left_early(view, self.min_wait_s),
+            )
+            if not crashed & set(v.ranks)
         ]
         if mismatches and unresponsive:
             unresponsive = _fold_deaths_into_mismatch(view, unresponsive, mismatches)

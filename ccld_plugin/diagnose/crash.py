@@ -30,9 +30,10 @@ PEER_FAILURES = (
     "aborted",
     "preamble",
 )
-# Frames of these packages are where a raise surfaces, not where the training code went
-# wrong: "raised at" names the innermost frame outside them.
-LIBRARY_DIRS = ("/torch/", "/ccld_plugin/")
+# Frames of installed packages (torch, its helpers) and of the plugin are where a raise
+# surfaces, not where the training code went wrong: "raised at" names the innermost frame
+# outside them.
+LIBRARY_DIRS = ("/site-packages/", "/dist-packages/", "/ccld_plugin/")
 
 
 def peer_failure(exception: str) -> bool:
@@ -130,8 +131,8 @@ def _crash(view: JobView, exception: str, ranks: list[int]) -> Verdict:
 
 
 def _raised_at(stack: list[str]) -> str | None:
-    """The innermost frame of the training code (outside torch and the plugin), else the
-    innermost frame, of a crash record (frames, then the exception)."""
+    """The innermost frame of the training code (outside installed packages and the
+    plugin), else the innermost frame, of a crash record (frames, then the exception)."""
     frames = stack[:-1]
     for frame in reversed(frames):
         if not any(d in frame for d in LIBRARY_DIRS):

@@ -213,6 +213,24 @@ def test_device_mesh_rank_that_crashed_is_named_not_the_ranks_torchrun_ended(tmp
     assert any("mesh_2d.py" in f and "in main" in f for f in v["stack"])
 
 
+def test_device_mesh_collective_that_raised_on_its_caller_is_its_crash(tmp_path):
+    # Rank 2 calls an all-gather with an output of the wrong size: gloo raises on rank 2
+    # alone, its TP peer waits in the all-reduce, and every other rank's op raises once
+    # rank 2's connections close. Each rank left on an exception out of an op; the first
+    # that was not a peer's failure is named, and its call is not also a mismatch.
+    live = ccld_run(tmp_path, "mesh_2d.py", "misuse@2:6", 30)
+    assert [(v["kind"], v["cause"], v["ranks"]) for v in live] == [("crash", "software", [2])]
+    out = tmp_path / "pm.jsonl"
+    assert main(["diagnose", str(tmp_path / "j"), "--jsonl", str(out)]) == 0
+    (v,) = read_verdicts(out)
+    assert (v["kind"], v["ranks"], v["step"]) == ("crash", [2], 6)
+    (ev,) = facts(v["evidence"])["exception"]
+    assert "invalid tensor size" in ev["data"]["exception"]
+    assert "mesh_2d.py" in ev["data"]["where"]  # the call, not torch's frame
+    (at,) = facts(v["evidence"])["crashed_at"]
+    assert (at["data"]["op"], at["data"]["role"]) == ("all_gather_into_tensor", "tp")
+
+
 def test_deepspeed_launcher_compute_hang(tmp_path):
     """An unchanged DeepSpeed script under the deepspeed launcher: its groups get their roles
     at deepspeed.initialize, its steps come from the optimizer step hook."""

@@ -566,7 +566,7 @@ def test_a_collective_that_raised_on_its_caller_alone_is_that_ranks_crash():
     ep, world = group("ep", [2, 3]), group("world", [0, 1, 2, 3])
     tables = {r: [world, ep] for r in range(4)}
     left = FLAG_EXITED | FLAG_CRASHED | FLAG_ERRORED
-    call = ["train.py:43 in main", "/venv/torch/distributed/distributed_c10d.py:5140 in a2a"]
+    call = ["train.py:43 in main", "/venv/site-packages/torch/distributed/c10d.py:5140 in a2a"]
     own = [*call, "RuntimeError: [enforce fail at alltoallv.cc:138] inLength == outLength."]
     lost = [*call, "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:8631."]
 
@@ -584,6 +584,16 @@ def test_a_collective_that_raised_on_its_caller_alone_is_that_ranks_crash():
     ]
     (ev,) = facts(verdicts[0].evidence)["exception"]
     assert ev["data"]["where"] == "train.py:43 in main"  # the call, not torch's frame
+    # Its call was another collective than its peer's at that seq (a gather with an
+    # output of the wrong size, among all-reduces): the crash, not also a mismatch.
+    misuse = dataclasses.replace(
+        ranks[0], in_flight=[ranks[0].in_flight[0]._replace(op=OP_CODES["all_gather_into_tensor"])]
+    )
+    peer = summary(3, {0: 8, 1: 40}, [(1, "all_reduce", 40, 1.0, 0, -1)], idle_s=1.0)
+    verdicts = Diagnoser(cfg, interval_s=0.5).round(
+        view([misuse, peer, ranks[2], ranks[3]], tables, gone=[1])
+    )
+    assert [(x.kind.value, x.ranks) for x in verdicts] == [("crash", [2])]
     # The first to raise did so on a lost connection: a peer's failure, not named.
     first_lost = [crashed(3, lost, 1.0), crashed(2, lost, 0.9), crashed(0, lost, 0.8)]
     assert find_crashes(view(first_lost, tables), 1.0) == []

@@ -1,13 +1,14 @@
 """A 2-D DeviceMesh (dp x tp, named dimensions) training step that knows nothing of ccld:
 a tensor-parallel all-reduce of activations, a data-parallel all-reduce of gradients.
 
-FAULT as in ddp_plain.py: ``hang@R:S`` or ``slow@R:X``; or ``skip@R:S`` (script_faults)."""
+FAULT as in ddp_plain.py: ``hang@R:S`` or ``slow@R:X``; or ``skip@R:S``, ``crash@R:S``,
+``kill@R:S``, ``misuse@R:S`` (script_faults)."""
 
 import os
 
 import torch
 import torch.distributed as dist
-from script_faults import fault, skips
+from script_faults import fault, misuses, skips
 from torch.distributed.device_mesh import init_device_mesh
 
 STEPS = int(os.environ.get("STEPS", "40"))
@@ -25,6 +26,8 @@ def main() -> None:
     for step in range(STEPS):
         fault(rank, step)
         h = x @ w
+        if misuses(rank, step):  # a gathered output sized for one member: raises here
+            dist.all_gather_into_tensor(torch.empty_like(h), h, group=tp)
         dist.all_reduce(h, group=tp)  # the partial sums of a row-parallel layer
         loss = h.square().mean()
         opt.zero_grad()

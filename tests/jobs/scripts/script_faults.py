@@ -2,8 +2,9 @@
 specs): FAULT in the environment is ``hang@R:S`` (rank R blocks at step S), ``kill@R:S``
 (rank R's process ends by SIGKILL at step S), ``crash@R:S`` (rank R raises an exception it
 does not catch at step S), ``slow@R:X`` (rank R's compute takes X
-seconds more every step) or ``skip@R:S`` (rank R leaves out its gradient all-reduce at
-step S: see ``skips``)."""
+seconds more every step), ``skip@R:S`` (rank R leaves out its gradient all-reduce at
+step S: see ``skips``) or ``misuse@R:S`` (rank R calls its tensor-parallel collective
+with an output of the wrong size at step S: see ``misuses``)."""
 
 import os
 import signal
@@ -31,3 +32,10 @@ def skips(rank: int, step: int) -> bool:
     """Whether rank leaves out its gradient all-reduce at this step (``skip@R:S``)."""
     kind, _, where = os.environ.get("FAULT", "").partition("@")
     return kind == "skip" and where == f"{rank}:{step}"
+
+
+def misuses(rank: int, step: int) -> bool:
+    """Whether rank calls its tensor-parallel collective wrongly at this step
+    (``misuse@R:S``): the call raises on that rank alone."""
+    kind, _, where = os.environ.get("FAULT", "").partition("@")
+    return kind == "misuse" and where == f"{rank}:{step}"
