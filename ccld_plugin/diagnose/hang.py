@@ -18,7 +18,7 @@ from collections.abc import Set as AbstractSet
 from ccld_plugin.diagnose import tcp_evidence as chan
 from ccld_plugin.diagnose.mismatch import entered_op, no_majority
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
-from ccld_plugin.diagnose.view import Blocked, JobView
+from ccld_plugin.diagnose.view import Blocked, JobView, verdict_at
 from ccld_plugin.wire.codes import OP_NAMES
 from ccld_plugin.wire.summary import FLAG_LAST_WORDS, RankSummary
 from ccld_plugin.wire.topology import GroupInfo
@@ -306,27 +306,7 @@ def _lone_collective(
     if tie:
         evidence.append(no_majority())
     ranks = sorted(b.group.ranks) if tie else [b.rank]
-    return _at_op(view, b, Kind.MISMATCH, Cause.SOFTWARE, ranks, evidence)
-
-
-def _at_op(
-    view: JobView, b: Blocked, kind: Kind, cause: Cause, ranks: list[int], evidence: list[Evidence]
-) -> Verdict:
-    """A verdict on ``ranks`` found at the op ``b`` waits in: its group, op and step, from
-    when ``b`` entered it."""
-    return Verdict(
-        kind=kind,
-        cause=cause,
-        ranks=ranks,
-        group=b.group.to_dict(),
-        op=b.op_name,
-        trace_id=b.trace_id,
-        step=view.summaries[b.rank].step,
-        onset_s=view.seconds(b.op.enter_ns),
-        detected_s=view.seconds(view.now_ns),
-        severity=round(b.age_s, 1),
-        evidence=evidence,
-    )
+    return verdict_at(view, b, Kind.MISMATCH, Cause.SOFTWARE, ranks, evidence, round(b.age_s, 1))
 
 
 def _deadlock(view: JobView, cycle: list[int], blocked: dict[int, Blocked]) -> Verdict:
@@ -342,19 +322,8 @@ def _deadlock(view: JobView, cycle: list[int], blocked: dict[int, Blocked]) -> V
             "cycle", "the waits form a cycle: {cycle:join( -> )} -> {cycle[0]}", cycle=cycle
         )
     )
-    return Verdict(
-        kind=Kind.DEADLOCK,
-        cause=Cause.SOFTWARE,
-        ranks=sorted(cycle),
-        group=first.group.to_dict(),
-        op=first.op_name,
-        trace_id=first.trace_id,
-        step=view.summaries[first.rank].step,
-        onset_s=view.seconds(first.op.enter_ns),
-        detected_s=view.seconds(view.now_ns),
-        severity=round(max(b.age_s for b in ops), 1),
-        evidence=evidence,
-    )
+    severity = round(max(b.age_s for b in ops), 1)
+    return verdict_at(view, first, Kind.DEADLOCK, Cause.SOFTWARE, sorted(cycle), evidence, severity)
 
 
 def _comm_hangs(
@@ -399,7 +368,7 @@ def _comm_hangs(
                 )
             )
         culprit = view.summaries.get(ranks[0]) if len(ranks) == 1 else None
-        v = _at_op(view, b, Kind.HANG, cause, ranks, evidence)
+        v = verdict_at(view, b, Kind.HANG, cause, ranks, evidence, round(b.age_s, 1))
         v.link = link
         # where a compute-bound culprit's host thread is (e.g. what it launched last)
         v.stack = (culprit.stack or None) if culprit and cause == Cause.COMPUTE else None

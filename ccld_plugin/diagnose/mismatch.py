@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
-from ccld_plugin.diagnose.view import Blocked, JobView
+from ccld_plugin.diagnose.view import Blocked, JobView, verdict_at
 from ccld_plugin.wire.codes import FLAG_P2P, OP_NAMES
 from ccld_plugin.wire.topology import GroupInfo, trace_id
 
@@ -317,18 +317,7 @@ def _transfer_left_early(view: JobView, b: Blocked) -> Verdict:
         b.waits_in(),
         why,
     ]
-    return Verdict(
-        kind=Kind.MISMATCH,
-        cause=Cause.SOFTWARE,
-        ranks=sorted(named),
-        group=b.group.to_dict(),
-        op=b.op_name,
-        trace_id=b.trace_id,
-        step=view.summaries[b.rank].step,
-        onset_s=view.seconds(b.op.enter_ns),
-        detected_s=view.seconds(view.now_ns),
-        evidence=evidence,
-    )
+    return verdict_at(view, b, Kind.MISMATCH, Cause.SOFTWARE, sorted(named), evidence)
 
 
 def no_majority() -> Evidence:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ccld_plugin.diagnose.records import Evidence
+from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.wire.codes import FLAG_P2P, FLAG_SEND, OP_NAMES, STATE_IN_FLIGHT
 from ccld_plugin.wire.summary import InFlightOp, RankSummary
 from ccld_plugin.wire.summary_batch import SummaryTable
@@ -249,3 +249,29 @@ class GroupIndex:
         elif self.groups[i] is not g:
             self.groups[i] = g  # the same ranks with a more specific role
         return i
+
+
+def verdict_at(
+    view: JobView,
+    b: Blocked,
+    kind: Kind,
+    cause: Cause,
+    ranks: list[int],
+    evidence: list[Evidence],
+    severity: float | None = None,
+) -> Verdict:
+    """A verdict on ``ranks`` found at the op ``b`` waits in: its group, op and step, from
+    when ``b`` entered it."""
+    return Verdict(
+        kind=kind,
+        cause=cause,
+        ranks=ranks,
+        group=b.group.to_dict(),
+        op=b.op_name,
+        trace_id=b.trace_id,
+        step=view.summaries[b.rank].step,
+        onset_s=view.seconds(b.op.enter_ns),
+        detected_s=view.seconds(view.now_ns),
+        severity=severity,
+        evidence=evidence,
+    )

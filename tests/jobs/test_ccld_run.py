@@ -197,16 +197,23 @@ def test_device_mesh_rank_that_skipped_a_collective_is_named_after_the_job_died(
     assert facts(v["evidence"])["left_early"][0]["data"]["entered"] == 19
 
 
+def _crash_of_rank_2_at_step_6(tmp: Path, fault: str) -> dict:
+    """Run mesh_2d.py with ``fault``; assert the one live verdict and the one from the
+    boards are a crash of rank 2 (at step 6), and return the latter."""
+    live = ccld_run(tmp, "mesh_2d.py", fault, 30)
+    assert [(v["kind"], v["cause"], v["ranks"]) for v in live] == [("crash", "software", [2])]
+    out = tmp / "pm.jsonl"
+    assert main(["diagnose", str(tmp / "j"), "--jsonl", str(out)]) == 0
+    (v,) = read_verdicts(out)
+    assert (v["kind"], v["ranks"], v["step"]) == ("crash", [2], 6)
+    return v
+
+
 def test_device_mesh_rank_that_crashed_is_named_not_the_ranks_torchrun_ended(tmp_path):
     # Rank 2 raises an exception it does not catch: Python's exit path runs (the plugin
     # records the exception), its peers' collectives raise as its connections close, and
     # torchrun ends the rest with SIGTERM. One finding, live and from the boards: rank 2.
-    live = ccld_run(tmp_path, "mesh_2d.py", "crash@2:6", 30)
-    assert [(v["kind"], v["cause"], v["ranks"]) for v in live] == [("crash", "software", [2])]
-    out = tmp_path / "pm.jsonl"
-    assert main(["diagnose", str(tmp_path / "j"), "--jsonl", str(out)]) == 0
-    (v,) = read_verdicts(out)
-    assert (v["kind"], v["ranks"], v["step"]) == ("crash", [2], 6)
+    v = _crash_of_rank_2_at_step_6(tmp_path, "crash@2:6")
     (ev,) = facts(v["evidence"])["exception"]
     assert ev["data"]["exception"] == "MemoryError: out of memory (a test script's crash)"
     assert "script_faults.py" in ev["data"]["where"] and "in fault" in ev["data"]["where"]
@@ -218,12 +225,7 @@ def test_device_mesh_collective_that_raised_on_its_caller_is_its_crash(tmp_path)
     # alone, its TP peer waits in the all-reduce, and every other rank's op raises once
     # rank 2's connections close. Each rank left on an exception out of an op; the first
     # that was not a peer's failure is named, and its call is not also a mismatch.
-    live = ccld_run(tmp_path, "mesh_2d.py", "misuse@2:6", 30)
-    assert [(v["kind"], v["cause"], v["ranks"]) for v in live] == [("crash", "software", [2])]
-    out = tmp_path / "pm.jsonl"
-    assert main(["diagnose", str(tmp_path / "j"), "--jsonl", str(out)]) == 0
-    (v,) = read_verdicts(out)
-    assert (v["kind"], v["ranks"], v["step"]) == ("crash", [2], 6)
+    v = _crash_of_rank_2_at_step_6(tmp_path, "misuse@2:6")
     (ev,) = facts(v["evidence"])["exception"]
     assert "invalid tensor size" in ev["data"]["exception"]
     assert "mesh_2d.py" in ev["data"]["where"]  # the call, not torch's frame
