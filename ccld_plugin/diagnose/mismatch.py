@@ -190,11 +190,13 @@ def find_left_early(view: JobView, min_wait_s: float) -> list[Verdict]:
             continue
         if not b.p2p:
             waits[(b.group.group_id, b.op.seq)].append(b)
-        elif b.op.peer in exited and (
-            view.final or view.summaries[b.rank].time_ns > view.summaries[b.op.peer].time_ns
+        elif (
+            b.op.peer in exited
+            and view.summaries[b.rank].time_ns > view.summaries[b.op.peer].time_ns
         ):
-            # (live: as the rank stood after its peer left, not a summary from before the
-            # peer's last send)
+            # (as the rank stood after its peer left: a summary from before it may show
+            # the wait its peer's last send ended; a diagnoser's last round on its way
+            # out, final too, reads such summaries)
             verdicts.append(_transfer_left_early(view, b))
     for (gid, seq), waiting in waits.items():
         g = waiting[0].group

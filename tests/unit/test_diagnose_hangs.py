@@ -478,6 +478,10 @@ def test_a_transfer_whose_peer_left_cleanly_is_a_mismatch():
     # what the rank waited for.
     summaries[3] = dataclasses.replace(summaries[3], time_ns=summaries[2].time_ns - 1)
     assert find_left_early(view(summaries, tables), 1.0) == []
+    # ... nor in a diagnoser's last round on its way out (its own rank the one that left:
+    # a pipeline's first stage ends while the last one's summary shows its last receive).
+    last_round = dataclasses.replace(view(summaries, tables), final=True)
+    assert find_left_early(last_round, 1.0) == []
 
 
 def test_who_left_short_is_named_by_the_groups_majority():
