@@ -132,6 +132,11 @@ MIN_STEP_SHARE = 0.05  # excess compute below 5% of the step time is noise, not 
 # taking turns, not a fault of its node (healthy 8-rank jobs: 1.4-2.2x for 10-25 steps).
 QUIET_HOST_SHARE = 0.15
 HOST_WAIT_SHARE = 0.5
+# ... and over the longer span only if that span lasted this long: the scheduler's turns
+# are a matter of time, not of steps (the episodes above: ten steps of 0.1-0.2 s; an
+# unseen DTensor job of 25 ms steps on 2 cores had a rank held back for 20 steps, 0.5 s,
+# at 1.33x and 3.1 standard errors, with nothing else running).
+HOST_MIN_HELD_S = 2.0
 # Such a rank is named once it has been held back over the longer span, or by a decisive
 # excess (SOLO_EXCESS_Z x excess_z, as above): a busy host's scheduler also favours some
 # ranks over others for about ten steps at a time (two healthy torch jobs beside two busy
@@ -366,6 +371,8 @@ class SlowDetector:
             mine = self._streak_samples(e.rank, t1 if start is None else start, t1)
             balance = _wait_balance(e.rank, mine)
             longest = last - since + 1 >= max(self.spans)
+            if host_wait is not None and longest:
+                longest = self._held_s(e.rank, since, last) >= HOST_MIN_HELD_S
             strong = e.z >= CLEAR_EXCESS_Z * self.cfg.excess_z
             decisive = e.z >= SOLO_EXCESS_Z * self.cfg.excess_z
             gains = self._busy_gains(e.first, e.last) if e.rank in self._solo else {}
@@ -426,6 +433,12 @@ class SlowDetector:
                 continue
             _not_a_straggler(e, cohorts.get(e.rank, [e.rank]), f"with its CPU wait: {why}")
         return out
+
+    def _held_s(self, rank: int, since: int, last: int) -> float:
+        """Seconds from the start of step ``since`` to that of step ``last`` of ``rank``."""
+        first = self.steps.start_from_ns(rank, since, last)
+        end = self.steps.start_from_ns(rank, last, last)
+        return 0.0 if first is None or end is None else (end - first) / 1e9
 
     def _cpu_wait(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The ranks with steps, their wait for a CPU per step in steps [lo, hi) (us, NaN
