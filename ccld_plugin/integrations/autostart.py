@@ -98,6 +98,11 @@ def _watch_device_mesh() -> None:
     @functools.wraps(init)
     def init_then_register(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
+        if not hasattr(self, "_dim_group_names"):
+            # no groups of its own (torch >= 2.8): a mesh sliced from another (mesh["tp"],
+            # which DTensor's parallelize_module makes), whose groups that one registered,
+            # or one made with _init_backend=False
+            return
         try:
             names = self.mesh_dim_names or ()
             _register([(self.get_group(i), r) for i, r in enumerate(mesh_roles(names))])

@@ -26,6 +26,7 @@ import torch.distributed.distributed_c10d as c10d
 import ccld_plugin._native as _native
 from ccld_plugin.errors import report_error
 from ccld_plugin.runtime.cpu_wait import ThreadCpuWait
+from ccld_plugin.runtime.functional_ops import FunctionalOps
 from ccld_plugin.wire.codes import (
     FLAG_ASYNC,
     FLAG_CUDA,
@@ -233,6 +234,7 @@ class Tracer:
         self._p2p_seq: dict[tuple[int, int, bool], int] = {}
         self._local = _Local()
         self._poller = _CompletionPoller(poll_interval_s)
+        self._functional = FunctionalOps(self)  # DTensor's ops, which reach C++ directly
         self._originals: dict[str, Any] = {}
         self._wrappers: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -580,8 +582,10 @@ class Tracer:
             w.__wrapped__ = orig  # type: ignore[attr-defined]  # as functools.wraps sets it
             self._wrappers[name] = w
         _rebind({id(o): (o, self._wrappers[n]) for n, o in self._originals.items()})
+        self._functional.install()
 
     def uninstall(self) -> None:
+        self._functional.uninstall()
         _rebind({id(w): (w, self._originals[n]) for n, w in self._wrappers.items()})
         self._poller.stop()
         self._wrappers.clear()

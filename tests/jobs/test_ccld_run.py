@@ -177,6 +177,19 @@ def test_device_mesh_straggler(tmp_path):
     assert slow[0]["group"]["role"] in ("tp", "dp")
 
 
+def test_dtensor_tensor_parallel_compute_hang_is_named_in_its_tp_group(tmp_path):
+    # DTensor's all-reduces (functional collectives) reach gloo from C++, past the wrapped
+    # torch.distributed functions: rank 1's TP peer waited in one unseen, and the hang
+    # was named on rank 0 (in no collective as far as its board showed) and then rank 1,
+    # each in its DP pair. They are on the board now, with one trace id on both members.
+    (v,) = [v for v in ccld_run(tmp_path, "dtensor_tp.py", "hang@1:6", 30)]
+    assert (v["kind"], v["cause"], v["ranks"], v["op"]) == ("hang", "compute", [1], "all_reduce")
+    assert (v["group"]["role"], v["group"]["ranks"]) == ("tp", [0, 1])
+    (ev,) = facts(v["evidence"])["not_entered"]
+    assert ev["data"]["waiting"] == [0] and ev["data"]["role"] == "tp"
+    assert "contained error" not in _log(tmp_path)  # DTensor's sliced meshes: no groups
+
+
 def test_device_mesh_rank_that_skipped_a_collective_is_named_after_the_job_died(tmp_path):
     # Rank 1 leaves out one DP all-reduce: gloo pairs its later ones with rank 3's earlier
     # ones, and the job runs on a step out until rank 1 ends its loop and leaves, one

@@ -62,6 +62,16 @@ def test_every_op_recorded_on_every_member_with_matching_trace_ids(tmp_path):
     assert coalesced and coalesced[0]["bytes"] == 32 and coalesced[0]["role"] == "tp"
     # async ops are flagged as such
     assert any(o["op"] == "all_reduce" and o["flags"] & 1 for o in ops[0])
+    # Functional collectives (DTensor's), async from the call to the wait (or, the
+    # all-gather's result dropped unwaited, to its release): between the coalesced block
+    # and the captured reference's gather on the pair.
+    for r in range(4):
+        pair = [(o["op"], o["flags"] & 1, o["state"]) for o in ops[r] if o["role"] == "tp"]
+        assert pair[-4:-1] == [
+            ("all_reduce", 1, 2),
+            ("all_gather_into_tensor", 1, 2),
+            ("all_reduce", 1, 2),
+        ], pair
 
 
 def test_references_captured_before_install_are_traced_and_restored(tmp_path):

@@ -18,6 +18,7 @@ from ccld_plugin.runtime.tracer import WRAPPED_NAMES  # noqa: E402
 from ccld_plugin.wire.codes import OP_NAMES
 
 originals = {n: getattr(c10d, n) for n in WRAPPED_NAMES if hasattr(c10d, n)}
+functional = {n: getattr(torch.ops._c10d_functional, n) for n in ("all_reduce", "wait_tensor")}
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 session = ccld_plugin.enable(
@@ -62,6 +63,13 @@ for r in reqs:
 with c10d._coalescing_manager(group=pair):
     dist.all_reduce(torch.ones(3), group=pair)
     dist.all_reduce(torch.ones(5), group=pair)
+# Functional collectives (DTensor's): from the call to the wait on the result, or until
+# the result is freed unwaited (the second).
+import torch.distributed._functional_collectives as funcol  # noqa: E402
+
+funcol.all_reduce(t, "sum", pair).wait()
+funcol.all_gather_tensor(t, 0, pair)  # its result dropped, never used
+funcol.all_reduce(t, "sum", pair).wait()
 # Through references captured at import, before enable: still traced.
 out = torch.zeros(8)
 captured_refs.gather(out, torch.ones(4), group=pair)
@@ -86,6 +94,7 @@ records = [
 print("OPS " + json.dumps(records), flush=True)
 ccld_plugin.disable()
 restored = all(getattr(c10d, n) is o and getattr(dist, n, o) is o for n, o in originals.items())
+restored &= all(getattr(torch.ops._c10d_functional, n) is o for n, o in functional.items())
 print(
     "RESTORED "
     + json.dumps(
