@@ -1,6 +1,7 @@
 """Tracer overhead per call, measured side by side in one run.
 
-A 4-byte all_reduce and a 4-byte broadcast on a 1-rank and a 2-rank gloo group, called
+A 4-byte all_reduce and a 4-byte broadcast on a 1-rank and a 2-rank gloo group, and a
+functional (DTensor's) all_reduce with the wait on its result on the 2-rank group, called
 through the original function and through the tracer's wrapper in interleaved short
 batches (with, without, with, ...). The figure that counts is the median of the paired
 differences: a whole call varies by +-10 us from one batch to the next, more than the
@@ -69,6 +70,24 @@ def rank_main(args: argparse.Namespace) -> None:
                     *_paired(orig, wrapped, args.batches, args.calls, t, **kwargs),
                 )
             )
+
+    # A functional all-reduce (DTensor's) and the wait on its result, on the pair.
+    originals, ns = tracer._functional._originals, torch.ops._c10d_functional
+
+    def functional_untraced(tensor, group):
+        out = originals["all_reduce"](tensor, "sum", group.group_name)
+        return originals["wait_tensor"](out)
+
+    def functional_traced(tensor, group):
+        return ns.wait_tensor(ns.all_reduce(tensor, "sum", group.group_name))
+
+    functional_traced(t, pair)  # warm up
+    rows.append(
+        (
+            "functional all_reduce + wait 4 B, 2-rank",
+            *_paired(functional_untraced, functional_traced, args.batches, args.calls, t, pair),
+        )
+    )
 
     def noop(tensor, op=None, group=None, async_op=False):
         return None
