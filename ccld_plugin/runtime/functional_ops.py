@@ -143,15 +143,17 @@ class FunctionalOps:
     def _await(self, index: int, slot: int, outputs: list[Any]) -> None:
         """Keep op ``index`` in flight until each of its outputs is waited on or freed."""
         keys = [_key(t) for t in outputs]
-        flight = _Flight(index, list(keys))
+        # (the process group holds an output until it is waited on: its release follows
+        # the wait, or the end of the job)
+        released = [
+            weakref.ref(t, lambda _, key=key: self._finish(key, STATE_DONE))
+            for t, key in zip(outputs, keys, strict=True)
+        ]
+        flight = _Flight(index, list(keys), released)
         with self._lock:
             for key in keys:
                 self._pending[key] = flight
             self._in_flight.setdefault(slot, []).append(flight)
-        for t, key in zip(outputs, keys, strict=True):
-            # (the process group holds the output until it is waited on: its release
-            # follows the wait, or the end of the job)
-            weakref.finalize(t, self._finish, key, STATE_DONE)
 
     def _finish(self, key: int, state: int) -> None:
         """Output ``key`` was waited on (or freed). Its op ends with its last output, and
@@ -199,15 +201,17 @@ class FunctionalOps:
 
 def _key(t: Any) -> int:
     """An op's output, as the wait finds it: DTensor waits on an alias of the output
-    (another tensor object), so by its storage; by object where it has none."""
-    return t.untyped_storage().data_ptr() or id(t)
+    (another tensor object), so by its data; by object where it has none."""
+    return t.data_ptr() or id(t)
 
 
 class _Flight:
-    """An op on the board and its outputs not waited on yet (by _key)."""
+    """An op on the board, its outputs not waited on yet (by _key), and the weak
+    references that tell their release."""
 
-    __slots__ = ("index", "keys")
+    __slots__ = ("index", "keys", "released")
 
-    def __init__(self, index: int, keys: list[int]) -> None:
+    def __init__(self, index: int, keys: list[int], released: list[Any]) -> None:
         self.index = index
         self.keys = keys
+        self.released = released
