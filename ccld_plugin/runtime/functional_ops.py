@@ -13,6 +13,7 @@ ops from C++: not seen; inside compilation the wrappers only call through.)
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import weakref
@@ -70,7 +71,9 @@ class FunctionalOps:
     by ``uninstall``."""
 
     def __init__(self, tracer: Tracer) -> None:
-        self.tracer = tracer
+        # weakly: the tracer holds this object (a cycle would keep the native board alive
+        # past the interpreter's exit, which nanobind reports as a leak)
+        self.tracer = weakref.proxy(tracer)
         self._namespace = torch.ops._c10d_functional
         self._originals: dict[str, Any] = {}
         # by an op's output (_key), until waited or freed: the op; and by group slot, its
@@ -146,7 +149,7 @@ class FunctionalOps:
         # (the process group holds an output until it is waited on: its release follows
         # the wait, or the end of the job)
         released = [
-            weakref.ref(t, lambda _, key=key: self._finish(key, STATE_DONE))
+            weakref.ref(t, functools.partial(self._released, key))
             for t, key in zip(outputs, keys, strict=True)
         ]
         flight = _Flight(index, list(keys), released)
@@ -154,6 +157,9 @@ class FunctionalOps:
             for key in keys:
                 self._pending[key] = flight
             self._in_flight.setdefault(slot, []).append(flight)
+
+    def _released(self, key: int, _ref: Any) -> None:
+        self._finish(key, STATE_DONE)
 
     def _finish(self, key: int, state: int) -> None:
         """Output ``key`` was waited on (or freed). Its op ends with its last output, and
