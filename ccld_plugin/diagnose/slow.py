@@ -137,6 +137,9 @@ HOST_WAIT_SHARE = 0.5
 # unseen DTensor job of 25 ms steps on 2 cores had a rank held back for 20 steps, 0.5 s,
 # at 1.33x and 3.1 standard errors, with nothing else running).
 HOST_MIN_HELD_S = 2.0
+# The diagnoser's rounds kept, to tell how long they ran within a span of its rank's steps
+# (_rounds_within): a span of the longest kind at one rank spans a few dozen at most.
+OBSERVER_ROUNDS = 64
 # Such a rank is named once it has been held back over the longer span, or by a decisive
 # excess (SOLO_EXCESS_Z x excess_z, as above): a busy host's scheduler also favours some
 # ranks over others for about ten steps at a time (two healthy torch jobs beside two busy
@@ -181,6 +184,8 @@ class SlowDetector:
         # Stragglers with a verdict: told once per job, as the analyzer tells any finding
         # once; one slow again after a pause is the same straggler.
         self._straggler_told: set[int] = set()
+        # when the diagnoser's rounds ran, on its own rank (the observer's)
+        self._observer_rounds: deque[tuple[int, int]] = deque(maxlen=OBSERVER_ROUNDS)
         self._channel_found: LinkFinding | None = None  # of the current streak
         self._comm_reported: set[tuple] = set()  # communication streaks with a verdict
         self._cohort_key = -1
@@ -198,6 +203,9 @@ class SlowDetector:
         """Take in ``fresh``: the summaries of the view not taken in before."""
         # their columns once for every reader below (a live round's come as columns)
         fresh = Summaries(table_of(fresh))
+        ran = view.observer_round_ns
+        if ran is not None and (not self._observer_rounds or self._observer_rounds[-1] != ran):
+            self._observer_rounds.append(ran)
         self.channels.ingest(fresh)
         self.steps.ingest(fresh, self.next_end - max(self.spans) - self.cfg.window_steps)
         self.keep_joined(self.arrivals.add(view, fresh))
@@ -333,6 +341,18 @@ class SlowDetector:
                 why = f"{view.observer_load:.0%} of its time is the diagnoser's, on its rank"
                 _not_a_straggler(e, cohort, why)
                 continue
+            rounds_us = self._rounds_within(e) if e.rank == view.observer else 0.0
+            if (e.compute_us - e.cohort_us) * e.steps <= rounds_us:
+                # A round holds its rank's GIL in a burst: steps of a few ms under it wait
+                # for the GIL between their ops, a slower stretch that a load averaged over
+                # seconds does not show. Its whole excess fits in the rounds' time.
+                why = (
+                    f"its excess, {(e.compute_us - e.cohort_us) * e.steps / 1000:.1f} ms over "
+                    f"{e.steps} steps, fits in the {rounds_us / 1000:.1f} ms the diagnoser's "
+                    "rounds ran on its rank during them"
+                )
+                _not_a_straggler(e, cohort, why)
+                continue
             cohort_step_us = statistics.median(
                 [step_us[c] for c in cohort if c in step_us] or [0.0]
             )
@@ -433,6 +453,21 @@ class SlowDetector:
                 continue
             _not_a_straggler(e, cohorts.get(e.rank, [e.rank]), f"with its CPU wait: {why}")
         return out
+
+    def _rounds_within(self, e: Excess) -> float:
+        """How long (us) the diagnoser's rounds ran on its rank (the observer's) within
+        the steps of ``e``."""
+        lo, hi = e.first - self.steps.base, e.last + 1 - self.steps.base
+        if not self._observer_rounds or e.rank >= len(self.steps.last) or lo < 0:
+            return 0.0
+        has = self.steps.has[e.rank, lo:hi]
+        if not has.any():
+            return 0.0
+        start = self.steps.cols["start_ns"][e.rank, lo:hi][has]
+        end = start + self.steps.cols["step_us"][e.rank, lo:hi][has] * 1000
+        rounds = np.array(self._observer_rounds, np.int64)
+        within = np.minimum(rounds[:, 1], end.max()) - np.maximum(rounds[:, 0], start.min())
+        return float(np.clip(within, 0, None).sum()) / 1000
 
     def _held_s(self, rank: int, since: int, last: int) -> float:
         """Seconds from the start of step ``since`` to that of step ``last`` of ``rank``."""

@@ -87,6 +87,9 @@ class JobView:
     # rounds, its lease, the W&B sink) spent on the CPU lately: they hold that rank's GIL,
     # so its compute is slower by up to as much, which is the plugin's doing, not the job's.
     observer_load: float = 0.0
+    # ... and when its last round ran (start, end; None: not known, as in older
+    # recordings): the steps of its rank that a round overlapped waited for its GIL.
+    observer_round_ns: tuple[int, int] | None = None
     # By silent rank: whether its host answered the observer's last TCP handshake
     # (control.reach); a rank not in it was not probed, or its handshake is under way.
     reach: dict[int, bool] = field(default_factory=dict)

@@ -65,6 +65,7 @@ def replay(
             store_failed=r.store_failed,
             reach=r.reach,
             observer_load=r.observer_load,
+            observer_round_ns=r.observer_round_ns,
         )
         verdicts += diagnoser.round(view)
     return cfg, verdicts

@@ -144,6 +144,7 @@ class DiagnoserService:
         self._reach = ReachProbe(self._read_reach)
         self._landmarks = sorted({world * k // LANDMARKS for k in range(LANDMARKS)} - {self.rank})
         self._recorder: RoundRecorder | None = None
+        self._last_round_ns: tuple[int, int] | None = None  # when the last round ran
         if cfg.diagnoser.record:
             try:
                 self._recorder = RoundRecorder(Path(cfg.diagnoser.record), to_yaml(cfg))
@@ -304,6 +305,13 @@ class DiagnoserService:
     def _round(self, last: bool = False) -> int:
         """One diagnoser round (``last``: on this process's way out, when nothing more can
         be waited for); the number of verdicts it emitted."""
+        start_ns = self.clock_ns()
+        try:
+            return self._round_once(last)
+        finally:
+            self._last_round_ns = (start_ns, self.clock_ns())
+
+    def _round_once(self, last: bool) -> int:
         with self._lock:
             try:
                 with gc_paused():
@@ -352,6 +360,7 @@ class DiagnoserService:
                     store_local=view.store_local,
                     store_failed=view.store_failed,
                     observer_load=view.observer_load,
+                    observer_round_ns=view.observer_round_ns,
                     reach=view.reach,
                 )
             )
@@ -423,6 +432,7 @@ class DiagnoserService:
             store_local=self.control.store_local,
             store_failed=store_failed,
             observer_load=self.load() if self.rank >= 0 else 0.0,
+            observer_round_ns=self._last_round_ns if self.rank >= 0 else None,
             final=last,
         )
         view.reach = self._probe_silent(view)

@@ -31,6 +31,7 @@ class RecordedRound:
     store_local: bool = False
     store_failed: str | None = None
     observer_load: float = 0.0
+    observer_round_ns: tuple[int, int] | None = None  # (absent in older recordings)
     reach: dict[int, bool] = field(default_factory=dict)  # (absent in older recordings)
 
 
