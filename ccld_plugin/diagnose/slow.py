@@ -457,22 +457,17 @@ class SlowDetector:
     def _rounds_within(self, e: Excess) -> float:
         """How long (us) the diagnoser's rounds ran on its rank (the observer's) within
         the steps of ``e``."""
-        lo, hi = e.first - self.steps.base, e.last + 1 - self.steps.base
-        if not self._observer_rounds or e.rank >= len(self.steps.last) or lo < 0:
+        span = self.steps.span_ns(e.rank, e.first, e.last) if self._observer_rounds else None
+        if span is None:
             return 0.0
-        has = self.steps.has[e.rank, lo:hi]
-        if not has.any():
-            return 0.0
-        start = self.steps.cols["start_ns"][e.rank, lo:hi][has]
-        end = start + self.steps.cols["step_us"][e.rank, lo:hi][has] * 1000
         rounds = np.array(self._observer_rounds, np.int64)
-        within = np.minimum(rounds[:, 1], end.max()) - np.maximum(rounds[:, 0], start.min())
+        within = np.minimum(rounds[:, 1], span[1]) - np.maximum(rounds[:, 0], span[0])
         return float(np.clip(within, 0, None).sum()) / 1000
 
     def _held_s(self, rank: int, since: int, last: int) -> float:
         """Seconds from the start of step ``since`` to that of step ``last`` of ``rank``."""
         first = self.steps.start_from_ns(rank, since, last)
-        end = self.steps.start_from_ns(rank, last, last)
+        end = self.steps.start_ns(rank, last)
         return 0.0 if first is None or end is None else (end - first) / 1e9
 
     def _cpu_wait(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -107,6 +107,18 @@ class StepTable:
         known = np.flatnonzero(self.has[rank, a:b])
         return int(self.cols["start_ns"][rank, a + known[0]]) if len(known) else None
 
+    def span_ns(self, rank: int, step: int, last: int) -> tuple[int, int] | None:
+        """When ``rank`` began the first of steps ``step``..``last`` that it has a record
+        of, and when it ended the last of them (None: it has none)."""
+        if not 0 <= rank < len(self.last):
+            return None
+        a, b = max(0, step - self.base), max(0, min(last + 1 - self.base, self.has.shape[1]))
+        known = a + np.flatnonzero(self.has[rank, a:b])
+        if not len(known):
+            return None
+        start, step_us = self.cols["start_ns"][rank], self.cols["step_us"][rank]
+        return int(start[known[0]]), int(start[known[-1]] + step_us[known[-1]] * 1000)
+
     def first_start_ns(self, step: int) -> int | None:
         """When the first rank began ``step`` (None: no rank has it)."""
         col = step - self.base

@@ -152,7 +152,7 @@ class FunctionalOps:
             weakref.ref(t, functools.partial(self._released, key))
             for t, key in zip(outputs, keys, strict=True)
         ]
-        flight = _Flight(index, list(keys), released)
+        flight = _Flight(index, slot, list(keys), released)
         with self._lock:
             for key in keys:
                 self._pending[key] = flight
@@ -165,7 +165,6 @@ class FunctionalOps:
         """Output ``key`` was waited on (or freed). Its op ends with its last output, and
         so do the ops that the group ran before it: a group runs its collectives in the
         order they were called (a result never waited on is not held in flight forever)."""
-        ended = []
         with self._lock:
             flight = self._pending.pop(key, None)
             if flight is None:
@@ -173,11 +172,9 @@ class FunctionalOps:
             flight.keys.remove(key)
             if flight.keys:
                 return
-            for slot, flights in self._in_flight.items():
-                if flight in flights:
-                    at = flights.index(flight)
-                    ended, self._in_flight[slot] = flights[: at + 1], flights[at + 1 :]
-                    break
+            flights = self._in_flight[flight.slot]
+            at = flights.index(flight)
+            ended, self._in_flight[flight.slot] = flights[: at + 1], flights[at + 1 :]
             for f in ended:
                 for k in f.keys:
                     self._pending.pop(k, None)
@@ -212,12 +209,13 @@ def _key(t: Any) -> int:
 
 
 class _Flight:
-    """An op on the board, its outputs not waited on yet (by _key), and the weak
-    references that tell their release."""
+    """An op on the board, its group's slot, its outputs not waited on yet (by _key), and
+    the weak references that tell their release."""
 
-    __slots__ = ("index", "keys", "released")
+    __slots__ = ("index", "slot", "keys", "released")
 
-    def __init__(self, index: int, keys: list[int], released: list[Any]) -> None:
+    def __init__(self, index: int, slot: int, keys: list[int], released: list[Any]) -> None:
         self.index = index
+        self.slot = slot
         self.keys = keys
         self.released = released
