@@ -6,9 +6,10 @@ import logging
 import threading
 from collections import Counter
 
-__all__ = ["contained_errors", "log", "report_error"]
+__all__ = ["CONTAINED", "contained_errors", "log", "report_error"]
 
 log = logging.getLogger("ccld")
+CONTAINED = "ccld: contained error"  # how each place's first error is logged
 
 _lock = threading.Lock()
 _counts: Counter[str] = Counter()
@@ -23,7 +24,7 @@ def report_error(where: str, exc: BaseException) -> None:
             first = _counts[where] == 1
         if first:
             log.warning(
-                "ccld: contained error in %s: %s: %s (training continues; "
+                CONTAINED + " in %s: %s: %s (training continues; "
                 "further errors here are counted, not logged)",
                 where,
                 type(exc).__name__,

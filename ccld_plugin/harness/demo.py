@@ -3,7 +3,9 @@ fault, print the verdicts as they come, end a hung job, and summarize.
 
 Writes ``DIR/verdicts.jsonl``, ``DIR/faults.jsonl`` (each injected fault with its onset)
 and ``DIR/summary.json`` (verdicts, faults, latency per verdict matched to its fault,
-steps completed, exit code of each rank, and ``failure``: why the demo failed, or null),
+steps completed, exit code of each rank, the errors the plugin contained (each log's
+``ccld: contained error`` lines: a diagnosis that raised shows there, not as a miss), and
+``failure``: why the demo failed, or null),
 and ``DIR/trace.json``, the run's timeline.
 
 The exit code is 0 when the job ran and every fault was diagnosed (or, healthy, it trained
@@ -29,10 +31,12 @@ from pathlib import Path
 from types import FrameType
 
 from rich.console import Console
+from rich.markup import escape
 
 from ccld_plugin.board.reader import BoardError, BoardReader, board_files
 from ccld_plugin.board.report import collective_table, print_collectives
 from ccld_plugin.config import CcldConfig, load_config
+from ccld_plugin.errors import CONTAINED
 from ccld_plugin.harness.faults.spec import FaultSpec, parse_faults
 from ccld_plugin.harness.launch import LocalJob, free_port
 from ccld_plugin.harness.netjob import NetJob, available
@@ -226,6 +230,7 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
         "latency_s": latency,
         "steps_completed": steps,
         "exit": codes,
+        "contained_errors": logged_errors(out / "logs"),
         "failure": failure,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -354,6 +359,19 @@ def _job_failure(o: Outcome, opts: DemoOptions, logs: Path) -> str | None:
     if o.steps < opts.steps:
         return f"the job ended {at}"
     return None
+
+
+def logged_errors(logs: Path) -> list[str]:
+    """The errors the plugin contained in the job's processes, as each log told them first
+    (``errors.report_error``): "rank2: ccld: contained error in ...", one per place."""
+    found = []
+    for log in sorted(logs.glob("*.log")):
+        with contextlib.suppress(OSError):
+            for line in log.read_text(errors="replace").splitlines():
+                at = line.find(CONTAINED)
+                if at >= 0:
+                    found.append(f"{log.stem}: {line[at:].strip()}")
+    return found
 
 
 def _who(ranks: list[int]) -> str:
@@ -628,6 +646,8 @@ def _print_summary(console: Console, summary: dict, faults: list[FaultSpec], out
         extra = f" in {m['latency_s']} s" if m["latency_s"] is not None else ""
         steps = f" ({m['steps_to_verdict']} steps)" if m["steps_to_verdict"] is not None else ""
         console.print(f"  fault {m['fault']}: {status}{extra}{steps}")
+    for line in summary["contained_errors"]:
+        console.print(f"  [yellow]{escape(line)}[/]")
     if not faults:
         console.print(
             "  healthy run: "

@@ -103,7 +103,8 @@ def only(summary: dict, kind: str, cause: str | None = None) -> dict:
         for v in summary["verdicts"]
         if v["kind"] == kind and (cause is None or v["cause"] == cause)
     ]
-    assert len(found) == 1, summary["verdicts"]
+    # a diagnosis that raised (contained, logged once) shows beside the verdicts
+    assert len(found) == 1, (summary["verdicts"], summary["contained_errors"])
     return found[0]
 
 

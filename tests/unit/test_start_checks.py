@@ -5,6 +5,7 @@ counted and left out; and the demo's judgement of a run."""
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import subprocess
@@ -16,7 +17,9 @@ from builders import rank_summary
 
 import ccld_plugin
 from ccld_plugin.config import CcldConfig, ConfigError, SinksConfig, load_config
-from ccld_plugin.harness.demo import DemoOptions, Outcome, why_failed
+from ccld_plugin.errors import log as ccld_log
+from ccld_plugin.errors import report_error
+from ccld_plugin.harness.demo import DemoOptions, Outcome, logged_errors, why_failed
 from ccld_plugin.harness.faults.spec import parse_fault
 from ccld_plugin.runtime import session
 from ccld_plugin.runtime.diagnoser import DiagnoserService
@@ -228,6 +231,25 @@ def test_the_demo_fails_when_the_job_failed(tmp_path):
     assert "the healthy run got 1 verdict(s) (hang)" in str(
         why_failed(_outcome(verdicts=hang), opts, tmp_path)
     )
+
+
+def test_the_demo_tells_the_errors_the_plugin_contained_in_each_process(tmp_path):
+    # As a rank logs them: the first error of each place, then only counted.
+    handler = logging.FileHandler(tmp_path / "rank2.log")
+    ccld_log.addHandler(handler)
+    try:
+        for _ in range(2):
+            report_error("test.demo_logs.round", ZeroDivisionError("division by zero"))
+        report_error("test.demo_logs.sink", OSError("disk full"))
+    finally:
+        ccld_log.removeHandler(handler)
+        handler.close()
+    (tmp_path / "rank0.log").write_text("step 1\nstep 2\n")
+    found = logged_errors(tmp_path)
+    assert [line.split(":")[0] for line in found] == ["rank2", "rank2"]
+    assert "contained error in test.demo_logs.round: ZeroDivisionError" in found[0]
+    assert "test.demo_logs.sink: OSError: disk full" in found[1]
+    assert logged_errors(tmp_path / "none") == []
 
 
 def test_a_diagnosed_hang_explains_the_killed_ranks(tmp_path):
