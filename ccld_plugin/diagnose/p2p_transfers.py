@@ -29,7 +29,7 @@ from ccld_plugin.diagnose.view import GroupIndex, JobView
 from ccld_plugin.wire.summary_batch import SummaryTable
 from ccld_plugin.wire.topology import GroupInfo
 
-__all__ = ["LoneConnection", "P2PJoin", "Transfers", "p2p_measured", "slow_p2p_port"]
+__all__ = ["LoneConnection", "P2PJoin", "Transfers", "p2p_cleared", "slow_p2p_port"]
 
 PENDING_TTL_NS = 20_000_000_000  # an end whose other end never comes is dropped after this
 # A directed link is judged on a window with at least this many paired transfers.
@@ -297,7 +297,13 @@ def slow_p2p_port(
     conns = _connections(transfers.within(t0, t1), exclude)
     window_ns = max(1, t1 - t0)
     if len(conns) < 2:
-        return lone.judge(conns[0], window_ns, groups, queued) if conns and lone else None
+        if conns and lone and _whole_group(conns[0], groups):
+            return lone.judge(conns[0], window_ns, groups, queued)
+        return None
+    # A rank's port or a link is judged only where every connection of the rank (of both
+    # ends) was measured: the samples of one may have come late, and it may be the one
+    # that tells a port (all slow) from a link (the others healthy).
+    whole = _covered({(c.a, c.b) for c in conns}, _known_connections(transfers))
     peers: dict[int, list[_Connection]] = defaultdict(list)
     for c in conns:
         peers[c.a].append(c)
@@ -305,11 +311,13 @@ def slow_p2p_port(
     found: list[LinkFinding] = []
     for r, own in peers.items():
         others = [c.ns_per_byte for c in conns if r not in (c.a, c.b)]
-        if len(own) >= 2 and others:
+        if len(own) >= 2 and others and r in whole:
             f = _finding([r], None, own, statistics.median(others), PORT_RATIO, window_ns, groups)
             found += [f] if f is not None else []
     if not found:
         for c in conns:
+            if c.a not in whole or c.b not in whole:
+                continue
             others = [o.ns_per_byte for o in conns if o is not c]
             ref = statistics.median(others)
             f = _finding([c.a, c.b], [c.a, c.b], [c], ref, LINK_RATIO, window_ns, groups)
@@ -317,10 +325,34 @@ def slow_p2p_port(
     return max(found, key=lambda f: f.severity) if found else None
 
 
-def p2p_measured(transfers: Transfers, t0: int, t1: int) -> bool:
-    """Whether [t0, t1] holds a connection measured both ways: a window without one says
-    nothing of the links, healthy or slow."""
-    return bool(_connections(transfers.within(t0, t1), frozenset()))
+def p2p_cleared(transfers: Transfers, groups: list[GroupInfo], t0: int, t1: int) -> frozenset[int]:
+    """The ranks whose links the transfers of [t0, t1] show healthy: every connection of
+    theirs (seen in ``transfers``) measured both ways and fast there and back (under
+    MIN_SLOW_ROUND_TRIP_NS; a two-stage pipeline's one connection: judged against its
+    own past, found healthy). A finding on other ranks holds: a window that lost the
+    samples of a slow rank's links (they came late), or of the connections to compare
+    them with, says nothing of them."""
+    conns = _connections(transfers.within(t0, t1), frozenset())
+    if len(conns) == 1 and _whole_group(conns[0], groups):
+        return frozenset((conns[0].a, conns[0].b))
+    fast = {(c.a, c.b) for c in conns if c.round_trip_ns < MIN_SLOW_ROUND_TRIP_NS}
+    return frozenset(_covered(fast, _known_connections(transfers)))
+
+
+def _known_connections(t: Transfers) -> set[tuple[int, int]]:
+    """The connections (a < b) that ``t`` holds transfers of, both ways."""
+    ways = set(zip(t.src.tolist(), t.dst.tolist(), strict=True))
+    return {(a, b) for a, b in ways if a < b and (b, a) in ways}
+
+
+def _covered(some: set[tuple[int, int]], known: set[tuple[int, int]]) -> set[int]:
+    """The ranks of the connections ``some`` whose every ``known`` connection is in it."""
+    return {r for k in some for r in k if all(c in some for c in known if r in c)}
+
+
+def _whole_group(c: _Connection, groups: list[GroupInfo]) -> bool:
+    """Whether ``c`` is its group's only connection (a pipeline of two stages)."""
+    return len(groups[c.group].ranks) == 2
 
 
 def _connections(t: Transfers, exclude: frozenset[int]) -> list[_Connection]:

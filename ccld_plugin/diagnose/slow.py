@@ -29,7 +29,7 @@ from ccld_plugin.diagnose.p2p_transfers import (
     LoneConnection,
     P2PJoin,
     Transfers,
-    p2p_measured,
+    p2p_cleared,
     slow_p2p_port,
 )
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
@@ -662,10 +662,12 @@ class SlowDetector:
         # where no sibling group exists to compare bandwidth with (one DP group).
         judged = self.channels.slow_links(view, t0, t1, frozenset(stragglers))
         found, fresh = judged.found, judged.fresh
-        if found is None and len(self.transfers.src):
-            # a lone pipeline's links (P2PJoin): their messages' transfers
+        healthy: frozenset[int] | None = None  # ranks whose links it measured; None: all
+        if (found is None or not fresh) and len(self.transfers.src):
+            # A lone pipeline's links (P2PJoin): their messages' transfers, also where the
+            # channel evidence could not judge this window (its finding is an older one).
             waited, _, share = self._cpu_wait(lo, hi)
-            found = slow_p2p_port(
+            p2p = slow_p2p_port(
                 self.transfers,
                 self.arrivals.groups,
                 t0,
@@ -674,11 +676,13 @@ class SlowDetector:
                 self.lone,
                 queued=frozenset(waited[share > QUIET_HOST_SHARE].tolist()),
             )
-            fresh = fresh or found is not None
-            if found is None and not slow and not p2p_measured(self.transfers, t0, t1):
-                # Too few of its messages sampled this window (a fast job's windows take
-                # turns at it): no news, its streak holds as it is.
-                return []
+            if p2p is not None:
+                found, fresh = p2p, True
+            else:
+                # A window that lost the samples of some links (a fast job's windows take
+                # turns at them; an agent's summary came late) clears only the ranks
+                # whose links it measured healthy: other findings' streaks hold.
+                healthy = p2p_cleared(self.transfers, self.arrivals.groups, t0, t1)
         if slow and found is None and judged.pending:
             # Low bandwidth with the links' own judgement still to come: a busy host slows
             # a group's transfers as much as a slow link does (seen: one DP group at 5.6x
@@ -703,11 +707,7 @@ class SlowDetector:
         slow = [x for x in slow if x not in cleared]
         if not slow:
             if found is None:
-                for key in [k for k in self.streak if k[:2] == (Kind.SLOW, Cause.COMMUNICATION)]:
-                    self.streak.pop(key)
-                    self.first_seen.pop(key, None)
-                self._comm_reported.clear()
-                self._channel_found = None
+                self._end_comm_streaks(healthy)
                 return []
             # A window too short for the channel evidence holds its streak as it is.
             return self._channel_slow(view, found, lo, hi) if fresh else []
@@ -759,6 +759,17 @@ class SlowDetector:
                 evidence=evidence,
             )
         ]
+
+    def _end_comm_streaks(self, healthy: frozenset[int] | None) -> None:
+        """End the communication streaks on ranks in ``healthy`` (None: every streak)."""
+        for key in [k for k in self.streak if k[:2] == (Kind.SLOW, Cause.COMMUNICATION)]:
+            if healthy is None or set(key[2]) <= healthy:
+                self.streak.pop(key)
+                self.first_seen.pop(key, None)
+                self._comm_reported.discard(key)
+        if not any(k[:2] == (Kind.SLOW, Cause.COMMUNICATION) for k in self.streak):
+            self._comm_reported.clear()
+            self._channel_found = None
 
     def _narrowed(self, found: LinkFinding) -> LinkFinding:
         """``found``, or the streak's earlier finding where that named one end of the link

@@ -15,11 +15,13 @@ from ccld_plugin.diagnose.p2p_transfers import (
     LoneConnection,
     P2PJoin,
     Transfers,
+    p2p_cleared,
     slow_p2p_port,
 )
 from ccld_plugin.diagnose.records import Cause, Kind
 from ccld_plugin.diagnose.view import GroupIndex, JobView
 from ccld_plugin.postmortem.replay import replay
+from ccld_plugin.wire.round_record import RoundRecorder, read_recording
 from ccld_plugin.wire.summary import (
     P2PSample,
     RankSummary,
@@ -32,6 +34,7 @@ from ccld_plugin.wire.summary import (
 from ccld_plugin.wire.summary_batch import SummaryTable
 
 PP = group("pp", [0, 1, 2, 3])
+PP2 = group("pp", [0, 1])  # a two-stage pipeline: one connection
 KB64 = 64 * 1024
 
 
@@ -179,6 +182,70 @@ def test_recorded_lone_pipelines_name_the_slow_port_and_the_slow_link() -> None:
     assert (v.kind, v.cause, v.ranks, v.link) == (Kind.SLOW, Cause.COMMUNICATION, [1, 2], [1, 2])
 
 
+def test_a_window_that_lost_some_links_samples_clears_only_the_ranks_it_measured() -> None:
+    # Rank 2's two connections slow, the pipeline's third not measured this window (its
+    # samples came late): no port can be told, nor a link, and rank 2 is not cleared.
+    # Rank 2's connection to 1 alone: neither its port nor the link.
+    window = (0, 2000 * MS)
+    past = pipeline(both_ways({(0, 1): 0.8, (1, 2): 0.6, (2, 3): 0.7}))
+    past = past._replace(time_ns=past.time_ns - window[1])  # the window before: every link
+
+    def now(ms: dict[tuple[int, int], float], groups=(PP,)) -> tuple:
+        t = Transfers.concat([past, pipeline(both_ways(ms))])
+        found = slow_p2p_port(t, list(groups), *window, frozenset(), LoneConnection())
+        return found, set(p2p_cleared(t, list(groups), *window))
+
+    assert now({(1, 2): 14.0, (2, 3): 12.0}) == (None, set())
+    assert now({(0, 1): 0.8, (1, 2): 14.0}) == (None, {0})
+    found, cleared = now({(0, 1): 0.8, (1, 2): 14.0, (2, 3): 0.5})
+    assert (found.ranks, found.link, cleared) == ([1, 2], [1, 2], {0, 3})
+    assert now({(0, 1): 0.8, (1, 2): 0.6})[1] == {0, 1}  # 2's link to 3 not seen
+    assert now({(0, 1): 0.8, (1, 2): 0.6, (2, 3): 0.5}) == (None, {0, 1, 2, 3})
+    # a two-stage pipeline's one connection, judged against its own past
+    assert p2p_cleared(pipeline(both_ways({(0, 1): 12.0})), [PP2], *window) == {0, 1}
+    assert p2p_cleared(Transfers.empty(), [PP], *window) == frozenset()
+
+
+def _with_late_summaries(src: Path, dst: Path, share: float, seed: int) -> Path:
+    """``src`` again, each rank's summary left out of a round with chance ``share`` (as
+    when its agent lags the diagnoser's round: it reaches a later round, or a newer
+    summary replaces it)."""
+    config, rounds = read_recording(src)
+    rng = np.random.default_rng(seed)
+    out = RoundRecorder(dst, config)
+    seen: dict[int, bytes] = {}
+    for r in rounds:
+        late = {k for k in r.values if rng.random() < share}
+        r.values = {
+            k: (seen[k] if k in late else v)
+            for k, v in r.values.items()
+            if k in seen or k not in late
+        }
+        seen.update(r.values)
+        out.write(r)
+    out.close()
+    return dst
+
+
+def test_a_lone_pipelines_slow_port_is_named_when_a_third_of_the_summaries_come_late(
+    tmp_path: Path,
+) -> None:
+    # Windows lose the samples of a connection (the port's reference, or its own): they
+    # hold the streak; a window whose channel evidence could not be judged leaves the
+    # transfers to judge it.
+    for seed in range(8):
+        rec = _with_late_summaries(
+            RECORDED / "comm-slow-30mbit-rank2-step8-tp1pp4.rec",
+            tmp_path / f"{seed}.rec",
+            0.3,
+            seed,
+        )
+        _, got = replay(rec)
+        assert [(v.kind, v.cause, v.ranks, v.link) for v in got] == [
+            (Kind.SLOW, Cause.COMMUNICATION, [2], None)
+        ], seed
+
+
 def test_a_recorded_two_stage_pipeline_at_100_mbit_names_its_link() -> None:
     # `ccld demo --world 2 --tp 1 --pp 2 --fault comm-slow@1:rate=100mbit,step=10` on a
     # quiet host: 6.8 ms there and back in every window (0.4 before), every message alike;
@@ -196,7 +263,7 @@ def test_a_two_stage_pipelines_one_connection_is_judged_against_its_own_past() -
     def judged(ms: float, k: int) -> object:
         t = pipeline(both_ways({(0, 1): ms}), window_ns=window)
         t = t._replace(time_ns=t.time_ns + k * window)
-        return slow_p2p_port(t, [PP], k * window, (k + 1) * window, frozenset(), lone)
+        return slow_p2p_port(t, [PP2], k * window, (k + 1) * window, frozenset(), lone)
 
     # healthy windows, then the connection at 30x; no history yet: no judgement
     assert [judged(0.6 if k % 2 else 0.4, k) for k in range(4)] == [None] * 4
@@ -226,7 +293,7 @@ def test_a_connection_slow_in_every_transfer_is_named_under_10_ms_held_back_ones
     def judged(lone: LoneConnection, there: list[float], back: list[float], k: int, q=()):
         t = one_connection(there, back, k, window)
         w = (k * window, (k + 1) * window)
-        return slow_p2p_port(t, [PP], *w, frozenset(), lone, queued=frozenset(q))
+        return slow_p2p_port(t, [PP2], *w, frozenset(), lone, queued=frozenset(q))
 
     healthy = [0.2, 0.3, 0.2, 0.3, 0.2, 0.3, 0.2, 0.3]
     steady, held, crowded = LoneConnection(), LoneConnection(), LoneConnection()
@@ -253,6 +320,6 @@ def test_a_slow_connection_is_named_after_one_healthy_window_read_on_a_busy_host
     for k, ms in enumerate([2.0, 8.0, 15.0, 15.0]):
         t = pipeline(both_ways({(0, 1): ms}), window_ns=window)
         t = t._replace(time_ns=t.time_ns + k * window)
-        found.append(slow_p2p_port(t, [PP], k * window, (k + 1) * window, frozenset(), lone))
+        found.append(slow_p2p_port(t, [PP2], k * window, (k + 1) * window, frozenset(), lone))
     assert found[:2] == [None, None]
     assert all(f is not None and f.link == [0, 1] for f in found[2:]), found
