@@ -153,9 +153,7 @@ class Diagnoser:
             hangs = self._fold_into_mismatch(hangs, mismatches)
         slow = self.slow.evaluate(view) if not hangs else []
         new = self._new([*crashes, *unresponsive, *mismatches, *hangs, *slow])
-        self._steps_marked = self._steps_marked or bool(
-            (view.columns.heads["step"] > 0).any() or len(view.columns.steps)
-        )
+        self._steps_marked = self._steps_marked or view.steps_marked
         if not self._steps_marked:
             for v in new:
                 v.step = None

@@ -95,16 +95,19 @@ def _crash(view: JobView, exception: str, ranks: list[int]) -> Verdict:
             where=where,
         )
     ]
+    marked = view.steps_marked
     for r in ranks[:SHOWN_RANKS]:
         s = view.summaries[r]
         op = next(iter(view.ops_of(r)), None)
         evidence.append(
             Evidence.of(
                 "crashed_at",
-                "rank {rank} left at step {step}, {seconds:.1f} s into the job"
+                "rank {rank} left"
+                + (" at step {step}" if marked else "")
+                + ", {seconds:.1f} s into the job"
                 + (", in {op} on {role}{members}" if op else ""),
                 rank=r,
-                step=s.step,
+                step=s.step if marked else None,
                 seconds=view.seconds(s.time_ns),
                 op=OP_NAMES.get(op[0].op, "?") if op else None,
                 role=op[1].role if op else None,

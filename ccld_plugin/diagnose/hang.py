@@ -190,10 +190,11 @@ def _compute_hang(
         ),
         Evidence.of(
             "in_no_collective",
-            "rank {rank} is in no collective; no progress for {idle_s:.1f} s (step {step})",
+            "rank {rank} is in no collective; no progress for {idle_s:.1f} s"
+            + (" (step {step})" if view.steps_marked else ""),
             rank=root,
             idle_s=idle,
-            step=s.step,
+            step=s.step if view.steps_marked else None,
         ),
     ]
     others = sorted(r for r in blocked if r not in {b.rank for b in by_group[gid]})
@@ -477,9 +478,9 @@ def find_unresponsive(view: JobView, unresponsive_s: float) -> list[Verdict]:
         evidence.append(
             Evidence.of(
                 "last_op",
-                "last step {step}; "
+                ("last step {step}; " if view.steps_marked else "")
                 + ("in {op} seq {seq} on {role}{members}" if ops else "in no collective"),
-                step=s.step,
+                step=s.step if view.steps_marked else None,
                 **last,
             )
         )

@@ -119,6 +119,13 @@ class JobView:
             self._columns = (objs, SummaryTable.of(self.summaries))
         return self._columns[1]
 
+    @property
+    def steps_marked(self) -> bool:
+        """Whether the job marks its steps (a rank past step 0, or steps reported): in a
+        job that marks none every rank stays at step 0, which no verdict should tell."""
+        t = self.columns
+        return bool((t.heads["step"] > 0).any() or len(t.steps))
+
     def silent(self, min_silent_s: float) -> set[int]:
         """The ranks whose last summary is ``min_silent_s`` old or older (those known gone
         left out: their silence is explained)."""

@@ -72,6 +72,26 @@ def test_hang_root_is_the_rank_in_no_collective_tp2_pp2():
     assert h.onset_s == 87.5 and h.detected_s == 100.0
 
 
+def test_a_job_that_marks_no_steps_is_told_no_step():
+    # A loop with no optimizer (nothing marks its steps) stays at step 0 on every rank: its
+    # verdicts and their evidence name no step; a job that marks them is told its step.
+    pp = group("pp", [0, 1])
+    tables = {0: [pp], 1: [pp]}
+    for step, told in ((0, None), (7, 7)):
+        v = view(
+            [
+                summary(0, {0: 0}, [(0, "recv", 9, 12, FLAG_P2P, 1)], idle_s=12, step=step),
+                summary(1, {0: 0}, idle_s=12.5, step=step),
+            ],
+            tables,
+        )
+        (h,) = Diagnoser(DiagnoserConfig(hang_min_s=5), interval_s=0.5).round(v)
+        assert (h.kind.value, h.cause.value, h.ranks, h.step) == ("hang", "compute", [1], told)
+        (idle,) = facts(h.evidence)["in_no_collective"]
+        assert idle["data"]["step"] == told
+        assert ("step" in idle["text"]) == (told is not None), idle["text"]
+
+
 def test_a_frozen_root_is_unresponsive_not_a_compute_hang():
     # Rank 1's process froze (SIGSTOP) outside any op: its agent froze too, so its last
     # summary is 12 s old and says nothing of what it does. No compute hang is named on
