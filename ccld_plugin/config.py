@@ -81,7 +81,8 @@ class BoardConfig:
     max_channels: int = 512
     """Channel records (per-peer connection progress) per rank."""
     cleanup: bool = True
-    """Remove the board files at normal exit; keep them off for post-mortems."""
+    """Remove the board files at normal exit (a rank that crashed, or one of whose
+    collectives raised, keeps its own); off keeps them all for post-mortems."""
 
     def __post_init__(self) -> None:
         _check(bool(self.dir), "board.dir", self.dir, "a directory path")

@@ -334,16 +334,19 @@ def _checked_step(step: Any) -> int:
 def disable(keep_board: bool = False, failing: bool = False) -> None:
     """Stop the services, restore every wrapped function and close the board. The board is
     removed unless ``board.cleanup`` is off or ``keep_board`` is set (the exit path of a
-    crashed rank keeps it for the post-mortem), or the store stopped answering this rank
-    (the board is then the only record). ``failing``: the rank is leaving on an uncaught
-    exception, and the diagnoser's last round waits a moment for the evidence of why. Safe
-    to call more than once."""
+    crashed rank keeps it for the post-mortem), a collective of this rank raised, or the
+    store stopped answering this rank (the board is then the only record). ``failing``: the
+    rank is leaving on an uncaught exception, and the diagnoser's last round waits a moment
+    for the evidence of why. Safe to call more than once."""
     global _session
     with _lock:
         _restore_init()
         s, _session = _session, None
         if s is None:
             return
+        # A rank that saw a collective raise keeps its board, however it leaves (a script
+        # that catches the error and calls sys.exit(1) ends as cleanly as a finished one).
+        keep_board = keep_board or s.tracer.failed_ops > 0
         if s.services is not None:
             s.services.stop(failing, _crash if failing else [])
             keep_board = keep_board or s.services.store_lost

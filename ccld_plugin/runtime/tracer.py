@@ -232,6 +232,9 @@ class Tracer:
         self.topology = Topology()
         self._entries: dict[Any, GroupEntry] = {}
         self._p2p_seq: dict[tuple[int, int, bool], int] = {}
+        # Ops that raised (or whose work failed): a rank that saw one keeps its board at
+        # exit, however it leaves (sys.exit after catching it is no clean end).
+        self.failed_ops = 0
         self._local = _Local()
         self._poller = _CompletionPoller(poll_interval_s)
         self._functional = FunctionalOps(self)  # DTensor's ops, which reach C++ directly
@@ -336,6 +339,8 @@ class Tracer:
 
     # ----------------------------------------------------------------- records
     def exit_many(self, indices: tuple[int, ...], state: int) -> None:
+        if state == STATE_ERROR:
+            self.failed_ops += len(indices)
         try:
             for i in indices:
                 self.board.exit(i, state)

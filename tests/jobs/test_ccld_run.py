@@ -47,11 +47,12 @@ def ccld_run(
     timeout_s: float = 180,
     world: int = 4,
     launcher=_torchrun,
+    cleanup: bool = False,
 ) -> list[dict]:
     """Run ``script`` on ``world`` ranks under ``ccld run -- <launcher>`` (default
     ``python -m torch.distributed.run``); a hung job is ended once a verdict says it will
-    not recover. Its verdicts."""
-    sets = [*FAST, f"board.dir={tmp}", "job=j", "board.cleanup=false"]
+    not recover. Its verdicts; its boards in ``tmp / "j"`` (all kept unless ``cleanup``)."""
+    sets = [*FAST, f"board.dir={tmp}", "job=j", f"board.cleanup={str(cleanup).lower()}"]
     sets += [f"sinks.jsonl={tmp / 'verdicts.jsonl'}", "sinks.console=false"]
     cmd = [*CCLD, "run", *sum((["--set", s] for s in sets), []), "--", *launcher(world)]
     env = _env(fault, steps)
@@ -247,6 +248,21 @@ def test_device_mesh_collective_that_raised_on_its_caller_is_its_crash(tmp_path)
     assert "mesh_2d.py" in ev["data"]["where"]  # the call, not torch's frame
     (at,) = facts(v["evidence"])["crashed_at"]
     assert (at["data"]["op"], at["data"]["role"]) == ("all_gather_into_tensor", "tp")
+
+
+def test_ranks_whose_collective_raised_keep_their_boards_however_they_exit(tmp_path):
+    # Every rank of this script leaves a failed step by sys.exit(1): rank 1 on its own
+    # error at step 6, ranks 0 and 2 on the all-reduce that raised when rank 1's
+    # connections closed. Python ends such a process as cleanly as a finished one, and
+    # every board was removed (the diagnoser's rank ended too, often before its round):
+    # nothing was left to diagnose. The ranks that saw a collective raise keep theirs.
+    ccld_run(tmp_path, "exit_on_error.py", "crash@1:6", 40, world=3, cleanup=True)
+    log = (tmp_path / "job.log").read_text(errors="replace")
+    assert "rank 1: training failed: MemoryError" in log, log[-3000:]
+    kept = sorted(p.name for p in (tmp_path / "j").glob("*.board"))
+    assert kept == ["rank0.board", "rank2.board"], (kept, log[-3000:])
+    out = subprocess.run([*CCLD, "diagnose", str(tmp_path / "j")], capture_output=True, text=True)
+    assert "2 of 3 boards" in out.stdout + out.stderr, out
 
 
 def test_deepspeed_launcher_compute_hang(tmp_path):
