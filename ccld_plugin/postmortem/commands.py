@@ -8,7 +8,7 @@ from rich.console import Console
 
 from ccld_plugin.diagnose import Verdict
 from ccld_plugin.postmortem.boards import JobBoards, PostmortemError, load_boards
-from ccld_plugin.postmortem.diagnose_boards import diagnose_boards, job_config
+from ccld_plugin.postmortem.diagnose_boards import diagnose_boards, failed_beyond, job_config
 from ccld_plugin.postmortem.replay import replay
 from ccld_plugin.postmortem.timeline import write_trace
 from ccld_plugin.sinks import JsonlSink, render_verdict
@@ -44,7 +44,14 @@ def diagnose(
     _header(boards, path, console)
     verdicts = diagnose_boards(boards, cfg)
     _emit(verdicts, jsonl, console)
-    if not verdicts:
+    raised, beyond = failed_beyond(boards)
+    if not verdicts and beyond:
+        console.print(
+            f"no verdict from these boards: collectives of rank(s) {raised} raised, in ops "
+            f"with rank(s) {beyond}, which left no board here (removed at a clean exit, or "
+            "kept on another host): read their logs, or their host's boards"
+        )
+    elif not verdicts:
         console.print("no verdict: no rank was hung, stuck, gone or mismatched at the end")
     return 0
 

@@ -121,6 +121,16 @@ def _died_first(
     return stale or (implicated and not raised and s.heartbeat_ns < now_ns)
 
 
+def failed_beyond(boards: JobBoards) -> tuple[list[int], list[int]]:
+    """The ranks whose collectives raised, and the members of those ops that left no board
+    here and raised nothing that was read (a rank's board is removed at a clean exit, and
+    a job of several hosts keeps each host's boards on that host): where a job whose
+    boards give no verdict failed."""
+    raised = {r for r, b in boards.ranks.items() if b.failed_ns() is not None}
+    beyond = _implicated(boards.ranks, raised) & set(boards.missing)
+    return sorted(raised), sorted(beyond)
+
+
 def diagnose_boards(boards: JobBoards, cfg: CcldConfig) -> list[Verdict]:
     """The verdicts one diagnoser round gives on the boards."""
     diagnoser = Diagnoser(cfg.diagnoser, cfg.agent.interval_s, channel_evidence=located_by_channels)

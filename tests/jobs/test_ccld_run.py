@@ -261,8 +261,11 @@ def test_ranks_whose_collective_raised_keep_their_boards_however_they_exit(tmp_p
     assert "rank 1: training failed: MemoryError" in log, log[-3000:]
     kept = sorted(p.name for p in (tmp_path / "j").glob("*.board"))
     assert kept == ["rank0.board", "rank2.board"], (kept, log[-3000:])
+    # From them, the post-mortem points at the rank that left no board.
     out = subprocess.run([*CCLD, "diagnose", str(tmp_path / "j")], capture_output=True, text=True)
-    assert "2 of 3 boards" in out.stdout + out.stderr, out
+    text = " ".join((out.stdout + out.stderr).split())
+    assert "2 of 3 boards" in text, text
+    assert "rank(s) [0, 2] raised, in ops with rank(s) [1], which left no board" in text, text
 
 
 def test_deepspeed_launcher_compute_hang(tmp_path):
