@@ -29,7 +29,14 @@ from ccld_plugin.diagnose.view import GroupIndex, JobView
 from ccld_plugin.wire.summary_batch import SummaryTable
 from ccld_plugin.wire.topology import GroupInfo
 
-__all__ = ["LoneConnection", "P2PJoin", "Transfers", "p2p_cleared", "slow_p2p_port"]
+__all__ = [
+    "LoneConnection",
+    "P2PJoin",
+    "Transfers",
+    "described_connections",
+    "p2p_cleared",
+    "slow_p2p_port",
+]
 
 PENDING_TTL_NS = 20_000_000_000  # an end whose other end never comes is dropped after this
 # A directed link is judged on a window with at least this many paired transfers.
@@ -337,6 +344,19 @@ def p2p_cleared(transfers: Transfers, groups: list[GroupInfo], t0: int, t1: int)
         return frozenset((conns[0].a, conns[0].b))
     fast = {(c.a, c.b) for c in conns if c.round_trip_ns < MIN_SLOW_ROUND_TRIP_NS}
     return frozenset(_covered(fast, _known_connections(transfers)))
+
+
+def described_connections(transfers: Transfers, t0: int, t1: int) -> str:
+    """The connections [t0, t1] measured, for a debug log: "1<->2 29.0 ms (41)" (there and
+    back, paired transfers) each."""
+    conns = _connections(transfers.within(t0, t1), frozenset())
+    return (
+        ", ".join(
+            f"{c.a}<->{c.b} {c.round_trip_ns / 1e6:.1f} ms ({c.there.paired + c.back.paired})"
+            for c in conns
+        )
+        or "none measured"
+    )
 
 
 def _known_connections(t: Transfers) -> set[tuple[int, int]]:

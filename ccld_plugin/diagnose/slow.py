@@ -15,6 +15,7 @@ first exit), then name
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections import defaultdict, deque
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from ccld_plugin.diagnose.p2p_transfers import (
     LoneConnection,
     P2PJoin,
     Transfers,
+    described_connections,
     p2p_cleared,
     slow_p2p_port,
 )
@@ -683,6 +685,16 @@ class SlowDetector:
                 # turns at them; an agent's summary came late) clears only the ranks
                 # whose links it measured healthy: other findings' streaks hold.
                 healthy = p2p_cleared(self.transfers, self.arrivals.groups, t0, t1)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "ccld window %d-%d: lone pipeline connections %s: %s",
+                    lo,
+                    hi - 1,
+                    described_connections(self.transfers, t0, t1),
+                    f"slow {p2p.ranks} (link {p2p.link})"
+                    if p2p is not None
+                    else f"none slow, ranks {sorted(healthy or ())} cleared",
+                )
         if slow and found is None and judged.pending:
             # Low bandwidth with the links' own judgement still to come: a busy host slows
             # a group's transfers as much as a slow link does (seen: one DP group at 5.6x
