@@ -101,11 +101,8 @@ class StepTable:
     def start_from_ns(self, rank: int, step: int, last: int) -> int | None:
         """When ``rank`` began the first of steps ``step``..``last`` that it has a record
         of (a record can be lost: a summary the diagnoser did not read in time)."""
-        if not 0 <= rank < len(self.last):
-            return None
-        a, b = max(0, step - self.base), max(0, min(last + 1 - self.base, self.has.shape[1]))
-        known = np.flatnonzero(self.has[rank, a:b])
-        return int(self.cols["start_ns"][rank, a + known[0]]) if len(known) else None
+        span = self.span_ns(rank, step, last)
+        return None if span is None else span[0]
 
     def span_ns(self, rank: int, step: int, last: int) -> tuple[int, int] | None:
         """When ``rank`` began the first of steps ``step``..``last`` that it has a record

@@ -44,14 +44,16 @@ def diagnose(
     _header(boards, path, console)
     verdicts = diagnose_boards(boards, cfg)
     _emit(verdicts, jsonl, console)
+    if verdicts:
+        return 0
     raised, beyond = failed_beyond(boards)
-    if not verdicts and beyond:
+    if beyond:
         console.print(
             f"no verdict from these boards: collectives of rank(s) {raised} raised, in ops "
             f"with rank(s) {beyond}, which left no board here (removed at a clean exit, or "
             "kept on another host): read their logs, or their host's boards"
         )
-    elif not verdicts:
+    else:
         console.print("no verdict: no rank was hung, stuck, gone or mismatched at the end")
     return 0
 
