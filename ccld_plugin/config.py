@@ -368,9 +368,13 @@ def load_config(
     """
     schema = OmegaConf.structured(CcldConfig)
     try:
-        merged = OmegaConf.merge(schema, _source_node(source))
+        node = _source_node(source)
+        _refuse_flags_as_text(node)
+        merged = OmegaConf.merge(schema, node)
         for item in list(overrides):
-            merged = OmegaConf.merge(merged, _override(item))
+            node = _override(item)
+            _refuse_flags_as_text(node)
+            merged = OmegaConf.merge(merged, node)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise ConfigError(_one_line(exc)) from None
@@ -415,6 +419,33 @@ def _load_file(path: Path) -> DictConfig:
             "configs/default.yaml"
         )
     return node
+
+
+def _refuse_flags_as_text(node: Any) -> None:
+    """A yes/no where the config takes text (a path, a name): omegaconf would turn
+    ``diagnoser.record=true`` into a file named ``True`` in the working folder."""
+    raw = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else {}
+    _refuse_flags_in(raw, CcldConfig, "")
+
+
+def _refuse_flags_in(values: Mapping[Any, Any], schema: type, prefix: str) -> None:
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key, value in values.items():
+        f = fields.get(key)
+        if f is None:  # an unknown key: the merge names it
+            continue
+        if isinstance(value, Mapping) and isinstance(f.default_factory, type):
+            _refuse_flags_in(value, f.default_factory, f"{prefix}{key}.")
+        elif isinstance(value, bool) and f.type in ("str", "str | None"):
+            off = " or null (off)" if "None" in f.type else ""
+            what = f"a path{off}, e.g. /tmp/ccld/{key}" if key in _PATH_KEYS else f"text{off}"
+            raise ConfigError(
+                f"ccld config: {prefix}{key}={value!r} reads as yes/no; expected {what} "
+                "(quote text that looks like yes/no)"
+            )
+
+
+_PATH_KEYS = {"dir", "jsonl", "record"}
 
 
 def _override(item: Any) -> DictConfig:
