@@ -127,6 +127,7 @@ class Agent:
         self._published_groups: tuple = ()
         self.latest: LocalReport | None = None
         self._recent_steps = RecentSteps()  # the last ticks' steps go in every summary
+        self._sent_tick: int | None = None  # the tick of the last summary
         self.latest_groups: tuple = ()  # the group signature ``latest`` carries
         # Why the store last failed us (None: it answers); when sending is tried again.
         self.store_lost: str | None = None
@@ -201,7 +202,7 @@ class Agent:
                 report_error("agent.tick", exc)
             if self.store_lost is None:
                 self._resync_clock()
-            self._stop.wait(self._until_next_tick(self.cfg.interval_s))
+            self._stop.wait(self._until_next_tick(self.cfg.interval_s, self._sent_tick))
 
     # ------------------------------------------------------------------ clock
     def _resync_clock(self) -> None:
@@ -234,11 +235,18 @@ class Agent:
         self._board.set_clock_offset(self.clock.offset_ns)
         self.resyncs += 1
 
-    def _until_next_tick(self, period_s: float) -> float:
-        """Seconds to the next multiple of the period on the diagnoser's clock."""
+    def _until_next_tick(self, period_s: float, sent: int | None = None) -> float:
+        """Seconds to the next multiple of the period on the diagnoser's clock, past the
+        tick ``sent`` (the last summary's). One summary a tick: an agent held up for a
+        tick sent its summary just before the next boundary, and the next, 10 ms later,
+        replaced it unread with the samples of those 10 ms (a straggler's arrival order
+        lost for 28 steps)."""
         period = int(period_s * 1e9)
         now = self.clock.to_diag(time.monotonic_ns()) if self.clock else time.monotonic_ns()
-        return (period - now % period) / 1e9
+        wait = period - now % period
+        if sent is not None and self.clock and (now + wait) // period <= sent:
+            wait += period
+        return wait / 1e9
 
     def _publish(self, final: bool = False) -> None:
         """Summarize the board, and send the summary unless the store is down and the
@@ -253,6 +261,7 @@ class Agent:
         data = encode_summary(self.summarize(final))
         self.latest = LocalReport(data, self._groups_version, groups)
         tick, job_start = self._tick()
+        self._sent_tick = tick
         flags = (EXITED if final else 0) | (STORE_LOST if self.store_lost else 0)
         handed = self._synced and self.node.hand(data, tick, job_start, flags)
         now = time.monotonic()
@@ -469,11 +478,25 @@ class Agent:
 
 
 def _sampled(ops: np.ndarray, keep: int) -> np.ndarray:
-    """The last ``keep`` of ``ops`` (one sequence of seqs) whose seq is a multiple of the
-    power of two that leaves about ``keep`` of them: every rank that reports the same
-    sequence picks the same seqs (a larger power's multiples are a smaller's subset)."""
+    """The last ``keep`` of ``ops`` (one sequence of seqs) whose seq, mixed, is a multiple
+    of the power of two that leaves about ``keep`` of them: every rank that reports the
+    same sequence picks the same seqs (a larger power's multiples are a smaller's subset).
+    Mixed, because a step runs a fixed number of ops in each group: the multiples of 2 of
+    a TP group's 16 all-reduces a step were the same 8 of every step, where its peer was
+    always last, and a 1.5x straggler late at the other 8 went unnamed."""
     every = 1 << max(0, int(np.ceil(np.log2(max(1, len(ops)) / keep))))
-    return ops[ops["seq"] % every == 0][-keep:]
+    return ops[_mixed(ops["seq"]) % np.uint64(every) == 0][-keep:]
+
+
+def _mixed(seq: np.ndarray) -> np.ndarray:
+    """``seq``'s bits spread over all 64 (splitmix64's finalizer): no period left in them."""
+    x = seq.astype(np.uint64)
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return x
 
 
 def _open_reach_port(control: ControlPlane) -> ReachPort | None:
