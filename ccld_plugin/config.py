@@ -425,7 +425,8 @@ def _refuse_flags_as_text(node: Any) -> None:
     """A yes/no where the config takes text (a path, a name): omegaconf would turn
     ``diagnoser.record=true`` into a file named ``True`` in the working folder."""
     raw = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else {}
-    _refuse_flags_in(raw, CcldConfig, "")
+    if isinstance(raw, Mapping):
+        _refuse_flags_in(raw, CcldConfig, "")
 
 
 def _refuse_flags_in(values: Mapping[Any, Any], schema: type, prefix: str) -> None:
