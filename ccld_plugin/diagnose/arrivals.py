@@ -275,6 +275,8 @@ class ArrivalJoin:
         self.index = index or GroupIndex()
         self._sizes = np.zeros(0, np.int64)
         self._pending = _no_rows()
+        # per rank and group slot, the highest seq sampled so far (-1: none)
+        self._taken = np.full((0, 0), -1, np.int64)
 
     @property
     def groups(self) -> list[GroupInfo]:
@@ -329,16 +331,37 @@ class ArrivalJoin:
         width = int(max(g["slot"].max(initial=0), slot.max(initial=0))) + 1
         completed = np.zeros(len(table) * width, np.int64)
         completed[g["row"] * width + g["slot"]] = g["completed_seq"]
+        seq = completed[owner * width + slot] - samples["back"]
+        new = self._unseen(rank, slot, seq)
+        if not new.all():
+            samples, owner, rank, group, slot, seq = (
+                x[new] for x in (samples, owner, rank, group, slot, seq)
+            )
         enter = table.heads["time_ns"][owner] + samples["rel_us"].astype(np.int64) * 1000
         return {
             "group": group,
-            "seq": completed[owner * width + slot] - samples["back"],
+            "seq": seq,
             "rank": rank,
             "enter_ns": enter,
             "exit_ns": enter + samples["dur_us"].astype(np.int64) * 1000,
             "bytes": samples["bytes"].astype(np.int64),
             "seen_ns": np.full(len(rank), view.now_ns, np.int64),
         }
+
+    def _unseen(self, rank: np.ndarray, slot: np.ndarray, seq: np.ndarray) -> np.ndarray:
+        """Which samples were not taken before: a summary repeats its previous tick's (in
+        case a round missed it), and a rank's seqs in a group only grow."""
+        if not len(rank):
+            return np.ones(0, bool)
+        have_ranks, have_slots = self._taken.shape
+        ranks, slots = max(have_ranks, int(rank.max()) + 1), max(have_slots, int(slot.max()) + 1)
+        if (ranks, slots) != (have_ranks, have_slots):
+            grown = np.full((ranks, slots), -1, np.int64)
+            grown[:have_ranks, :have_slots] = self._taken
+            self._taken = grown
+        new = seq > self._taken[rank, slot]
+        np.maximum.at(self._taken, (rank[new], slot[new]), seq[new])
+        return new
 
     def _join(
         self, rows: Rows, done: np.ndarray, group: np.ndarray, seq: np.ndarray, counts: np.ndarray

@@ -57,6 +57,29 @@ def test_join_across_rounds_duplicates_and_unknown_slots() -> None:
     assert got.bytes == 1 << 20
 
 
+def test_samples_repeated_by_the_next_summary_join_once() -> None:
+    # Each summary repeats its previous tick's samples: those a round read already are
+    # dropped, those of a summary no round read (replaced first) still join.
+    j = ArrivalJoin()
+    t = 1000 * MS
+    first = [summary(r, t, [(0, 32, t - (30 - r) * MS, 1_000)]) for r in (0, 1, 2)]
+    assert [x.seq for x in j.add(view(first, t), first)] == [32]
+    t2 = t + 1000 * MS  # the tick after: seq 32 again, seq 34 new
+    second = [
+        summary(r, t2, [(0, 32, t - (30 - r) * MS, 1_000), (0, 34, t2 - 9 * MS, 1_000)])
+        for r in (0, 1, 2)
+    ]
+    assert [x.seq for x in j.add(view(second, t2), second)] == [34]
+    # Rank 2's summary of the next tick was replaced unread: its seq 36 comes with the one
+    # after, as a repeat, and joins the others'.
+    t3, t4 = t2 + 1000 * MS, t2 + 2000 * MS
+    third = [summary(r, t3, [(0, 36, t3 - 5 * MS, 1_000)]) for r in (0, 1)]
+    assert list(j.add(view(third, t3), third)) == []
+    fourth = [summary(2, t4, [(0, 36, t3 - 4 * MS, 1_000), (0, 38, t4 - 5 * MS, 1_000)])]
+    (got,) = j.add(view(fourth, t4), fourth)
+    assert (got.seq, got.last) == (36, 2)
+
+
 def test_single_member_groups_join_at_once_and_stale_samples_expire() -> None:
     j = ArrivalJoin()
     t = 1000 * MS

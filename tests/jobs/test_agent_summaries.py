@@ -1,0 +1,63 @@
+"""What a rank's summaries carry, read back from a real job's recording of its diagnoser's
+rounds: each repeats its previous tick's arrival samples (a summary replaced before a
+round read it loses none), and the diagnoser joins each sampled collective once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from job_runner import FAST, demo
+
+import numpy as np
+
+from ccld_plugin.diagnose.arrivals import ArrivalJoin
+from ccld_plugin.diagnose.view import JobView, topology_of
+from ccld_plugin.wire.round_record import read_recording
+from ccld_plugin.wire.summary import arrival_samples, decode_summary
+from ccld_plugin.wire.summary_batch import SummaryTable
+
+
+def test_summaries_repeat_the_last_tick_samples_and_each_collective_joins_once(
+    tmp_path: Path,
+) -> None:
+    rec = tmp_path / "rounds.rec"
+    code, summary = demo(
+        tmp_path / "out",
+        "none",
+        extra=(f"diagnoser.record={rec}",),
+        framework="torch",
+        world=2,
+        tp=1,
+        pp=1,
+        steps=60,
+        timeout_s=180,
+    )
+    assert code == 0 and summary["verdicts"] == []
+    _, rounds = read_recording(rec)
+    seen: dict[int, list] = {}
+    join, joined = ArrivalJoin(), []
+    for rr in rounds:  # as the live rounds took them: each rank's summary once
+        fresh = []
+        for rank, data in rr.values.items():
+            s = decode_summary(data)
+            if rank in rr.tables and (not seen.get(rank) or seen[rank][-1].time_ns != s.time_ns):
+                seen.setdefault(rank, []).append(s)
+                fresh.append(s)
+        table, _ = SummaryTable.decode(rr.values)
+        table = table.select(np.isin(table.ranks, list(rr.tables)))
+        view = JobView(
+            summaries=table,
+            tables=rr.tables,
+            now_ns=rr.now_ns,
+            job_start_ns=rr.job_start_ns,
+            world=rr.world,
+            topology=topology_of(rr.tables),
+        )
+        joined += [(j.group.group_id, j.seq) for j in join.add(view, fresh)]
+    repeated = 0
+    for summaries in seen.values():
+        for before, after in zip(summaries, summaries[1:], strict=False):
+            mine = {(a.slot, a.seq) for a in arrival_samples(before)}
+            repeated += len(mine & {(a.slot, a.seq) for a in arrival_samples(after)})
+    assert repeated > 0  # a tick's samples go again in the next summary
+    assert joined and len(joined) == len(set(joined))  # ... and join once
