@@ -54,7 +54,7 @@ __all__ = ["Agent", "StepClock"]
 # of 10 ticks still holds 20 of its collectives per group.
 SAMPLE_BUDGET = 32768  # per group slot, over all ranks
 MIN_SAMPLES, MAX_SAMPLES = 2, 128
-# A summary also carries its previous tick's arrival samples in jobs of up to this many
+# A summary also carries its previous tick's samples in jobs of up to this many
 # ranks: the store keeps one summary per rank, and one replaced before a round read it (a
 # round held up a tick: 3-6% of ticks on this busy 2-core host) took its samples with it;
 # a fast job's 10-step span fits in a tick, and lost the arrival order of a whole span.
@@ -134,7 +134,8 @@ class Agent:
         self.latest: LocalReport | None = None
         self._recent_steps = RecentSteps()  # the last ticks' steps go in every summary
         self._sent_tick: int | None = None  # the tick of the last summary
-        self._previous_samples: list[ArrivalSample] = []  # its new arrival samples
+        # its new arrival and point-to-point samples
+        self._previous: tuple[list[ArrivalSample], list[P2PSample]] = ([], [])
         self.latest_groups: tuple = ()  # the group signature ``latest`` carries
         # Why the store last failed us (None: it answers); when sending is tried again.
         self.store_lost: str | None = None
@@ -352,10 +353,10 @@ class Agent:
         ops = snap.ops
         done = ops[(ops["state"] == STATE_DONE) & (ops["exit_ns"] > since)]
         summary.steps = self._step_stats(ops, clock.to_diag)
-        new = self._samples(done, clock.to_diag)
-        summary.samples = self._previous_samples + new
-        self._previous_samples = new if self.control.world <= REPEAT_SAMPLES_MAX_RANKS else []
-        summary.p2p = self._p2p_samples(done, clock.to_diag)
+        new, new_p2p = self._samples(done, clock.to_diag), self._p2p_samples(done, clock.to_diag)
+        summary.samples, summary.p2p = self._previous[0] + new, self._previous[1] + new_p2p
+        if self.control.world <= REPEAT_SAMPLES_MAX_RANKS:
+            self._previous = (new, new_p2p)
         summary.channels = self._channel_evidence(now)
         summary.stack = self._stack(stuck_s(summary))
         if final and self._crash:

@@ -130,6 +130,8 @@ class P2PJoin:
         self.index = index
         self._pending: Rows = {c: np.zeros(0, np.int64) for c in _COLUMNS}
         self._lone: tuple[object, int, np.ndarray] | None = None  # cached per topology
+        # per (rank, slot, peer, sends): the highest seq sampled so far
+        self._taken: dict[tuple[int, int, int, int], int] = {}
 
     @property
     def groups(self) -> list[GroupInfo]:
@@ -177,6 +179,8 @@ class P2PJoin:
         known = group >= 0
         known[known] = self._lone_groups(view)[group[known]]
         p, owner, rank, group = p[known], owner[known], rank[known], group[known]
+        new = self._unseen(rank, p)
+        p, owner, rank, group = p[new], owner[new], rank[new], group[new]
         peer = p["peer"].astype(np.int64)
         sends = p["sends"].astype(np.int64)
         enter = table.heads["time_ns"][owner] + p["rel_us"].astype(np.int64) * 1000
@@ -191,6 +195,19 @@ class P2PJoin:
             "bytes": p["bytes"].astype(np.int64),
             "seen_ns": np.full(len(rank), view.now_ns, np.int64),
         }
+
+    def _unseen(self, rank: np.ndarray, p: np.ndarray) -> np.ndarray:
+        """Which samples were not taken before: a summary repeats its previous tick's (in
+        case a round missed it), and a rank's seqs to (from) a peer in a group only grow.
+        (Rows of lone groups only: a pipeline's few ranks.)"""
+        taken, new = self._taken, np.zeros(len(rank), bool)
+        columns = (rank, p["slot"], p["peer"], p["sends"])
+        rows = zip(*(c.tolist() for c in columns), strict=True)
+        for i, (key, seq) in enumerate(zip(rows, p["seq"].tolist(), strict=True)):
+            if seq > taken.get(key, -1):
+                taken[key] = seq
+                new[i] = True
+        return new
 
     def _lone_groups(self, view: JobView) -> np.ndarray:
         """Per group of the index: whether it is the only group of its role."""

@@ -98,6 +98,25 @@ def test_the_two_ends_of_a_message_pair_across_rounds_and_lone_ends_expire() -> 
     assert len(j.add(view(late, later), SummaryTable.of({1: late[0]})).src) == 0
 
 
+def test_ends_repeated_by_the_next_summary_pair_once() -> None:
+    # Each summary repeats its previous tick's samples: a message paired already is not
+    # paired again when both ends come back.
+    j = P2PJoin(GroupIndex())
+    t, t2 = 1000 * MS, 2000 * MS
+
+    def ends(now: int, seqs: list[int]) -> SummaryTable:
+        rows = [
+            summary(1, now, [P2PSample(0, 2, True, q, t - (20 - q) * MS, 100, KB64) for q in seqs]),
+            summary(
+                2, now, [P2PSample(0, 1, False, q, t - (21 - q) * MS, 900, KB64) for q in seqs]
+            ),
+        ]
+        return SummaryTable.of({s.rank: s for s in rows})
+
+    assert j.add(view([], t), ends(t, [4])).seq.tolist() == [4]
+    assert j.add(view([], t2), ends(t2, [4, 5])).seq.tolist() == [5]
+
+
 def pipeline(ms: dict[tuple[int, int], float], n: int = 8, window_ns: int = 2000 * MS) -> Transfers:
     """``n`` messages of 64 KB on each directed link of ``ms`` (its transfer time, ms),
     spread over the window, each a little off its link's time."""
