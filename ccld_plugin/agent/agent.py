@@ -422,10 +422,9 @@ class Agent:
         return self._recent_steps.tick(stats)
 
     def _samples(self, done: np.ndarray, diag: Any) -> list[ArrivalSample]:
-        """Arrival samples: per group, the collectives completed this tick whose seq is a
-        multiple of a power of two chosen so that about ``samples_per_group`` remain. Members
-        pick the same seqs (the multiples of a larger power are a subset of a smaller's),
-        so the diagnoser can join them across ranks."""
+        """Arrival samples: per group, about ``samples_per_group`` of the collectives
+        completed this tick, picked by their seq (``_sampled``): members pick the same
+        seqs, so the diagnoser can join them across ranks."""
         coll = done[(done["flags"] & FLAG_P2P) == 0]
         keep = samples_per_group(self.control.world)
         out = []
@@ -444,10 +443,10 @@ class Agent:
         return out
 
     def _p2p_samples(self, done: np.ndarray, diag: Any) -> list[P2PSample]:
-        """Point-to-point samples: per group, peer and direction, the sends (receives)
-        completed this tick whose seq is a multiple of a power of two chosen as for
-        collectives; the peer's receives (sends) of those seqs are picked the same way,
-        so the diagnoser can pair the two ends of each message."""
+        """Point-to-point samples: per group, peer and direction, some of the sends
+        (receives) completed this tick, picked by their seq as for collectives; the peer's
+        receives (sends) of those seqs are picked the same way, so the diagnoser can pair
+        the two ends of each message."""
         p2p = done[((done["flags"] & FLAG_P2P) != 0) & (done["peer"] >= 0)]
         if not len(p2p):
             return []
