@@ -14,11 +14,11 @@ from ccld_plugin.config import CcldConfig, load_config
 from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
 from ccld_plugin.diagnose.analyzer import located_by_channels
 from ccld_plugin.diagnose.view import topology_of
-from ccld_plugin.wire.round_record import read_recording
+from ccld_plugin.wire.round_record import RecordedRound, read_recording
 from ccld_plugin.wire.summary_batch import SummaryTable
 from ccld_plugin.wire.topology import GroupInfo, Topology
 
-__all__ = ["replay"]
+__all__ = ["replay", "round_view"]
 
 
 def _known(values: dict, schema: dict) -> dict:
@@ -52,20 +52,26 @@ def replay(
             table = table.select(listed)
         if r.tables is not tables:
             tables, topology = r.tables, topology_of(r.tables)
-        view = JobView(
-            summaries=table,
-            tables=r.tables,
-            now_ns=r.now_ns,
-            job_start_ns=r.job_start_ns,
-            world=r.world,
-            gone=r.gone,
-            topology=topology,
-            observer=r.observer,
-            store_local=r.store_local,
-            store_failed=r.store_failed,
-            reach=r.reach,
-            observer_load=r.observer_load,
-            observer_round_ns=r.observer_round_ns,
-        )
+        view = round_view(r, table, topology)
         verdicts += diagnoser.round(view)
     return cfg, verdicts
+
+
+def round_view(r: RecordedRound, table: SummaryTable, topology: Topology) -> JobView:
+    """The view a recorded round gave its diagnoser: ``table``, its summaries as decoded
+    (of the ranks whose group tables it had read), ``topology``, of its tables."""
+    return JobView(
+        summaries=table,
+        tables=r.tables,
+        now_ns=r.now_ns,
+        job_start_ns=r.job_start_ns,
+        world=r.world,
+        gone=r.gone,
+        topology=topology,
+        observer=r.observer,
+        store_local=r.store_local,
+        store_failed=r.store_failed,
+        reach=r.reach,
+        observer_load=r.observer_load,
+        observer_round_ns=r.observer_round_ns,
+    )

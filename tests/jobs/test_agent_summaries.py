@@ -11,7 +11,8 @@ import numpy as np
 from job_runner import demo
 
 from ccld_plugin.diagnose.arrivals import ArrivalJoin
-from ccld_plugin.diagnose.view import JobView, topology_of
+from ccld_plugin.diagnose.view import topology_of
+from ccld_plugin.postmortem.replay import round_view
 from ccld_plugin.wire.round_record import read_recording
 from ccld_plugin.wire.summary import arrival_samples, decode_summary, p2p_samples
 from ccld_plugin.wire.summary_batch import SummaryTable
@@ -45,14 +46,7 @@ def test_summaries_repeat_the_last_tick_samples_and_each_collective_joins_once(
                 fresh.append(s)
         table, _ = SummaryTable.decode(rr.values)
         table = table.select(np.isin(table.ranks, list(rr.tables)))
-        view = JobView(
-            summaries=table,
-            tables=rr.tables,
-            now_ns=rr.now_ns,
-            job_start_ns=rr.job_start_ns,
-            world=rr.world,
-            topology=topology_of(rr.tables),
-        )
+        view = round_view(rr, table, topology_of(rr.tables))
         joined += [(j.group.group_id, j.seq) for j in join.add(view, fresh)]
     repeated, repeated_p2p = 0, 0
     for summaries in seen.values():
