@@ -303,6 +303,28 @@ class LoneConnection:
         past.add(c.ns_per_byte)
         return found
 
+    def judge_hub(
+        self,
+        hub: int,
+        conns: list[_Connection],
+        window_ns: int,
+        groups: list[GroupInfo],
+        queued: frozenset[int],
+    ) -> LinkFinding | None:
+        """A pipeline of three stages: both connections go through the middle one, and
+        with no third to compare them with, each is judged against its own past. Both
+        slow: the middle stage's port (one alone: that link)."""
+        found = [f for c in conns if (f := self.judge(c, window_ns, groups, queued))]
+        if len(found) < len(conns):
+            return found[0] if len(found) == 1 else None
+        return LinkFinding(
+            [hub],
+            None,
+            found[0].group,
+            min(f.severity for f in found),
+            [e for f in found for e in f.evidence],
+        )
+
 
 def slow_p2p_port(
     transfers: Transfers,
@@ -324,6 +346,9 @@ def slow_p2p_port(
         if conns and lone and _whole_group(conns[0], groups):
             return lone.judge(conns[0], window_ns, groups, queued)
         return None
+    hub = _hub(conns, groups)
+    if hub is not None:
+        return lone.judge_hub(hub, conns, window_ns, groups, queued) if lone else None
     # A rank's port or a link is judged only where every connection of the rank (of both
     # ends) was measured: the samples of one may have come late, and it may be the one
     # that tells a port (all slow) from a link (the others healthy).
@@ -385,6 +410,15 @@ def _known_connections(t: Transfers) -> set[tuple[int, int]]:
 def _covered(some: set[tuple[int, int]], known: set[tuple[int, int]]) -> set[int]:
     """The ranks of the connections ``some`` whose every ``known`` connection is in it."""
     return {r for k in some for r in k if all(c in some for c in known if r in c)}
+
+
+def _hub(conns: list[_Connection], groups: list[GroupInfo]) -> int | None:
+    """The middle stage of a three-stage pipeline whose two connections ``conns`` are:
+    the one rank both have, in a group of three."""
+    if len(conns) != 2 or len(groups[conns[0].group].ranks) != 3:
+        return None
+    common = {conns[0].a, conns[0].b} & {conns[1].a, conns[1].b}
+    return common.pop() if len(common) == 1 else None
 
 
 def _whole_group(c: _Connection, groups: list[GroupInfo]) -> bool:

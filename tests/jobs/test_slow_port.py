@@ -106,6 +106,18 @@ def test_slow_port_in_a_lone_pipeline_names_its_rank(tmp_path: Path) -> None:
     assert len(summary["verdicts"]) == 1 and code == 0
 
 
+def test_the_middle_stage_port_of_a_three_stage_pipeline_is_named(tmp_path: Path) -> None:
+    # TP1xPP3: both connections go through rank 1, so neither is a reference for the
+    # other; each is judged against its own past (the fault from step 10: a past to have).
+    code, summary = netns_demo(
+        tmp_path, 1, 3, 50, "comm-slow@1:rate=30mbit,step=10", world=3, extra=NO_SHORT_HANGS
+    )
+    v = only(summary, "slow", "communication")
+    assert (v["ranks"], v["link"], v["group"]["role"]) == ([1], None, "pp"), v["evidence"]
+    assert _p2p_connections(v) == {(0, 1), (1, 2)}
+    assert len(summary["verdicts"]) == 1 and code == 0
+
+
 def test_one_slow_connection_in_a_lone_pipeline_names_the_link(tmp_path: Path) -> None:
     # Only the traffic between stages 1 and 2 is shaped: each has a healthy other link.
     code, summary = netns_demo(

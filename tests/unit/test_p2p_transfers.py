@@ -201,6 +201,19 @@ def test_recorded_lone_pipelines_name_the_slow_port_and_the_slow_link() -> None:
     assert (v.kind, v.cause, v.ranks, v.link) == (Kind.SLOW, Cause.COMMUNICATION, [1, 2], [1, 2])
 
 
+def test_the_middle_stage_port_of_a_three_stage_pipeline_is_named_by_its_links_past() -> None:
+    # torch TP1xPP3 demo in a closed network, rank 1's port at 30 Mbit/s from step 10:
+    # both connections go through rank 1, so neither is a reference for the other; each
+    # against its own earlier windows (29 ms there and back, from under 2)
+    _, got = replay(RECORDED / "comm-slow-30mbit-rank1-step10-tp1pp3.rec")
+    (v,) = got
+    assert (v.kind, v.cause, v.ranks, v.link) == (Kind.SLOW, Cause.COMMUNICATION, [1], None)
+    assert {(e.data["a"], e.data["b"]) for e in v.evidence if e.fact == "p2p_transfer"} == {
+        (0, 1),
+        (1, 2),
+    }
+
+
 def test_a_window_that_lost_some_links_samples_clears_only_the_ranks_it_measured() -> None:
     # Rank 2's two connections slow, the pipeline's third not measured this window (its
     # samples came late): no port can be told, nor a link, and rank 2 is not cleared.
