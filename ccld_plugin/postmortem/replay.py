@@ -4,7 +4,7 @@ through the recorded rounds, with the job's config or another, and the verdicts 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +18,7 @@ from ccld_plugin.wire.round_record import RecordedRound, read_recording
 from ccld_plugin.wire.summary_batch import SummaryTable
 from ccld_plugin.wire.topology import GroupInfo, Topology
 
-__all__ = ["replay", "round_view"]
+__all__ = ["replay", "round_views"]
 
 
 def _known(values: dict, schema: dict) -> dict:
@@ -43,6 +43,14 @@ def replay(
         cfg = load_config(_known(yaml.safe_load(recorded) or {}, schema), overrides, writing=False)
     diagnoser = Diagnoser(cfg.diagnoser, cfg.agent.interval_s, located_by_channels)
     verdicts: list[Verdict] = []
+    for _, view in round_views(rounds):
+        verdicts += diagnoser.round(view)
+    return cfg, verdicts
+
+
+def round_views(rounds: Iterable[RecordedRound]) -> Iterator[tuple[RecordedRound, JobView]]:
+    """Each recorded round with the view it gave its diagnoser: its summaries as decoded,
+    of the ranks whose group tables it had read, and the topology of its tables."""
     tables: dict[int, list[GroupInfo]] | None = None
     topology = Topology()
     for r in rounds:
@@ -52,26 +60,21 @@ def replay(
             table = table.select(listed)
         if r.tables is not tables:
             tables, topology = r.tables, topology_of(r.tables)
-        view = round_view(r, table, topology)
-        verdicts += diagnoser.round(view)
-    return cfg, verdicts
-
-
-def round_view(r: RecordedRound, table: SummaryTable, topology: Topology) -> JobView:
-    """The view a recorded round gave its diagnoser: ``table``, its summaries as decoded
-    (of the ranks whose group tables it had read), ``topology``, of its tables."""
-    return JobView(
-        summaries=table,
-        tables=r.tables,
-        now_ns=r.now_ns,
-        job_start_ns=r.job_start_ns,
-        world=r.world,
-        gone=r.gone,
-        topology=topology,
-        observer=r.observer,
-        store_local=r.store_local,
-        store_failed=r.store_failed,
-        reach=r.reach,
-        observer_load=r.observer_load,
-        observer_round_ns=r.observer_round_ns,
-    )
+        yield (
+            r,
+            JobView(
+                summaries=table,
+                tables=r.tables,
+                now_ns=r.now_ns,
+                job_start_ns=r.job_start_ns,
+                world=r.world,
+                gone=r.gone,
+                topology=topology,
+                observer=r.observer,
+                store_local=r.store_local,
+                store_failed=r.store_failed,
+                reach=r.reach,
+                observer_load=r.observer_load,
+                observer_round_ns=r.observer_round_ns,
+            ),
+        )

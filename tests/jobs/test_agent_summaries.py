@@ -7,15 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 from job_runner import demo
 
 from ccld_plugin.diagnose.arrivals import ArrivalJoin
-from ccld_plugin.diagnose.view import topology_of
-from ccld_plugin.postmortem.replay import round_view
+from ccld_plugin.postmortem.replay import round_views
 from ccld_plugin.wire.round_record import read_recording
 from ccld_plugin.wire.summary import arrival_samples, decode_summary, p2p_samples
-from ccld_plugin.wire.summary_batch import SummaryTable
 
 
 def test_summaries_repeat_the_last_tick_samples_and_each_collective_joins_once(
@@ -37,16 +34,13 @@ def test_summaries_repeat_the_last_tick_samples_and_each_collective_joins_once(
     _, rounds = read_recording(rec)
     seen: dict[int, list] = {}
     join, joined = ArrivalJoin(), []
-    for rr in rounds:  # as the live rounds took them: each rank's summary once
-        fresh = []
+    for rr, view in round_views(rounds):  # as the live rounds took them
+        fresh = []  # each rank's summary once
         for rank, data in rr.values.items():
             s = decode_summary(data)
             if rank in rr.tables and (not seen.get(rank) or seen[rank][-1].time_ns != s.time_ns):
                 seen.setdefault(rank, []).append(s)
                 fresh.append(s)
-        table, _ = SummaryTable.decode(rr.values)
-        table = table.select(np.isin(table.ranks, list(rr.tables)))
-        view = round_view(rr, table, topology_of(rr.tables))
         joined += [(j.group.group_id, j.seq) for j in join.add(view, fresh)]
     repeated, repeated_p2p = 0, 0
     for summaries in seen.values():
