@@ -12,6 +12,11 @@ evidence ambiguous (a healthy pipeline link's send queue waits on delayed ACKs a
 as a shaped one's: ``slow_links``). Measured on TP1xPP4 (4 ranks, 2-core host), a send's
 transfer took 10-19 ms on the links of a rank whose port was shaped to 30 Mbit/s, and
 0.3-1.4 ms on the same links before the onset and on the pipeline's other links.
+
+In jobs of up to PAIRED_MAX_RANKS ranks the messages of sibling pipelines are paired too:
+there a pipeline connection's channel evidence against its siblings' is weak for the
+same reason (TP2xPP2, one pipeline connection shaped to 30 Mbit/s: 1.9x its sibling by
+the channels, 29 ms there and back against 3 ms by the messages).
 """
 
 from __future__ import annotations
@@ -39,6 +44,10 @@ __all__ = [
 ]
 
 PENDING_TTL_NS = 20_000_000_000  # an end whose other end never comes is dropped after this
+# Jobs up to this size pair the messages of every group; larger ones only those of a lone
+# group (one pipeline). A job of thousands of ranks has siblings for every group, and its
+# samples then cost a mask, not a sort.
+PAIRED_MAX_RANKS = 256
 # A directed link is judged on a window with at least this many paired transfers.
 MIN_TRANSFERS = 3
 # Connections are judged by their round trip: the median transfer one way plus the other,
@@ -59,6 +68,14 @@ MIN_SLOW_ROUND_TRIP_NS = 10_000_000
 MIN_REF_ROUND_TRIP_NS = 1_000_000
 # A slow connection alone, against every other connection of the job.
 LINK_RATIO = 8.0
+# Among sibling pipelines nearly every message of a slow connection is slow: the low
+# quartiles of its transfers there and back read this share of the ratio at least. A busy
+# host holds some messages back, a slow link all of them: healthy pipeline connections
+# (TP1xPP2xDP4, TP1xPP4xDP2, TP2xPP2, TP2xPP2xDP2; torch and Megatron, 300 steps, some
+# beside busy processes) read up to 8.9x the others by their medians but 2.7x by their
+# low quartiles; slow ones (a rank's port or one connection shaped to 30 or 100 Mbit/s)
+# 7.4-31x. (A lone pipeline's first slow window, half before the onset, would fail it.)
+SIBLING_LOW_SHARE = 0.4
 # The job's one connection (a two-stage pipeline) against the low tenth of its own last
 # windows, once it has MIN_HISTORY_WINDOWS of them. An onset early in a fast job leaves
 # one healthy window, and on a busy host it may be a slow one: healthy TP1xPP2 windows
@@ -121,17 +138,16 @@ class Transfers(NamedTuple):
 
 
 class P2PJoin:
-    """The ends waiting for their other end, and the groups they belong to. Only messages
-    of groups with no sibling group of their role (one pipeline) are paired: elsewhere
-    the channel evidence compares a link with its siblings, and a job of thousands of
-    ranks has siblings for every group (its samples cost a mask, not a sort)."""
+    """The ends waiting for their other end, and the groups they belong to: the messages
+    of groups with no sibling group of their role (one pipeline), and in jobs of up to
+    PAIRED_MAX_RANKS ranks every group's."""
 
     def __init__(self, index: GroupIndex) -> None:
         self.index = index
         self._pending: Rows = {c: np.zeros(0, np.int64) for c in _COLUMNS}
         self._lone: tuple[object, int, np.ndarray] | None = None  # cached per topology
-        # per (rank, slot, peer, sends): the highest seq sampled so far
-        self._taken: dict[tuple[int, int, int, int], int] = {}
+        # per (rank, slot, peer, sends) packed in one int: the highest seq sampled so far
+        self._taken: dict[int, int] = {}
 
     @property
     def groups(self) -> list[GroupInfo]:
@@ -177,7 +193,8 @@ class P2PJoin:
         rank = table.ranks[owner].astype(np.int64)
         group = self.index.lookup(view, rank, p["slot"].astype(np.int64))
         known = group >= 0
-        known[known] = self._lone_groups(view)[group[known]]
+        if view.world > PAIRED_MAX_RANKS:
+            known[known] = self.lone(view)[group[known]]
         p, owner, rank, group = p[known], owner[known], rank[known], group[known]
         new = self._unseen(rank, p)
         p, owner, rank, group = p[new], owner[new], rank[new], group[new]
@@ -198,18 +215,25 @@ class P2PJoin:
 
     def _unseen(self, rank: np.ndarray, p: np.ndarray) -> np.ndarray:
         """Which samples were not taken before: a summary repeats its previous tick's (in
-        case a round missed it), and a rank's seqs to (from) a peer in a group only grow.
-        (Rows of lone groups only: a pipeline's few ranks.)"""
-        taken, new = self._taken, np.zeros(len(rank), bool)
-        columns = (rank, p["slot"], p["peer"], p["sends"])
-        rows = zip(*(c.tolist() for c in columns), strict=True)
-        for i, (key, seq) in enumerate(zip(rows, p["seq"].tolist(), strict=True)):
-            if seq > taken.get(key, -1):
-                taken[key] = seq
-                new[i] = True
+        case a round missed it), and a rank's seqs to (from) a peer in a group only grow,
+        so a sample is new when its seq is above the highest taken before for its
+        (rank, slot, peer, direction), and the first of its kind here."""
+        slot, peer, sends = (p[c].astype(np.int64) for c in ("slot", "peer", "sends"))
+        key = ((rank << 16 | slot) << 24 | peer) << 1 | sends
+        seq = p["seq"].astype(np.int64)
+        _, first = np.unique(np.stack([key, seq]), axis=1, return_index=True)
+        keys, which = np.unique(key, return_inverse=True)
+        taken = self._taken
+        before = np.array([taken.get(k, -1) for k in keys.tolist()], np.int64)
+        new = np.zeros(len(key), bool)
+        new[first] = True
+        new &= seq > before[which]
+        top = before.copy()
+        np.maximum.at(top, which, seq)
+        taken.update(zip(keys.tolist(), top.tolist(), strict=True))
         return new
 
-    def _lone_groups(self, view: JobView) -> np.ndarray:
+    def lone(self, view: JobView) -> np.ndarray:
         """Per group of the index: whether it is the only group of its role."""
         groups = self.groups
         cached = self._lone
@@ -218,6 +242,11 @@ class P2PJoin:
             lone = np.array([roles[g.role] == 1 for g in groups], bool)
             cached = self._lone = (view.topology, len(groups), lone)
         return cached[2]
+
+    def one_pipeline(self, view: JobView, transfers: Transfers) -> bool:
+        """Whether every message of ``transfers`` ran in a lone group (its role's only
+        one: a pipeline whose ranks have no other links)."""
+        return bool(self.lone(view)[np.unique(transfers.group)].all())
 
 
 class _Way(NamedTuple):
@@ -336,8 +365,10 @@ def slow_p2p_port(
     queued: frozenset[int] = frozenset(),
 ) -> LinkFinding | None:
     """The slow port (a finding with no ``link``: every connection of its rank) or link
-    that the transfers of [t0, t1] show, if any; a job's one connection against its own
-    past in ``lone`` (``queued``: ranks that waited for a CPU). Connections touching
+    that the transfers of [t0, t1] show, if any. ``lone``: the job is one pipeline, and
+    one of two or three stages has its connections judged against their own past there
+    (``queued``: ranks that waited for a CPU); None: sibling pipelines, where nearly every
+    message of a slow connection must be slow (SIBLING_LOW_SHARE). Connections touching
     ``exclude`` (ranks computing slower than their cohort: a late reader drains its link
     late) and those measured one way only are not judged."""
     conns = _connections(transfers.within(t0, t1), exclude)
@@ -353,6 +384,7 @@ def slow_p2p_port(
     # ends) was measured: the samples of one may have come late, and it may be the one
     # that tells a port (all slow) from a link (the others healthy).
     whole = _covered({(c.a, c.b) for c in conns}, _known_connections(transfers))
+    low = 0.0 if lone else SIBLING_LOW_SHARE
     peers: dict[int, list[_Connection]] = defaultdict(list)
     for c in conns:
         peers[c.a].append(c)
@@ -361,7 +393,8 @@ def slow_p2p_port(
     for r, own in peers.items():
         others = [c.ns_per_byte for c in conns if r not in (c.a, c.b)]
         if len(own) >= 2 and others and r in whole:
-            f = _finding([r], None, own, statistics.median(others), PORT_RATIO, window_ns, groups)
+            ref = statistics.median(others)
+            f = _finding([r], None, own, ref, PORT_RATIO, window_ns, groups, low_share=low)
             found += [f] if f is not None else []
     if not found:
         for c in conns:
@@ -369,20 +402,23 @@ def slow_p2p_port(
                 continue
             others = [o.ns_per_byte for o in conns if o is not c]
             ref = statistics.median(others)
-            f = _finding([c.a, c.b], [c.a, c.b], [c], ref, LINK_RATIO, window_ns, groups)
+            link = [c.a, c.b]
+            f = _finding(link, link, [c], ref, LINK_RATIO, window_ns, groups, low_share=low)
             found += [f] if f is not None else []
     return max(found, key=lambda f: f.severity) if found else None
 
 
-def p2p_cleared(transfers: Transfers, groups: list[GroupInfo], t0: int, t1: int) -> frozenset[int]:
+def p2p_cleared(
+    transfers: Transfers, groups: list[GroupInfo], t0: int, t1: int, one_pipeline: bool
+) -> frozenset[int]:
     """The ranks whose links the transfers of [t0, t1] show healthy: every connection of
     theirs (seen in ``transfers``) measured both ways and fast there and back (under
-    MIN_SLOW_ROUND_TRIP_NS; a two-stage pipeline's one connection: judged against its
-    own past, found healthy). A finding on other ranks holds: a window that lost the
-    samples of a slow rank's links (they came late), or of the connections to compare
-    them with, says nothing of them."""
+    MIN_SLOW_ROUND_TRIP_NS; the job's ``one_pipeline`` of two stages: its one connection,
+    judged against its own past, found healthy). A finding on other ranks holds: a window
+    that lost the samples of a slow rank's links (they came late), or of the connections
+    to compare them with, says nothing of them."""
     conns = _connections(transfers.within(t0, t1), frozenset())
-    if len(conns) == 1 and _whole_group(conns[0], groups):
+    if one_pipeline and len(conns) == 1 and _whole_group(conns[0], groups):
         return frozenset((conns[0].a, conns[0].b))
     fast = {(c.a, c.b) for c in conns if c.round_trip_ns < MIN_SLOW_ROUND_TRIP_NS}
     return frozenset(_covered(fast, _known_connections(transfers)))
@@ -460,11 +496,16 @@ def _finding(
     groups: list[GroupInfo],
     reference: str = "the job's other connections",
     min_round_trip_ns: float = MIN_SLOW_ROUND_TRIP_NS,
+    low_share: float = 0.0,
 ) -> LinkFinding | None:
     """A finding on ``ranks`` when every connection of ``own`` is slow against the
-    reference and their excess costs the window enough; None otherwise."""
+    reference (by ``low_share`` of ``ratio`` in its low quartiles too) and their excess
+    costs the window enough; None otherwise."""
     slowest = min(c.round_trip_ns / c.reference_ns(ref_ns_per_byte) for c in own)
     if slowest < ratio or min(c.round_trip_ns for c in own) < min_round_trip_ns:
+        return None
+    low = min(c.low_round_trip_ns / c.reference_ns(ref_ns_per_byte) for c in own)
+    if low_share and low < ratio * low_share:
         return None
     if sum(c.excess_ns(ref_ns_per_byte) for c in own) < MIN_WINDOW_SHARE * window_ns:
         return None

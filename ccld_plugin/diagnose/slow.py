@@ -9,8 +9,8 @@ first exit), then name
   hardly waits: its host's other work takes its cores (a noisy neighbour);
 - communication-bound slowness: a group whose transfer bandwidth is an outlier against its
   sibling groups of the same role or against its own history; slow groups of different
-  roles are intersected to find the common rank; slow links in the channel evidence, or,
-  in a pipeline with no sibling pipelines, in its messages' transfers (p2p_transfers).
+  roles are intersected to find the common rank; slow links in the channel evidence, or
+  in the pipelines' messages' transfers (p2p_transfers).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import logging
 import statistics
 from collections import defaultdict, deque
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -171,7 +172,7 @@ class SlowDetector:
         self.joined_total = 0
         self.p2p = P2PJoin(self.arrivals.index)
         self.transfers = Transfers.empty()  # point-to-point messages paired, while judged
-        self.lone = LoneConnection()  # a two-stage pipeline's one connection, its past
+        self.lone = LoneConnection()  # a lone pipeline's connections, their past
         self.next_end = FIRST_STEP + cfg.window_steps  # the step after the next window
         # Steps a straggler's excess is judged over: the confirming windows end to end, and
         # twice as many for a weak one (compute_excess).
@@ -189,6 +190,8 @@ class SlowDetector:
         # when the diagnoser's rounds ran, on its own rank (the observer's)
         self._observer_rounds: deque[tuple[int, int]] = deque(maxlen=OBSERVER_ROUNDS)
         self._channel_found: LinkFinding | None = None  # of the current streak
+        # start of the windows in a row in which a pipeline connection's messages were slow
+        self._pipe_link_since: int | None = None
         self._comm_reported: set[tuple] = set()  # communication streaks with a verdict
         self._cohort_key = -1
         self._cohort_cache: dict[int, list[int]] = {}
@@ -665,9 +668,13 @@ class SlowDetector:
         judged = self.channels.slow_links(view, t0, t1, frozenset(stragglers))
         found, fresh = judged.found, judged.fresh
         healthy: frozenset[int] | None = None  # ranks whose links it measured; None: all
-        if (found is None or not fresh) and len(self.transfers.src):
-            # A lone pipeline's links (P2PJoin): their messages' transfers, also where the
-            # channel evidence could not judge this window (its finding is an older one).
+        one_pipeline = len(self.transfers.src) > 0 and self.p2p.one_pipeline(view, self.transfers)
+        # The pipelines' links (P2PJoin), by their messages' transfers. In a lone pipeline
+        # (its ranks have no other links) where the channels found no slow link, or could
+        # not judge this window (their finding is an older one); among sibling pipelines
+        # where the channels judged it: their finding and the messages' are one.
+        judged_too = not fresh if one_pipeline else fresh
+        if len(self.transfers.src) and (found is None or judged_too):
             waited, _, share = self._cpu_wait(lo, hi)
             p2p = slow_p2p_port(
                 self.transfers,
@@ -675,19 +682,27 @@ class SlowDetector:
                 t0,
                 t1,
                 frozenset(stragglers),
-                self.lone,
+                self.lone if one_pipeline else None,
                 queued=frozenset(waited[share > QUIET_HOST_SHARE].tolist()),
             )
-            if p2p is not None:
-                found, fresh = p2p, True
-            else:
+            if p2p is None or p2p.link is None:
+                self._pipe_link_since = None
+            if p2p is None:
                 # A window that lost the samples of some links (a fast job's windows take
                 # turns at them; an agent's summary came late) clears only the ranks
                 # whose links it measured healthy: other findings' streaks hold.
-                healthy = p2p_cleared(self.transfers, self.arrivals.groups, t0, t1)
+                healthy = p2p_cleared(self.transfers, self.arrivals.groups, t0, t1, one_pipeline)
+            elif found is not None and fresh:
+                found = _common_port(found, p2p)
+            else:
+                if p2p.link is not None and not one_pipeline:
+                    if self._pipe_link_since is None:
+                        self._pipe_link_since = t0
+                    p2p = self._port_end(view, p2p, self._pipe_link_since, t1)
+                found, fresh = p2p, True
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
-                    "ccld window %d-%d: lone pipeline connections %s: %s",
+                    "ccld window %d-%d: pipeline connections %s: %s",
                     lo,
                     hi - 1,
                     described_connections(self.transfers, t0, t1),
@@ -734,7 +749,7 @@ class SlowDetector:
             ranks, link = found.ranks, found.link
         worst = min(slow, key=lambda s: s[1] / s[2])
         key = self._comm_streak(ranks, lo)
-        if not self._comm_due(key, link):
+        if not self._comm_due(key, link, found is None or found.settled):
             return []
         g, b, ref = worst
         evidence = [
@@ -771,6 +786,27 @@ class SlowDetector:
                 evidence=evidence,
             )
         ]
+
+    def _port_end(self, view: JobView, found: LinkFinding, t0: int, t1: int) -> LinkFinding:
+        """A pipeline connection ``found`` slow by its messages since ``t0``: that link, or
+        the port of the end whose other links (its TP or DP groups', by their channels) are
+        slow too; not settled while the channels cannot tell yet."""
+        assert found.link is not None
+        ends = self.channels.port_end(view, found.link, t0, t1)
+        if ends is None:
+            return replace(found, settled=False)
+        rank, links = ends
+        if rank is None:
+            return found
+        other = next(r for r in found.link if r != rank)
+        because = Evidence.of(
+            "common_rank",
+            "every slow link has rank {rank} at one end, and rank "
+            f"{other}'s other connections are not slow: its NIC or link",
+            rank=rank,
+        )
+        evidence = [*found.evidence, *links, because]
+        return LinkFinding([rank], None, found.group, found.severity, evidence)
 
     def _end_comm_streaks(self, healthy: frozenset[int] | None) -> None:
         """End the communication streaks on ranks in ``healthy`` (None: every streak)."""
@@ -810,10 +846,11 @@ class SlowDetector:
         self.first_seen.setdefault(key, lo)
         return key
 
-    def _comm_due(self, key: tuple, link: list[int] | None) -> bool:
-        """Whether the streak ``key`` is confirmed now and not reported yet (then it is)."""
+    def _comm_due(self, key: tuple, link: list[int] | None, settled: bool) -> bool:
+        """Whether the streak ``key`` is confirmed now (and ``settled``: its finding can be
+        told) and not reported yet (then it is)."""
         needed = self.cfg.confirm_windows + (LINK_EXTRA_WINDOWS if link is not None else 0)
-        if self.streak[key] < needed or key in self._comm_reported:
+        if not settled or self.streak[key] < needed or key in self._comm_reported:
             return False
         self._comm_reported.add(key)
         return True
@@ -822,7 +859,7 @@ class SlowDetector:
         """Communication-bound slowness seen in the channel evidence alone."""
         found = self._narrowed(found)
         key = self._comm_streak(found.ranks, lo)
-        if not self._comm_due(key, found.link):
+        if not self._comm_due(key, found.link, found.settled):
             return []
         g = found.group
         return [
@@ -871,6 +908,28 @@ class _WaitBalance(NamedTuple):
         """Of the waiting, the share that is its peers' for it; None when nobody waited."""
         total = self.for_r_ns + self.by_r_ns
         return self.for_r_ns / total if total > 0 else None
+
+
+def _common_port(channels: LinkFinding, messages: LinkFinding) -> LinkFinding:
+    """One window's slow links by the channels and by the pipelines' messages, as one
+    finding: where one names a rank and the other a link through it, that rank; where
+    they name two links with one rank in common (the channels a TP link, the messages its
+    end's pipeline connection), that rank's port; otherwise the channels' finding."""
+    a, b = set(channels.ranks), set(messages.ranks)
+    if a == b or len(a & b) != 1:
+        return channels
+    severity = min(channels.severity, messages.severity)
+    evidence = [*channels.evidence, *messages.evidence]
+    if len(a) > 1 and len(b) > 1:
+        evidence.append(
+            Evidence.of(
+                "common_rank",
+                "every slow link has rank {rank} at one end (by the channels and by the "
+                "messages): its NIC or link",
+                rank=min(a & b),
+            )
+        )
+    return LinkFinding(sorted(a & b), None, channels.group, severity, evidence)
 
 
 def _wait_balance(r: int, mine: RankJoined) -> _WaitBalance:

@@ -122,6 +122,10 @@ class LinkFinding:
     group: GroupInfo | None  # the group the slowest link belongs to
     severity: float  # the slow links' time per byte over their references'
     evidence: list[Evidence]
+    # False: a connection whose ends are not told apart yet (a pipeline connection found
+    # by its messages before the channels have enough reports to judge its ends' other
+    # links): it counts towards its streak, and is not told.
+    settled: bool = True
 
 
 class MeasuredLinks:
@@ -325,6 +329,25 @@ class ChannelHistory:
             ),
         )
         return self.last
+
+    def port_end(
+        self, view: JobView, link: list[int], t0: int, t1: int
+    ) -> tuple[int | None, list[Evidence]] | None:
+        """Of a connection found slow by other evidence (a pipeline's messages) over
+        [t0, t1], the end whose other connections the channels show slow too (PORT_RATIO,
+        as for a slow connection of their own): (its rank, those links as evidence);
+        (None, []) when neither end's are, or both; None while the channels have too few
+        reports of [t0, t1] to judge."""
+        rows = self.between(t0, t1)
+        if not _enough(rows):
+            return None
+        ports = _Ports(view, tcp_links(rows), self.roles, self.history, rtt=True)
+        found = {r: ports.slow_links(r, link) for r in link}
+        ends = [r for r in link if found[r]]
+        if len(ends) != 1:
+            return None, []
+        shown = found[ends[0]]
+        return ends[0], [_TCP.line(*x) for x in _lines(shown, len(shown))]
 
 
 def _enough(rows: ChannelRows) -> bool:

@@ -3,6 +3,7 @@
 Real 4-rank TP2xPP2 and TP1xPP4 jobs on the built-in torch workload, every rank in its own
 network namespace (ccld_plugin.harness.netjob). In TP2xPP2 rank 3 has links in two groups:
 its TP peer 2 and its PP peer 1; TP1xPP4 is one pipeline, whose links have no siblings.
+A pipeline connection's evidence is its messages' transfers (both ends paired).
 ``comm-slow@R`` shapes R's whole link (every connection of R: a slow NIC or switch port);
 ``comm-slow@R:peer=P`` shapes only the traffic between R and P (one connection), and leaves
 every other link of both alone. Traffic: a few MB per step between the run's namespaces,
@@ -88,6 +89,19 @@ def test_one_slow_connection_names_the_link(tmp_path: Path) -> None:
     assert len(summary["verdicts"]) == 1 and code == 0
     # A link is confirmed a window later than a rank (LINK_EXTRA_WINDOWS).
     assert summary["latency_s"][0]["steps_to_verdict"] <= 22
+
+
+def test_one_connection_among_sibling_pipelines_names_the_link(tmp_path: Path) -> None:
+    # Only the traffic between the stages of pipeline 1-3 is shaped: its sibling 0-2 is
+    # healthy, and so are both ends' TP links. The channels read it 1.9x its sibling
+    # (one-way flows wait on delayed ACKs on healthy links too); its messages 10x or more.
+    code, summary = netns_demo(
+        tmp_path, 2, 2, 50, "comm-slow@1:rate=30mbit,peer=3,step=3", extra=NO_SHORT_HANGS
+    )
+    v = only(summary, "slow", "communication")
+    assert (v["ranks"], v["link"], v["group"]["role"]) == ([1, 3], [1, 3], "pp"), v["evidence"]
+    assert _p2p_connections(v) == {(1, 3)}
+    assert len(summary["verdicts"]) == 1 and code == 0
 
 
 def _p2p_connections(v: dict) -> set[tuple[int, int]]:
