@@ -797,7 +797,7 @@ class SlowDetector:
             return replace(found, settled=False)
         rank, links = ends
         if rank is None:
-            return found
+            return replace(found, evidence=[*found.evidence, *links])
         other = next(r for r in found.link if r != rank)
         because = Evidence.of(
             "common_rank",
@@ -919,7 +919,8 @@ def _common_port(channels: LinkFinding, messages: LinkFinding) -> LinkFinding:
     if a == b or len(a & b) != 1:
         return channels
     severity = min(channels.severity, messages.severity)
-    evidence = [*channels.evidence, *messages.evidence]
+    # (the channels' "one link is slow" is not so: the messages show another)
+    evidence = [e for e in [*channels.evidence, *messages.evidence] if e.fact != "one_link"]
     if len(a) > 1 and len(b) > 1:
         evidence.append(
             Evidence.of(

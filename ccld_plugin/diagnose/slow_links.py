@@ -38,7 +38,14 @@ from ccld_plugin.wire.summary import RankSummary
 from ccld_plugin.wire.summary_batch import table_of
 from ccld_plugin.wire.topology import GroupInfo, Topology
 
-__all__ = ["ChannelHistory", "LinkFinding", "LinkJudgement", "MeasuredLinks", "link_role"]
+__all__ = [
+    "ChannelHistory",
+    "LinkFinding",
+    "LinkJudgement",
+    "MeasuredLinks",
+    "link_role",
+    "one_link",
+]
 
 # Slow links (see ChannelHistory). Only intervals in which a link moved SLOW_MIN_BYTES
 # count, at least SLOW_MIN_TICKS of them per judgement (link_stats): a window of steps shorter than
@@ -336,18 +343,31 @@ class ChannelHistory:
         """Of a connection found slow by other evidence (a pipeline's messages) over
         [t0, t1], the end whose other connections the channels show slow too (PORT_RATIO,
         as for a slow connection of their own): (its rank, those links as evidence);
-        (None, []) when neither end's are, or both; None while the channels have too few
-        reports of [t0, t1] to judge."""
+        (None, [that neither is]) when neither end's are; (None, []) when both are, or the
+        job reports no channels; None while they have too few reports of [t0, t1] to
+        judge."""
+        if not self.batches:
+            return None, []
         rows = self.between(t0, t1)
         if not _enough(rows):
             return None
         ports = _Ports(view, tcp_links(rows), self.roles, self.history, rtt=True)
         found = {r: ports.slow_links(r, link) for r in link}
         ends = [r for r in link if found[r]]
-        if len(ends) != 1:
+        if not ends:
+            return None, [one_link(link)]
+        if len(ends) > 1:
             return None, []
         shown = found[ends[0]]
         return ends[0], [_TCP.line(*x) for x in _lines(shown, len(shown))]
+
+
+def one_link(link: list[int]) -> Evidence:
+    return Evidence.of(
+        "one_link",
+        "one link is slow ({link[0]}<->{link[1]}); the other links of both ranks are not",
+        link=link,
+    )
 
 
 def _enough(rows: ChannelRows) -> bool:
@@ -525,13 +545,7 @@ def _locate(
             )
         )
     elif link is not None:
-        evidence.append(
-            Evidence.of(
-                "one_link",
-                "one link is slow ({link[0]}<->{link[1]}); the other links of both ranks are not",
-                link=link,
-            )
-        )
+        evidence.append(one_link(link))
     severity = round(worst.s_per_mb / ref_spm, 2) if ref_spm > 0 else 0.0
     (i,) = np.flatnonzero((links.src == worst.src) & (links.dst == worst.dst)).tolist()
     worst_group = roles.groups[group[i]] if group[i] >= 0 else None

@@ -517,6 +517,27 @@ def test_slow_port_names_its_rank_with_its_links_in_both_groups(port: int) -> No
     assert f"rank {tp_peer}'s other connections are not slow" in ev["common_rank"][0]["text"]
 
 
+def test_a_pipeline_connection_slow_by_its_messages_is_told_from_its_ends_port() -> None:
+    # The messages of TP2xPP2's pipeline connection 1<->3 were slow: the channels say
+    # whether an end's other connection (its TP link) is slow too, as for their own
+    groups, per_tick = layout_links(2, 2, 1, port=3)
+    h = ChannelHistory()
+    v = feed(h, 10, per_tick, groups)
+    end = h.port_end(v, [1, 3], 10 * S, 15 * S)
+    assert end is not None and end[0] == 3
+    shown = {frozenset((e.data["rank"], e.data["peer"])) for e in end[1]}
+    assert frozenset((2, 3)) in shown and all(3 in k for k in shown)
+    groups, per_tick = layout_links(2, 2, 1, pair={1, 3})
+    h = ChannelHistory()
+    v = feed(h, 10, per_tick, groups)
+    rank, said = h.port_end(v, [1, 3], 10 * S, 15 * S)  # type: ignore[misc]
+    assert rank is None and [e.data for e in said] == [{"link": [1, 3]}]  # the link
+    h = ChannelHistory()
+    v = feed(h, 1, per_tick, groups)
+    assert h.port_end(v, [1, 3], 10 * S, 15 * S) is None  # too few reports: not yet
+    assert ChannelHistory().port_end(v, [1, 3], 10 * S, 15 * S) == (None, [])  # none at all
+
+
 def test_slow_port_in_a_lone_ring_names_its_rank() -> None:
     # One TP4 group (no sibling group) of a live job, rank 2's port shaped to 50 Mbit/s:
     # its ring 0->1->2->3->0 stalls at it, so healthy 0->1 queues too (7 s per MB); 1->2

@@ -328,6 +328,8 @@ def test_recorded_sibling_pipelines_name_a_slow_connection_and_a_slow_port() -> 
         assert v.group is not None and v.group["role"] == role
         kinds = {e.fact for e in v.evidence}
         assert "p2p_transfer" in kinds and (link is not None or "link_slow" in kinds), name
+        # a link: both ends' other links healthy by the channels; a port: no such line
+        assert ("one_link" in kinds) == (link is not None), name
 
 
 def test_a_recorded_two_stage_pipeline_at_100_mbit_names_its_link() -> None:
