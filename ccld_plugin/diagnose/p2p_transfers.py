@@ -93,6 +93,9 @@ OWN_PAST_RATIO = 4.0
 # step 30 -> 53 ms, missed at 10 ms). Then it needs no MIN_SLOW_ROUND_TRIP_NS, unless an
 # end queues for a CPU (a crowded host delays every message a little: the healthy
 # connections of a Megatron TP1xPP4 beside two busy processes read 5.0-5.3 ms by both).
+# The same holds against the job's other connections (PORT_RATIO, LINK_RATIO) when the
+# low quartiles reach the ratio too: a TP1xPP4 port shaped to 100 Mbit/s read 9.5x the
+# others at 9.5 ms (7.6x by the low quartiles); healthy ones up to 2.7x by theirs.
 MIN_STEADY_ROUND_TRIP_NS = 5_000_000
 HISTORY_QUANTILE = 0.1
 HISTORY_WINDOWS = 512
@@ -394,7 +397,18 @@ def slow_p2p_port(
         others = [c.ns_per_byte for c in conns if r not in (c.a, c.b)]
         if len(own) >= 2 and others and r in whole:
             ref = statistics.median(others)
-            f = _finding([r], None, own, ref, PORT_RATIO, window_ns, groups, low_share=low)
+            steady = _steady_floor([r], queued)
+            f = _finding(
+                [r],
+                None,
+                own,
+                ref,
+                PORT_RATIO,
+                window_ns,
+                groups,
+                low_share=low,
+                steady_round_trip_ns=steady,
+            )
             found += [f] if f is not None else []
     if not found:
         for c in conns:
@@ -403,7 +417,18 @@ def slow_p2p_port(
             others = [o.ns_per_byte for o in conns if o is not c]
             ref = statistics.median(others)
             link = [c.a, c.b]
-            f = _finding(link, link, [c], ref, LINK_RATIO, window_ns, groups, low_share=low)
+            steady = _steady_floor(link, queued)
+            f = _finding(
+                link,
+                link,
+                [c],
+                ref,
+                LINK_RATIO,
+                window_ns,
+                groups,
+                low_share=low,
+                steady_round_trip_ns=steady,
+            )
             found += [f] if f is not None else []
     return max(found, key=lambda f: f.severity) if found else None
 
@@ -457,6 +482,12 @@ def _hub(conns: list[_Connection], groups: list[GroupInfo]) -> int | None:
     return common.pop() if len(common) == 1 else None
 
 
+def _steady_floor(ranks: list[int], queued: frozenset[int]) -> float:
+    """The least round trip of a connection whose every message is slow: a crowded host
+    delays every message a little (an end that waited for a CPU), a slow link more."""
+    return MIN_SLOW_ROUND_TRIP_NS if queued.intersection(ranks) else MIN_STEADY_ROUND_TRIP_NS
+
+
 def _whole_group(c: _Connection, groups: list[GroupInfo]) -> bool:
     """Whether ``c`` is its group's only connection (a pipeline of two stages)."""
     return len(groups[c.group].ranks) == 2
@@ -497,14 +528,20 @@ def _finding(
     reference: str = "the job's other connections",
     min_round_trip_ns: float = MIN_SLOW_ROUND_TRIP_NS,
     low_share: float = 0.0,
+    steady_round_trip_ns: float | None = None,
 ) -> LinkFinding | None:
     """A finding on ``ranks`` when every connection of ``own`` is slow against the
-    reference (by ``low_share`` of ``ratio`` in its low quartiles too) and their excess
-    costs the window enough; None otherwise."""
+    reference (by ``low_share`` of ``ratio`` in its low quartiles too), by
+    ``min_round_trip_ns`` there and back (``steady_round_trip_ns`` where its low quartiles
+    reach ``ratio``: nearly every message is slow), and their excess costs the window
+    enough; None otherwise."""
     slowest = min(c.round_trip_ns / c.reference_ns(ref_ns_per_byte) for c in own)
-    if slowest < ratio or min(c.round_trip_ns for c in own) < min_round_trip_ns:
-        return None
     low = min(c.low_round_trip_ns / c.reference_ns(ref_ns_per_byte) for c in own)
+    least = min_round_trip_ns
+    if steady_round_trip_ns is not None and low >= ratio:
+        least = min(least, steady_round_trip_ns)
+    if slowest < ratio or min(c.round_trip_ns for c in own) < least:
+        return None
     if low_share and low < ratio * low_share:
         return None
     if sum(c.excess_ns(ref_ns_per_byte) for c in own) < MIN_WINDOW_SHARE * window_ns:

@@ -167,7 +167,19 @@ def test_one_slow_connection_names_the_link_and_an_end_stage_port_is_its_one_lin
 
 def test_healthy_and_cheap_or_explained_transfers_name_nothing() -> None:
     assert judge({(0, 1): 0.5, (1, 2): 1.5, (2, 3): 1.0}) is None  # host noise: 3x apart
-    assert judge({(0, 1): 0.3, (1, 2): 4.0, (2, 3): 4.5}) is None  # 8 ms there and back
+    # 8-9 ms there and back: under 10 ms, a busy host holds messages back that long
+    port = {(0, 1): 0.3, (1, 2): 4.0, (2, 3): 4.5}
+    held = Transfers.concat(
+        [pipeline(both_ways(port), n=5), pipeline(both_ways({(1, 2): 0.3, (2, 3): 0.3}), n=3)]
+    )
+    assert slow_p2p_port(held, [PP], 0, 2000 * MS, frozenset()) is None
+    # ... unless every message is slow, from 5 ms there and back (a rank's port at 100
+    # Mbit/s); not where an end waited for a CPU (a crowded host delays every message)
+    steady = slow_p2p_port(pipeline(both_ways(port)), [PP], 0, 2000 * MS, frozenset())
+    assert steady is not None and (steady.ranks, steady.link) == ([2], None)
+    t = pipeline(both_ways(port))
+    assert slow_p2p_port(t, [PP], 0, 2000 * MS, frozenset(), queued=frozenset({2})) is None
+    assert judge({(0, 1): 0.3, (1, 2): 2.0, (2, 3): 2.2}) is None  # 4 ms: under 5
     # a straggler drains its links late: not judged
     assert judge({(0, 1): 0.8, (1, 2): 14.0, (2, 3): 12.0}, frozenset({2})) is None
     # one message a window at 5 ms costs the job nothing
@@ -330,6 +342,16 @@ def test_recorded_sibling_pipelines_name_a_slow_connection_and_a_slow_port() -> 
         assert "p2p_transfer" in kinds and (link is not None or "link_slow" in kinds), name
         # a link: both ends' other links healthy by the channels; a port: no such line
         assert ("one_link" in kinds) == (link is not None), name
+
+
+def test_a_recorded_lone_pipelines_port_at_100_mbit_is_named_by_its_steady_messages() -> None:
+    # `ccld demo --tp 1 --pp 4 --fault comm-slow@2:rate=100mbit,step=11`: rank 2's two
+    # connections 5.8 ms there and back, every message alike, under the 10 ms a few held
+    # back messages would need
+    _, got = replay(RECORDED / "comm-slow-100mbit-rank2-step11-tp1pp4.rec")
+    (v,) = got
+    assert (v.kind, v.cause, v.ranks, v.link) == (Kind.SLOW, Cause.COMMUNICATION, [2], None)
+    assert {(e.data["a"], e.data["b"]) for e in v.evidence} == {(1, 2), (2, 3)}
 
 
 def test_a_recorded_two_stage_pipeline_at_100_mbit_names_its_link() -> None:
