@@ -66,8 +66,12 @@ PORT_RATIO = 4.0
 MIN_SLOW_ROUND_TRIP_NS = 10_000_000
 # A reference round trip reads no less than this (healthy ones read ~0 +- the clocks' error).
 MIN_REF_ROUND_TRIP_NS = 1_000_000
-# A slow connection alone, against every other connection of the job.
+# A slow connection alone, against every other connection of the job; STEADY_LINK_RATIO
+# where its low quartiles reach that ratio too: healthy connections of the false-alarm
+# runs (torch and Megatron, pipelines alone and with siblings, some beside busy processes)
+# read up to 3.4x the others by their low quartiles, slow ones (30 and 100 Mbit/s) 6.4-31x.
 LINK_RATIO = 8.0
+STEADY_LINK_RATIO = 5.0
 # Among sibling pipelines nearly every message of a slow connection is slow: the low
 # quartiles of its transfers there and back read this share of the ratio at least. A busy
 # host holds some messages back, a slow link all of them: healthy pipeline connections
@@ -397,17 +401,9 @@ def slow_p2p_port(
         others = [c.ns_per_byte for c in conns if r not in (c.a, c.b)]
         if len(own) >= 2 and others and r in whole:
             ref = statistics.median(others)
-            steady = _steady_floor([r], queued)
+            steady = _steady(PORT_RATIO, [r], queued)
             f = _finding(
-                [r],
-                None,
-                own,
-                ref,
-                PORT_RATIO,
-                window_ns,
-                groups,
-                low_share=low,
-                steady_round_trip_ns=steady,
+                [r], None, own, ref, PORT_RATIO, window_ns, groups, low_share=low, steady=steady
             )
             found += [f] if f is not None else []
     if not found:
@@ -417,17 +413,9 @@ def slow_p2p_port(
             others = [o.ns_per_byte for o in conns if o is not c]
             ref = statistics.median(others)
             link = [c.a, c.b]
-            steady = _steady_floor(link, queued)
+            steady = _steady(STEADY_LINK_RATIO, link, queued)
             f = _finding(
-                link,
-                link,
-                [c],
-                ref,
-                LINK_RATIO,
-                window_ns,
-                groups,
-                low_share=low,
-                steady_round_trip_ns=steady,
+                link, link, [c], ref, LINK_RATIO, window_ns, groups, low_share=low, steady=steady
             )
             found += [f] if f is not None else []
     return max(found, key=lambda f: f.severity) if found else None
@@ -438,14 +426,15 @@ def p2p_cleared(
 ) -> frozenset[int]:
     """The ranks whose links the transfers of [t0, t1] show healthy: every connection of
     theirs (seen in ``transfers``) measured both ways and fast there and back (under
-    MIN_SLOW_ROUND_TRIP_NS; the job's ``one_pipeline`` of two stages: its one connection,
+    MIN_SLOW_ROUND_TRIP_NS, and under MIN_STEADY_ROUND_TRIP_NS by the low quartiles: not
+    every message slow; the job's ``one_pipeline`` of two stages: its one connection,
     judged against its own past, found healthy). A finding on other ranks holds: a window
     that lost the samples of a slow rank's links (they came late), or of the connections
     to compare them with, says nothing of them."""
     conns = _connections(transfers.within(t0, t1), frozenset())
     if one_pipeline and len(conns) == 1 and _whole_group(conns[0], groups):
         return frozenset((conns[0].a, conns[0].b))
-    fast = {(c.a, c.b) for c in conns if c.round_trip_ns < MIN_SLOW_ROUND_TRIP_NS}
+    fast = {(c.a, c.b) for c in conns if _fast(c)}
     return frozenset(_covered(fast, _known_connections(transfers)))
 
 
@@ -459,6 +448,12 @@ def described_connections(transfers: Transfers, t0: int, t1: int) -> str:
             for c in conns
         )
         or "none measured"
+    )
+
+
+def _fast(c: _Connection) -> bool:
+    return (
+        c.round_trip_ns < MIN_SLOW_ROUND_TRIP_NS and c.low_round_trip_ns < MIN_STEADY_ROUND_TRIP_NS
     )
 
 
@@ -482,10 +477,19 @@ def _hub(conns: list[_Connection], groups: list[GroupInfo]) -> int | None:
     return common.pop() if len(common) == 1 else None
 
 
-def _steady_floor(ranks: list[int], queued: frozenset[int]) -> float:
-    """The least round trip of a connection whose every message is slow: a crowded host
-    delays every message a little (an end that waited for a CPU), a slow link more."""
-    return MIN_SLOW_ROUND_TRIP_NS if queued.intersection(ranks) else MIN_STEADY_ROUND_TRIP_NS
+class _Steady(NamedTuple):
+    """What a connection whose every message is slow (its low quartiles too) needs: this
+    ratio, and this round trip."""
+
+    ratio: float
+    round_trip_ns: float
+
+
+def _steady(ratio: float, ranks: list[int], queued: frozenset[int]) -> _Steady:
+    """A crowded host delays every message a little (an end that waited for a CPU): there
+    a steady connection needs MIN_SLOW_ROUND_TRIP_NS too."""
+    busy = queued.intersection(ranks)
+    return _Steady(ratio, MIN_SLOW_ROUND_TRIP_NS if busy else MIN_STEADY_ROUND_TRIP_NS)
 
 
 def _whole_group(c: _Connection, groups: list[GroupInfo]) -> bool:
@@ -528,19 +532,19 @@ def _finding(
     reference: str = "the job's other connections",
     min_round_trip_ns: float = MIN_SLOW_ROUND_TRIP_NS,
     low_share: float = 0.0,
-    steady_round_trip_ns: float | None = None,
+    steady: _Steady | None = None,
 ) -> LinkFinding | None:
     """A finding on ``ranks`` when every connection of ``own`` is slow against the
-    reference (by ``low_share`` of ``ratio`` in its low quartiles too), by
-    ``min_round_trip_ns`` there and back (``steady_round_trip_ns`` where its low quartiles
-    reach ``ratio``: nearly every message is slow), and their excess costs the window
-    enough; None otherwise."""
+    reference by ``ratio`` (and by ``low_share`` of it in its low quartiles) and
+    ``min_round_trip_ns`` there and back, or by ``steady``'s where its low quartiles
+    reach that ratio too (nearly every message is slow), and their excess costs the
+    window enough; None otherwise."""
     slowest = min(c.round_trip_ns / c.reference_ns(ref_ns_per_byte) for c in own)
     low = min(c.low_round_trip_ns / c.reference_ns(ref_ns_per_byte) for c in own)
-    least = min_round_trip_ns
-    if steady_round_trip_ns is not None and low >= ratio:
-        least = min(least, steady_round_trip_ns)
-    if slowest < ratio or min(c.round_trip_ns for c in own) < least:
+    if steady is not None and low >= steady.ratio:
+        ratio = min(ratio, steady.ratio)
+        min_round_trip_ns = min(min_round_trip_ns, steady.round_trip_ns)
+    if slowest < ratio or min(c.round_trip_ns for c in own) < min_round_trip_ns:
         return None
     if low_share and low < ratio * low_share:
         return None

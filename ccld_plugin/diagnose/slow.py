@@ -190,8 +190,9 @@ class SlowDetector:
         # when the diagnoser's rounds ran, on its own rank (the observer's)
         self._observer_rounds: deque[tuple[int, int]] = deque(maxlen=OBSERVER_ROUNDS)
         self._channel_found: LinkFinding | None = None  # of the current streak
-        # start of the windows in a row in which a pipeline connection's messages were slow
-        self._pipe_link_since: int | None = None
+        # A pipeline connection slow by its messages (among sibling pipelines): since when
+        # (the first window of its episode, until a window shows it healthy), and its ranks.
+        self._pipe_link: tuple[int, list[int]] | None = None
         self._comm_reported: set[tuple] = set()  # communication streaks with a verdict
         self._cohort_key = -1
         self._cohort_cache: dict[int, list[int]] = {}
@@ -685,20 +686,20 @@ class SlowDetector:
                 self.lone if one_pipeline else None,
                 queued=frozenset(waited[share > QUIET_HOST_SHARE].tolist()),
             )
-            if p2p is None or p2p.link is None:
-                self._pipe_link_since = None
             if p2p is None:
                 # A window that lost the samples of some links (a fast job's windows take
                 # turns at them; an agent's summary came late) clears only the ranks
                 # whose links it measured healthy: other findings' streaks hold.
                 healthy = p2p_cleared(self.transfers, self.arrivals.groups, t0, t1, one_pipeline)
+                if self._pipe_link and set(self._pipe_link[1]) <= healthy:
+                    self._pipe_link = None
             elif found is not None and fresh:
                 found = _common_port(found, p2p)
             else:
                 if p2p.link is not None and not one_pipeline:
-                    if self._pipe_link_since is None:
-                        self._pipe_link_since = t0
-                    p2p = self._port_end(view, p2p, self._pipe_link_since, t1)
+                    if self._pipe_link is None or self._pipe_link[1] != p2p.link:
+                        self._pipe_link = (t0, p2p.link)
+                    p2p = self._port_end(view, p2p, self._pipe_link[0], t1)
                 found, fresh = p2p, True
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(

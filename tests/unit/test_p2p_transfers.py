@@ -321,6 +321,24 @@ def test_a_lone_pipelines_slow_port_is_named_when_a_third_of_the_summaries_come_
         ], seed
 
 
+def test_a_connection_whose_every_message_is_slow_needs_a_lower_ratio_and_is_not_cleared() -> None:
+    two = [group("pp", [0, 2])]
+    window = (0, 1000 * MS)
+    ms = both_ways({(0, 2): 0.7, (1, 3): 4.0})  # 8 ms there and back: ~6x the other
+
+    def transfers(n: int = 8, fast: float | None = None) -> Transfers:
+        now = ms if fast is None else {**ms, (1, 3): fast, (3, 1): fast}
+        return pipeline(now, n=n, window_ns=window[1])
+
+    found = slow_p2p_port(transfers(), two, *window, frozenset())
+    assert found is not None and found.link == [1, 3] and found.severity < 8
+    assert p2p_cleared(transfers(), two, *window, one_pipeline=False) == {0, 2}
+    # held back: three of eight messages fast; then not slow, and cleared
+    held = Transfers.concat([transfers(5), transfers(3, fast=0.7)])
+    assert slow_p2p_port(held, two, *window, frozenset()) is None
+    assert p2p_cleared(held, two, *window, one_pipeline=False) == {0, 1, 2, 3}
+
+
 def test_recorded_sibling_pipelines_name_a_slow_connection_and_a_slow_port() -> None:
     # torch TP2xPP2 demos in closed networks (the channels read a pipeline connection
     # shaped to 30 Mbit/s at 1.9x its sibling, under their ratio): one connection from
@@ -332,6 +350,10 @@ def test_recorded_sibling_pipelines_name_a_slow_connection_and_a_slow_port() -> 
         "comm-slow-30mbit-link1-3-step3-tp2pp2.rec": ([1, 3], [1, 3], "pp"),
         "comm-slow-100mbit-rank1-step10-tp2pp2.rec": ([1], None, "pp"),
         "comm-slow-100mbit-rank3-step12-tp2pp2.rec": ([3], None, "tp"),
+        # rank 0's (the diagnoser's) port: its connection 10-11 ms there and back, every
+        # message alike, against a sibling whose 1-2 ms made it 4-11x: a window under the
+        # ratio in between neither clears it nor restarts its wait for the channels
+        "comm-slow-100mbit-rank0-step10-tp2pp2.rec": ([0], None, "pp"),
     }
     for name, (ranks, link, role) in cases.items():
         _, got = replay(RECORDED / name)
