@@ -15,11 +15,9 @@ first exit), then name
 
 from __future__ import annotations
 
-import logging
 import statistics
 from collections import defaultdict, deque
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -27,17 +25,10 @@ import numpy as np
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose.arrivals import ArrivalJoin, JoinedTable, RankJoined
 from ccld_plugin.diagnose.compute_excess import Excess, compute_excess
-from ccld_plugin.diagnose.p2p_transfers import (
-    LoneConnection,
-    P2PJoin,
-    Transfers,
-    described_connections,
-    p2p_cleared,
-    slow_p2p_port,
-)
+from ccld_plugin.diagnose.pipeline_links import PipelineLinks
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.robust import RankedValues, RecentFloor
-from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkFinding
+from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkFinding, LinkJudgement
 from ccld_plugin.diagnose.step_table import StepTable, StepWindow
 from ccld_plugin.diagnose.view import GroupIndex, JobView
 from ccld_plugin.errors import log
@@ -170,9 +161,7 @@ class SlowDetector:
         # the last MAX_JOINED collectives joined, and how many were ever joined
         self.joined = JoinedTable.empty(self.arrivals.groups)
         self.joined_total = 0
-        self.p2p = P2PJoin(self.arrivals.index)
-        self.transfers = Transfers.empty()  # point-to-point messages paired, while judged
-        self.lone = LoneConnection()  # a lone pipeline's connections, their past
+        self.pipelines = PipelineLinks(self.arrivals.index)  # their messages, paired
         self.next_end = FIRST_STEP + cfg.window_steps  # the step after the next window
         # Steps a straggler's excess is judged over: the confirming windows end to end, and
         # twice as many for a weak one (compute_excess).
@@ -190,9 +179,6 @@ class SlowDetector:
         # when the diagnoser's rounds ran, on its own rank (the observer's)
         self._observer_rounds: deque[tuple[int, int]] = deque(maxlen=OBSERVER_ROUNDS)
         self._channel_found: LinkFinding | None = None  # of the current streak
-        # A pipeline connection slow by its messages (among sibling pipelines): since when
-        # (the first window of its episode, until a window shows it healthy), and its ranks.
-        self._pipe_link: tuple[int, list[int]] | None = None
         self._comm_reported: set[tuple] = set()  # communication streaks with a verdict
         self._cohort_key = -1
         self._cohort_cache: dict[int, list[int]] = {}
@@ -215,9 +201,7 @@ class SlowDetector:
         self.channels.ingest(fresh)
         self.steps.ingest(fresh, self.next_end - max(self.spans) - self.cfg.window_steps)
         self.keep_joined(self.arrivals.add(view, fresh))
-        paired = self.p2p.add(view, fresh.table)
-        if len(paired.src):
-            self.transfers = Transfers.concat([self.transfers, paired])
+        self.pipelines.ingest(view, fresh.table)
 
     def keep_joined(self, new: JoinedTable) -> None:
         """Keep ``new`` after the collectives joined before, the last MAX_JOINED of all."""
@@ -275,7 +259,7 @@ class SlowDetector:
         keep_from = self.steps.first_start_ns(hi - max(self.spans))
         keep_from = t0 if keep_from is None else min(t0, keep_from)
         self.joined = self.joined.since_time(keep_from)
-        self.transfers = self.transfers.since(keep_from)
+        self.pipelines.forget_before(keep_from)
         step_us = dict(zip(window.ranks, window.step_us, strict=True))
         verdicts = self._stragglers(view, step_us, hi - 1, t1)
         if self._solo and lo >= FIRST_STEP:
@@ -669,48 +653,16 @@ class SlowDetector:
         judged = self.channels.slow_links(view, t0, t1, frozenset(stragglers))
         found, fresh = judged.found, judged.fresh
         healthy: frozenset[int] | None = None  # ranks whose links it measured; None: all
-        one_pipeline = len(self.transfers.src) > 0 and self.p2p.one_pipeline(view, self.transfers)
-        # The pipelines' links (P2PJoin), by their messages' transfers. In a lone pipeline
-        # (its ranks have no other links) where the channels found no slow link, or could
-        # not judge this window (their finding is an older one); among sibling pipelines
-        # where the channels judged it: their finding and the messages' are one.
-        judged_too = not fresh if one_pipeline else fresh
-        if len(self.transfers.src) and (found is None or judged_too):
+        if self.pipelines.measured():
             waited, _, share = self._cpu_wait(lo, hi)
-            p2p = slow_p2p_port(
-                self.transfers,
-                self.arrivals.groups,
-                t0,
-                t1,
+            found, fresh, healthy = self.pipelines.judge(
+                view,
+                self.channels,
+                (lo, hi, t0, t1),
+                LinkJudgement(found, fresh),
                 frozenset(stragglers),
-                self.lone if one_pipeline else None,
                 queued=frozenset(waited[share > QUIET_HOST_SHARE].tolist()),
             )
-            if p2p is None:
-                # A window that lost the samples of some links (a fast job's windows take
-                # turns at them; an agent's summary came late) clears only the ranks
-                # whose links it measured healthy: other findings' streaks hold.
-                healthy = p2p_cleared(self.transfers, self.arrivals.groups, t0, t1, one_pipeline)
-                if self._pipe_link and set(self._pipe_link[1]) <= healthy:
-                    self._pipe_link = None
-            elif found is not None and fresh:
-                found = _common_port(found, p2p)
-            else:
-                if p2p.link is not None and not one_pipeline:
-                    if self._pipe_link is None or self._pipe_link[1] != p2p.link:
-                        self._pipe_link = (t0, p2p.link)
-                    p2p = self._port_end(view, p2p, self._pipe_link[0], t1)
-                found, fresh = p2p, True
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug(
-                    "ccld window %d-%d: pipeline connections %s: %s",
-                    lo,
-                    hi - 1,
-                    described_connections(self.transfers, t0, t1),
-                    f"slow {p2p.ranks} (link {p2p.link})"
-                    if p2p is not None
-                    else f"none slow, ranks {sorted(healthy or ())} cleared",
-                )
         if slow and found is None and judged.pending:
             # Low bandwidth with the links' own judgement still to come: a busy host slows
             # a group's transfers as much as a slow link does (seen: one DP group at 5.6x
@@ -787,27 +739,6 @@ class SlowDetector:
                 evidence=evidence,
             )
         ]
-
-    def _port_end(self, view: JobView, found: LinkFinding, t0: int, t1: int) -> LinkFinding:
-        """A pipeline connection ``found`` slow by its messages since ``t0``: that link, or
-        the port of the end whose other links (its TP or DP groups', by their channels) are
-        slow too; not settled while the channels cannot tell yet."""
-        assert found.link is not None
-        ends = self.channels.port_end(view, found.link, t0, t1)
-        if ends is None:
-            return replace(found, settled=False)
-        rank, links = ends
-        if rank is None:
-            return replace(found, evidence=[*found.evidence, *links])
-        other = next(r for r in found.link if r != rank)
-        because = Evidence.of(
-            "common_rank",
-            "every slow link has rank {rank} at one end, and rank "
-            f"{other}'s other connections are not slow: its NIC or link",
-            rank=rank,
-        )
-        evidence = [*found.evidence, *links, because]
-        return LinkFinding([rank], None, found.group, found.severity, evidence)
 
     def _end_comm_streaks(self, healthy: frozenset[int] | None) -> None:
         """End the communication streaks on ranks in ``healthy`` (None: every streak)."""
@@ -909,29 +840,6 @@ class _WaitBalance(NamedTuple):
         """Of the waiting, the share that is its peers' for it; None when nobody waited."""
         total = self.for_r_ns + self.by_r_ns
         return self.for_r_ns / total if total > 0 else None
-
-
-def _common_port(channels: LinkFinding, messages: LinkFinding) -> LinkFinding:
-    """One window's slow links by the channels and by the pipelines' messages, as one
-    finding: where one names a rank and the other a link through it, that rank; where
-    they name two links with one rank in common (the channels a TP link, the messages its
-    end's pipeline connection), that rank's port; otherwise the channels' finding."""
-    a, b = set(channels.ranks), set(messages.ranks)
-    if a == b or len(a & b) != 1:
-        return channels
-    severity = min(channels.severity, messages.severity)
-    # (the channels' "one link is slow" is not so: the messages show another)
-    evidence = [e for e in [*channels.evidence, *messages.evidence] if e.fact != "one_link"]
-    if len(a) > 1 and len(b) > 1:
-        evidence.append(
-            Evidence.of(
-                "common_rank",
-                "every slow link has rank {rank} at one end (by the channels and by the "
-                "messages): its NIC or link",
-                rank=min(a & b),
-            )
-        )
-    return LinkFinding(sorted(a & b), None, channels.group, severity, evidence)
 
 
 def _wait_balance(r: int, mine: RankJoined) -> _WaitBalance:
