@@ -372,10 +372,11 @@ def slow_p2p_port(
     queued: frozenset[int] = frozenset(),
 ) -> LinkFinding | None:
     """The slow port (a finding with no ``link``: every connection of its rank) or link
-    that the transfers of [t0, t1] show, if any. ``lone``: the job is one pipeline, and
-    one of two or three stages has its connections judged against their own past there
-    (``queued``: ranks that waited for a CPU); None: sibling pipelines, where nearly every
-    message of a slow connection must be slow (SIBLING_LOW_SHARE). Connections touching
+    that the transfers of [t0, t1] show, if any (``queued``: ranks that waited for a
+    CPU). ``lone``, given where the job is one pipeline: the past of its connections, which
+    are judged against it in a pipeline of two or three stages; None among sibling
+    pipelines, where nearly every message of a slow connection must be slow
+    (SIBLING_LOW_SHARE). Connections touching
     ``exclude`` (ranks computing slower than their cohort: a late reader drains its link
     late) and those measured one way only are not judged."""
     conns = _connections(transfers.within(t0, t1), exclude)
