@@ -35,8 +35,12 @@ def _closed_network() -> None:
 
 
 def _slow_links(v: dict) -> set[frozenset[int]]:
-    return {
-        frozenset((e["data"]["rank"], e["data"]["peer"])) for e in facts(v["evidence"])["link_slow"]
+    """The connections a verdict shows slow: by the channels, or by their messages (a
+    pipeline connection may be judged by either first)."""
+    ev = facts(v["evidence"])
+    channels = {frozenset((e["data"]["rank"], e["data"]["peer"])) for e in ev.get("link_slow", [])}
+    return channels | {
+        frozenset((e["data"]["a"], e["data"]["b"])) for e in ev.get("p2p_transfer", [])
     }
 
 
