@@ -333,9 +333,7 @@ class LoneConnection:
                 window_ns,
                 groups,
                 "its own past",
-                min_round_trip_ns=MIN_SLOW_ROUND_TRIP_NS
-                if {c.a, c.b} & queued
-                else MIN_STEADY_ROUND_TRIP_NS,
+                min_round_trip_ns=_steady_floor(link, queued),
             )
         past.add(c.ns_per_byte)
         return found
@@ -405,7 +403,7 @@ def slow_p2p_port(
         others = per_byte[(ends != r).all(axis=1)]
         if len(own) >= 2 and len(others) and r in whole:
             ref = float(np.median(others))
-            steady = _steady(PORT_RATIO, [r], queued)
+            steady = _Steady(PORT_RATIO, _steady_floor([r], queued))
             f = _finding(
                 [r], None, own, ref, PORT_RATIO, window_ns, groups, low_share=low, steady=steady
             )
@@ -416,7 +414,7 @@ def slow_p2p_port(
                 continue
             ref = float(np.median(np.delete(per_byte, i)))
             link = [c.a, c.b]
-            steady = _steady(STEADY_LINK_RATIO, link, queued)
+            steady = _Steady(STEADY_LINK_RATIO, _steady_floor(link, queued))
             f = _finding(
                 link, link, [c], ref, LINK_RATIO, window_ns, groups, low_share=low, steady=steady
             )
@@ -488,11 +486,11 @@ class _Steady(NamedTuple):
     round_trip_ns: float
 
 
-def _steady(ratio: float, ranks: list[int], queued: frozenset[int]) -> _Steady:
-    """A crowded host delays every message a little (an end that waited for a CPU): there
-    a steady connection needs MIN_SLOW_ROUND_TRIP_NS too."""
-    busy = queued.intersection(ranks)
-    return _Steady(ratio, MIN_SLOW_ROUND_TRIP_NS if busy else MIN_STEADY_ROUND_TRIP_NS)
+def _steady_floor(ranks: list[int], queued: frozenset[int]) -> float:
+    """The round trip a connection of ``ranks`` whose every message is slow needs: a
+    crowded host delays every message a little (an end in ``queued`` waited for a CPU),
+    and there it needs MIN_SLOW_ROUND_TRIP_NS too."""
+    return MIN_SLOW_ROUND_TRIP_NS if queued.intersection(ranks) else MIN_STEADY_ROUND_TRIP_NS
 
 
 def _whole_group(c: _Connection, groups: list[GroupInfo]) -> bool:

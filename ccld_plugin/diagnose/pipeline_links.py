@@ -22,8 +22,12 @@ from ccld_plugin.diagnose.p2p_transfers import (
     p2p_cleared,
     slow_p2p_port,
 )
-from ccld_plugin.diagnose.records import Evidence
-from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkFinding, LinkJudgement
+from ccld_plugin.diagnose.slow_links import (
+    ChannelHistory,
+    LinkFinding,
+    LinkJudgement,
+    common_rank,
+)
 from ccld_plugin.diagnose.view import GroupIndex, JobView
 from ccld_plugin.errors import log
 from ccld_plugin.wire.summary_batch import SummaryTable
@@ -119,17 +123,10 @@ def _port_end(
     ends = channels.port_end(view, found.link, t0, t1)
     if ends is None:
         return replace(found, settled=False)
-    rank, links = ends
+    rank, lines = ends
+    evidence = [*found.evidence, *lines]
     if rank is None:
-        return replace(found, evidence=[*found.evidence, *links])
-    other = next(r for r in found.link if r != rank)
-    because = Evidence.of(
-        "common_rank",
-        "every slow link has rank {rank} at one end, and rank "
-        f"{other}'s other connections are not slow: its NIC or link",
-        rank=rank,
-    )
-    evidence = [*found.evidence, *links, because]
+        return replace(found, evidence=evidence)
     return LinkFinding([rank], None, found.group, found.severity, evidence)
 
 
@@ -145,12 +142,5 @@ def _common_port(channels: LinkFinding, messages: LinkFinding) -> LinkFinding:
     # (the channels' "one link is slow" is not so: the messages show another)
     evidence = [e for e in [*channels.evidence, *messages.evidence] if e.fact != "one_link"]
     if len(a) > 1 and len(b) > 1:
-        evidence.append(
-            Evidence.of(
-                "common_rank",
-                "every slow link has rank {rank} at one end (by the channels and by the "
-                "messages): its NIC or link",
-                rank=min(a & b),
-            )
-        )
+        evidence.append(common_rank(min(a & b)))
     return LinkFinding(sorted(a & b), None, channels.group, severity, evidence)

@@ -28,7 +28,7 @@ from ccld_plugin.diagnose.compute_excess import Excess, compute_excess
 from ccld_plugin.diagnose.pipeline_links import PipelineLinks
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.robust import RankedValues, RecentFloor
-from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkFinding, LinkJudgement
+from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkFinding
 from ccld_plugin.diagnose.step_table import StepTable, StepWindow
 from ccld_plugin.diagnose.view import GroupIndex, JobView
 from ccld_plugin.errors import log
@@ -659,7 +659,7 @@ class SlowDetector:
                 view,
                 self.channels,
                 (lo, hi, t0, t1),
-                LinkJudgement(found, fresh),
+                judged,
                 frozenset(stragglers),
                 queued=frozenset(waited[share > QUIET_HOST_SHARE].tolist()),
             )

@@ -43,8 +43,8 @@ __all__ = [
     "LinkFinding",
     "LinkJudgement",
     "MeasuredLinks",
+    "common_rank",
     "link_role",
-    "one_link",
 ]
 
 # Slow links (see ChannelHistory). Only intervals in which a link moved SLOW_MIN_BYTES
@@ -342,10 +342,10 @@ class ChannelHistory:
     ) -> tuple[int | None, list[Evidence]] | None:
         """Of a connection found slow by other evidence (a pipeline's messages) over
         [t0, t1], the end whose other connections the channels show slow too (PORT_RATIO,
-        as for a slow connection of their own): (its rank, those links as evidence);
-        (None, [that neither is]) when neither end's are; (None, []) when both are, or the
-        job reports no channels; None while they have too few reports of [t0, t1] to
-        judge."""
+        as for a slow connection of their own): (its rank, those links and why it is named
+        as evidence); (None, [that neither is]) when neither end's are; (None, []) when
+        both are, or the job reports no channels; None while they have too few reports of
+        [t0, t1] to judge."""
         if not self.batches:
             return None, []
         rows = self.between(t0, t1)
@@ -355,14 +355,31 @@ class ChannelHistory:
         found = {r: ports.slow_links(r, link) for r in link}
         ends = [r for r in link if found[r]]
         if not ends:
-            return None, [one_link(link)]
+            return None, [_one_link(link)]
         if len(ends) > 1:
             return None, []
-        shown = found[ends[0]]
-        return ends[0], [_TCP.line(*x) for x in _lines(shown, len(shown))]
+        (end,), shown = ends, found[ends[0]]
+        (other,) = [r for r in link if r != end]
+        lines = [_TCP.line(*x) for x in _lines(shown, len(shown))]
+        return end, [*lines, common_rank(end, other)]
 
 
-def one_link(link: list[int]) -> Evidence:
+def common_rank(rank: int, healthy_end: int | None = None) -> Evidence:
+    """Why the rank every slow link has at one end is named: its port (and, where one
+    connection was slow, why not its other end)."""
+    why = (
+        f", and rank {healthy_end}'s other connections are not slow"
+        if healthy_end is not None
+        else ""
+    )
+    return Evidence.of(
+        "common_rank",
+        "every slow link has rank {rank} at one end" + why + ": its NIC or link",
+        rank=rank,
+    )
+
+
+def _one_link(link: list[int]) -> Evidence:
     return Evidence.of(
         "one_link",
         "one link is slow ({link[0]}<->{link[1]}); the other links of both ranks are not",
@@ -532,20 +549,9 @@ def _locate(
     worst, ref_rtt, ref_spm, source = max(slow, key=lambda x: x[0].s_per_mb / x[2])
     evidence = [rules.line(*x) for x in _lines(shown, len(slow))]
     if link is None and len(ranks) == 1:
-        why = (
-            f", and rank {healthy_end}'s other connections are not slow"
-            if healthy_end is not None
-            else ""
-        )
-        evidence.append(
-            Evidence.of(
-                "common_rank",
-                "every slow link has rank {rank} at one end" + why + ": its NIC or link",
-                rank=ranks[0],
-            )
-        )
+        evidence.append(common_rank(ranks[0], healthy_end))
     elif link is not None:
-        evidence.append(one_link(link))
+        evidence.append(_one_link(link))
     severity = round(worst.s_per_mb / ref_spm, 2) if ref_spm > 0 else 0.0
     (i,) = np.flatnonzero((links.src == worst.src) & (links.dst == worst.dst)).tolist()
     worst_group = roles.groups[group[i]] if group[i] >= 0 else None

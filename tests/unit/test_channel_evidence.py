@@ -525,8 +525,11 @@ def test_a_pipeline_connection_slow_by_its_messages_is_told_from_its_ends_port()
     v = feed(h, 10, per_tick, groups)
     end = h.port_end(v, [1, 3], 10 * S, 15 * S)
     assert end is not None and end[0] == 3
-    shown = {frozenset((e.data["rank"], e.data["peer"])) for e in end[1]}
+    ev = facts(end[1])
+    shown = {frozenset((e["data"]["rank"], e["data"]["peer"])) for e in ev["link_slow"]}
     assert frozenset((2, 3)) in shown and all(3 in k for k in shown)
+    assert [e["data"] for e in ev["common_rank"]] == [{"rank": 3}]
+    assert "rank 1's other connections are not slow" in ev["common_rank"][0]["text"]
     groups, per_tick = layout_links(2, 2, 1, pair={1, 3})
     h = ChannelHistory()
     v = feed(h, 10, per_tick, groups)
