@@ -202,7 +202,7 @@ class P2PJoin:
         group = self.index.lookup(view, rank, p["slot"].astype(np.int64))
         known = group >= 0
         if view.world > PAIRED_MAX_RANKS:
-            known[known] = self.lone(view)[group[known]]
+            known[known] = self._lone_groups(view)[group[known]]
         p, owner, rank, group = p[known], owner[known], rank[known], group[known]
         new = self._unseen(rank, p)
         p, owner, rank, group = p[new], owner[new], rank[new], group[new]
@@ -241,7 +241,7 @@ class P2PJoin:
         taken.update(zip(keys.tolist(), top.tolist(), strict=True))
         return new
 
-    def lone(self, view: JobView) -> np.ndarray:
+    def _lone_groups(self, view: JobView) -> np.ndarray:
         """Per group of the index: whether it is the only group of its role."""
         groups = self.groups
         cached = self._lone
@@ -254,7 +254,7 @@ class P2PJoin:
     def one_pipeline(self, view: JobView, transfers: Transfers) -> bool:
         """Whether every message of ``transfers`` ran in a lone group (its role's only
         one: a pipeline whose ranks have no other links)."""
-        return bool(self.lone(view)[np.unique(transfers.group)].all())
+        return bool(self._lone_groups(view)[np.unique(transfers.group)].all())
 
 
 class _Way(NamedTuple):
