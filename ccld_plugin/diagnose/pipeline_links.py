@@ -141,6 +141,6 @@ def _common_port(channels: LinkFinding, messages: LinkFinding) -> LinkFinding:
     severity = min(channels.severity, messages.severity)
     # (the channels' "one link is slow" is not so: the messages show another)
     evidence = [e for e in [*channels.evidence, *messages.evidence] if e.fact != "one_link"]
-    if len(a) > 1 and len(b) > 1:
+    if len(a) > 1:  # (a port the channels named says why already)
         evidence.append(common_rank(min(a & b)))
     return LinkFinding(sorted(a & b), None, channels.group, severity, evidence)
