@@ -204,10 +204,21 @@ class Diagnoser:
         """The verdicts not reported before (each is reported once)."""
         new = []
         for v in verdicts:
-            if v.key() not in self._reported:
+            if v.key() not in self._reported and not self._hang_read_again(v):
                 self._reported.add(v.key())
                 new.append(v)
         return new
+
+    def _hang_read_again(self, v: Verdict) -> bool:
+        """Whether ``v`` is a hang reported before with another cause: the same stall read
+        again as its evidence changes (the culprit's channel records clear when its op
+        ends, its summaries stop when it leaves). Only a first cause found where the one
+        reported was unknown is news."""
+        if v.kind is not Kind.HANG:
+            return False
+        _, cause, ranks, group = v.key()
+        causes = {k[1] for k in self._reported if k[0] == Kind.HANG and k[2:] == (ranks, group)}
+        return bool(causes) and (cause is Cause.UNKNOWN or causes != {Cause.UNKNOWN})
 
     @staticmethod
     def _fold_into_mismatch(hangs: list[Verdict], mismatches: list[Verdict]) -> list[Verdict]:

@@ -1,16 +1,22 @@
 """The NCCL wait-state reading (diagnose/nccl_waits.py) on views built by hand: layouts the
 harness's ring does not produce (a broadcast tree, two ranks, lost credit, two faults, a
 silent culprit). The ring faults themselves are tested from the plugin's own board
-records in test_nccl_profiler.py."""
+records in test_nccl_profiler.py. Last, the diagnoser reports such a hang once while its
+evidence fades."""
 
 from __future__ import annotations
 
 from builders import NOW, S, group, job_view, peer_channel, rank_summary
 
+from ccld_plugin.config import DiagnoserConfig
+from ccld_plugin.diagnose import Diagnoser
+from ccld_plugin.diagnose.analyzer import located_by_channels
 from ccld_plugin.diagnose.nccl_evidence import nccl_evidence
 from ccld_plugin.diagnose.records import Cause
 from ccld_plugin.diagnose.view import JobView
+from ccld_plugin.wire.codes import FLAG_CUDA, OP_CODES
 from ccld_plugin.wire.peer_channels import PeerChannel, encode_channels
+from ccld_plugin.wire.summary import GroupProgress, InFlightOp
 from ccld_plugin.wire.topology import GroupInfo
 
 
@@ -142,3 +148,50 @@ def test_short_waits_and_tcp_entries_are_not_nccl_stalls() -> None:
         stalled_s=5.0,
     )
     assert located({0: [tcp], 1: []}) is None
+
+
+def ring_round(d: Diagnoser, now_ns: int, culprit: int, silent: bool, cleared: bool) -> list:
+    """One diagnoser round over a 3-rank NCCL all-reduce stalled on ``culprit``'s GPU
+    (the entries of test_silent_culprit_is_named_without_a_cause), its summaries stale by
+    3 s when ``silent``, its channel records gone when ``cleared`` (its op ended)."""
+    g = group("dp", [0, 1, 2])
+    entries = {
+        0: [ch(1, "send", "local"), ch(1, "recv", "local")],
+        1: [ch(0, "send", "peer"), ch(2, "recv", "network")],
+        2: [ch(0, "recv", "network"), ch(1, "send", "local")],
+    }
+    summaries = []
+    for r, es in entries.items():
+        es = [] if cleared and r == culprit else es
+        time_ns = now_ns - (3 * S if silent and r == culprit else 0)
+        summaries.append(
+            rank_summary(
+                r,
+                time_ns,
+                heartbeat_ns=time_ns,
+                pid=1,
+                step=8,
+                last_progress_ns=NOW - 8 * S,
+                groups=[GroupProgress(0, 9, 8, 0, 0, 0, 0)],
+                in_flight=[
+                    InFlightOp(0, OP_CODES["all_reduce"], FLAG_CUDA, -1, 9, 64, NOW - 8 * S)
+                ],
+                channels=encode_channels(es, 1.0, len(es)),
+            )
+        )
+    view = job_view(summaries, {r: [g] for r in g.ranks}, now_ns=now_ns)
+    return [(v.kind.value, v.cause.value, v.ranks) for v in d.round(view)]
+
+
+def test_a_hang_is_not_reported_again_as_its_evidence_fades() -> None:
+    # The culprit's op ends (its channel records clear) or it leaves (its summaries stop)
+    # after the verdict: the same stall read again is not a second verdict; a cause found
+    # where the first verdict had none is.
+    d = Diagnoser(DiagnoserConfig(hang_min_s=3), 0.5, channel_evidence=located_by_channels)
+    assert ring_round(d, NOW, 0, silent=False, cleared=False) == [("hang", "compute", [0])]
+    assert ring_round(d, NOW + 3 * S, 0, silent=True, cleared=False) == []
+    assert ring_round(d, NOW + 4 * S, 0, silent=False, cleared=True) == []
+    d = Diagnoser(DiagnoserConfig(hang_min_s=3), 0.5, channel_evidence=located_by_channels)
+    assert ring_round(d, NOW, 0, silent=True, cleared=False) == [("hang", "unknown", [0])]
+    assert ring_round(d, NOW + S, 0, silent=False, cleared=False) == [("hang", "compute", [0])]
+    assert ring_round(d, NOW + 2 * S, 0, silent=False, cleared=True) == []
