@@ -263,14 +263,20 @@ class SlowDetector:
         step_us = dict(zip(window.ranks, window.step_us, strict=True))
         verdicts = self._stragglers(view, step_us, hi - 1, t1)
         if self._solo and lo >= FIRST_STEP:
+            # The first window's shorter prefixes count too (steps 1-2, 1-3, ...): a stage
+            # slow from its third step has medians from before in its baseline.
+            for end in range(lo + 2, hi) if lo == FIRST_STEP else ():
+                self._add_to_floors(self.steps.window(lo, end), lo, end)
             self._add_to_floors(window, lo, hi)
         if links:
             verdicts += self._slow_links(view, lo, hi, t0, t1)
         return verdicts
 
-    def _add_to_floors(self, window: StepWindow, lo: int, hi: int) -> None:
+    def _add_to_floors(self, window: StepWindow | None, lo: int, hi: int) -> None:
         """Add the window's medians of the ranks compared by their change to their floors:
         compute, and compute with the wait for a CPU."""
+        if window is None:
+            return
         solo = set(self._solo)
         busy = self._busy_medians(lo, hi)
         for r, c in zip(window.ranks, window.compute_us, strict=True):

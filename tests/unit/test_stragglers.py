@@ -390,6 +390,15 @@ def test_a_slow_stage_of_a_pipeline_without_peers_is_named_by_its_change() -> No
         assert [(v.cause, v.ranks) for v in got] == [(Cause.COMPUTE, [rank])]
 
 
+def test_a_stage_slow_from_its_third_step_has_its_first_steps_for_baseline() -> None:
+    # The demo's default onset: only steps 1-2 ran before it (step 0 is warm-up), and every
+    # whole window holds slow steps. The first window's prefixes are the baseline.
+    for stages, rank in ((4, 2), (3, 0), (2, 1)):
+        got = run(pipeline(stages), unequal_stages(rank, 1.5, 3), steps=40)
+        assert [(v.cause, v.ranks) for v in got] == [(Cause.COMPUTE, [rank])]
+        assert got[0].step is not None and got[0].step <= 22
+
+
 def test_unequal_stages_of_a_healthy_pipeline_are_no_stragglers() -> None:
     # The last stage computes 2x the second in every step: that is its work, not a fault.
     for seed in range(3):
@@ -431,6 +440,14 @@ def test_a_recorded_slow_stage_of_a_two_stage_pipeline_is_named() -> None:
     assert [(v.kind, v.cause, v.ranks) for v in got] == [(Kind.SLOW, Cause.COMPUTE, [0])]
     assert got[0].group is not None and got[0].group["ranks"] == [0, 1]
     assert got[0].step is not None and got[0].step <= 21
+
+
+def test_a_recorded_stage_slow_from_the_demos_default_onset_is_named() -> None:
+    # `ccld demo --framework torch --world 4 --tp 1 --pp 4 --fault compute-slow@2:factor=1.5`
+    # (onset at step 3, the default): named at step 19 by its change over steps 1-2.
+    _, got = replay(RECORDED / "compute-slow-1.5x-rank2-step3-tp1pp4.rec")
+    assert [(v.kind, v.cause, v.ranks) for v in got] == [(Kind.SLOW, Cause.COMPUTE, [2])]
+    assert got[0].step is not None and got[0].step <= 22
 
 
 def test_windows_wait_for_a_rank_whose_first_summary_comes_late() -> None:
