@@ -313,12 +313,22 @@ class LoneConnection:
     def __init__(self) -> None:
         self._windows: dict[tuple[int, int], RecentFloor] = {}
 
+    def remember(self, transfers: Transfers, t0: int, t1: int, exclude: frozenset[int]) -> None:
+        """Add the connections that the transfers of [t0, t1] measure to their past, not
+        judged: the job's first steps, before the first whole window (which an onset at
+        step 3 leaves without a healthy one)."""
+        for c in _connections(transfers.within(t0, t1), exclude):
+            self._past(c).add(c.ns_per_byte)
+
+    def _past(self, c: _Connection) -> RecentFloor:
+        return self._windows.setdefault((c.a, c.b), RecentFloor(HISTORY_QUANTILE, HISTORY_WINDOWS))
+
     def judge(
         self, c: _Connection, window_ns: int, groups: list[GroupInfo], queued: frozenset[int]
     ) -> LinkFinding | None:
         """``c``, the job's one connection this window, against its own earlier windows;
         ``queued``: ranks that waited for a CPU (their host is crowded)."""
-        past = self._windows.setdefault((c.a, c.b), RecentFloor(HISTORY_QUANTILE, HISTORY_WINDOWS))
+        past = self._past(c)
         found = None
         if len(past) >= MIN_HISTORY_WINDOWS and c.low_round_trip_ns >= max(
             MIN_STEADY_ROUND_TRIP_NS, OWN_PAST_RATIO * c.reference_ns(past.value)

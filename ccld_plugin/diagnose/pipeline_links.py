@@ -67,14 +67,16 @@ class PipelineLinks:
         judged: LinkJudgement,
         late: frozenset[int],
         queued: frozenset[int],
+        first_steps: tuple[int, int] | None = None,
     ) -> tuple[LinkFinding | None, bool, frozenset[int] | None]:
         """The channels' judgement of ``window`` (steps lo..hi-1, times t0..t1) with the
         messages': in a lone pipeline (its ranks have no other links) where the channels
         found no slow link, or could not judge this window (their finding is an older
         one); among sibling pipelines where they judged it too, as one finding. ``late``:
-        ranks computing slower than their cohort; ``queued``: ranks that waited for a CPU.
-        Returns the finding, whether it is this window's, and the ranks whose links the
-        messages showed healthy (None: not judged)."""
+        ranks computing slower than their cohort; ``queued``: ranks that waited for a CPU;
+        ``first_steps``: when steps 1-2 ran, given with the job's first window. Returns
+        the finding, whether it is this window's, and the ranks whose links the messages
+        showed healthy (None: not judged)."""
         lo, hi, t0, t1 = window
         found, fresh = judged.found, judged.fresh
         one_pipeline = self.join.one_pipeline(view, self.transfers)
@@ -83,6 +85,8 @@ class PipelineLinks:
             return found, fresh, None
         groups = self.join.groups
         lone = self.lone if one_pipeline else None
+        if lone and first_steps:
+            lone.remember(self.transfers, *first_steps, late)
         p2p = slow_p2p_port(self.transfers, groups, t0, t1, late, lone, queued=queued)
         healthy = None
         if p2p is None:

@@ -617,6 +617,12 @@ class SlowDetector:
             evidence=evidence,
         )
 
+    def _first_steps(self, lo: int) -> tuple[int, int] | None:
+        """When steps 1-2 ran, if ``lo`` begins the job's first window: a pipeline's
+        connections judged against their own past have those steps' as a past before it."""
+        window = self.steps.window(FIRST_STEP, FIRST_STEP + 2) if lo == FIRST_STEP else None
+        return None if window is None else (window.t0, window.t1)
+
     def _slow_links(self, view: JobView, lo: int, hi: int, t0: int, t1: int) -> list[Verdict]:
         bw, groups = _group_bandwidth(self.joined, t0, t1)
         by_role: dict[str, dict[int, float]] = defaultdict(dict)
@@ -668,6 +674,7 @@ class SlowDetector:
                 judged,
                 frozenset(stragglers),
                 queued=frozenset(waited[share > QUIET_HOST_SHARE].tolist()),
+                first_steps=self._first_steps(lo),
             )
         if slow and found is None and judged.pending:
             # Low bandwidth with the links' own judgement still to come: a busy host slows

@@ -254,6 +254,22 @@ def test_the_middle_stage_port_of_a_three_stage_pipeline_is_named_by_its_links_p
     }
 
 
+def test_a_lone_pipelines_links_slow_from_step_3_have_steps_1_2_for_past() -> None:
+    # The demo's default onset (`--fault comm-slow@1:rate=30mbit`): the job's first link
+    # window (steps 1-5) is half slow, and before steps 1-2 joined the past, a two-stage
+    # pipeline's link and a three-stage one's middle port had no healthy window to be
+    # judged against: no verdict.
+    _, got = replay(RECORDED / "comm-slow-30mbit-rank1-step3-tp1pp2-2ranks.rec")
+    assert [(v.kind, v.cause, v.ranks, v.link) for v in got] == [
+        (Kind.SLOW, Cause.COMMUNICATION, [0, 1], [0, 1])
+    ]
+    _, got = replay(RECORDED / "comm-slow-30mbit-rank1-step3-tp1pp3.rec")
+    assert [(v.kind, v.cause, v.ranks, v.link) for v in got] == [
+        (Kind.SLOW, Cause.COMMUNICATION, [1], None)
+    ]
+    assert all(v.step is not None and v.step <= 25 for v in got)
+
+
 def test_a_window_that_lost_some_links_samples_clears_only_the_ranks_it_measured() -> None:
     # Rank 2's two connections slow, the pipeline's third not measured this window (its
     # samples came late): no port can be told, nor a link, and rank 2 is not cleared.
