@@ -8,7 +8,7 @@ way is one too: one end posted a send or receive that the other never will."""
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -33,10 +33,16 @@ _SIZE_MAY_DIFFER = {
 }
 
 
-def find_mismatches(view: JobView, settle_s: Callable[[int], float]) -> list[Verdict]:
+def find_mismatches(
+    view: JobView,
+    settle_s: Callable[[int], float],
+    sizes_run: Callable[[int], Mapping[int, int]] | None = None,
+) -> list[Verdict]:
     """Members that entered the same trace id with different ops (or sizes). A tie waits
     for the members not seen in the seq: until each has reported since and stood still
-    for ``settle_s(group_id)`` (the group's hang threshold), its op may still come."""
+    for ``settle_s(group_id)`` (the group's hang threshold), its op may still come.
+    ``sizes_run(group_id)``: the sizes of the group's recent collectives (bytes -> how
+    many), which break a tie that the sibling groups do not."""
     seen: dict[tuple[int, int], dict[int, tuple[str, int, int]]] = {}
     groups: dict[int, GroupInfo] = {}
     in_ops = view.in_ops()
@@ -94,6 +100,11 @@ def find_mismatches(view: JobView, settle_s: Callable[[int], float]) -> list[Ver
                         seq=seq,
                     )
                 )
+        if tie and sizes_run is not None:
+            usual = _usual_op(entries, sizes_run(gid), g, seq)
+            if usual is not None:
+                top, tie = sig[usual[0]], False
+                evidence.append(usual[1])
         culprits = sorted(r for r, v in sig.items() if tie or v != top)
         if tie:
             evidence.append(no_majority())
@@ -157,6 +168,33 @@ def _settled(
         if entered is not None and entered < seq and still_ns < settle_s * 1e9:
             return False
     return True
+
+
+def _usual_op(
+    entries: dict[int, tuple[str, int, int]], sizes: Mapping[int, int], g: GroupInfo, seq: int
+) -> tuple[int, Evidence] | None:
+    """Where the members split evenly: a member whose op has the size of collectives the
+    group ran before (it follows the group's program) while the others' ops have sizes
+    never run there, as the member to go by, with the evidence. None where all or none
+    of them ran before, or where those that did entered different ops."""
+    usual = sorted(r for r, (_, b, _) in entries.items() if sizes.get(b))
+    if not usual or len(usual) == len(entries):
+        return None
+    if len({entries[r][:2] for r in usual}) > 1:
+        return None
+    op, size, _ = entries[usual[0]]
+    return usual[0], Evidence.of(
+        "group_history",
+        "{role}{members} ran {count} collectives of {bytes} B before ({op} as seq {seq}: "
+        "ranks {usual}); none of the size the others entered",
+        role=g.role,
+        members=list(g.ranks),
+        count=sizes[size],
+        bytes=size,
+        op=op,
+        seq=seq,
+        usual=usual,
+    )
 
 
 def _unanimous_ops(

@@ -32,13 +32,19 @@ def test_healthy_megatron_run_has_no_verdict(tmp_path):
 def test_mismatch_in_a_tensor_parallel_pair_at_dp1(tmp_path):
     # DP=1: Megatron's data-parallel group of rank 2 is rank 2 alone, so the fault takes
     # its TP group (before: an all-gather of one member, nothing mismatched, no verdict).
-    # Two members that disagree leave no majority: both are named, with the two ops.
+    # Two members that disagree leave no majority, and the other stage's TP pair is not at
+    # that seq (it waits for this stage's activations): the pair's own recent collectives,
+    # of the size rank 3 entered and never of rank 2's, name rank 2.
     code, summary = demo(tmp_path / "out", "mismatch@2", steps=30, **MEGATRON)
     (v,) = summary["verdicts"]
-    assert (v["kind"], v["cause"], v["ranks"]) == ("mismatch", "software", [2, 3])
+    assert (v["kind"], v["cause"], v["ranks"]) == ("mismatch", "software", [2])
     assert v["group"]["role"] == "tp" and v["group"]["ranks"] == [2, 3]
-    entered = {e["data"]["rank"]: e["data"]["op"] for e in v["evidence"] if "op" in e["data"]}
+    entered = {
+        e["data"]["rank"]: e["data"]["op"] for e in v["evidence"] if e["fact"] == "entered_op"
+    }
     assert entered == {2: "all_gather_into_tensor", 3: "all_reduce"}, v["evidence"]
+    (history,) = [e["data"] for e in v["evidence"] if e["fact"] == "group_history"]
+    assert history["usual"] == [3] and history["op"] == "all_reduce"
     assert code == 0
 
 

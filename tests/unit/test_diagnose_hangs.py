@@ -3,10 +3,12 @@ wait-for graph roots, cycles, mismatches, unresponsive ranks, and the summary en
 
 import dataclasses
 
+import numpy as np
 from builders import NOW, S, facts, group, job_view, rank_summary
 
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose import Diagnoser
+from ccld_plugin.diagnose.arrivals import Joined, JoinedTable
 from ccld_plugin.diagnose.crash import find_crashes
 from ccld_plugin.diagnose.hang import LAST_WORDS_TICKS, find_hangs, find_unresponsive
 from ccld_plugin.diagnose.mismatch import find_left_early, find_mismatches
@@ -337,6 +339,36 @@ def test_mismatch_tie_in_a_pair_is_broken_by_the_sibling_groups():
     assert m.ranks == [2] and "(64 B)" in facts(m.evidence)["sibling_majority"][0]["text"]
     half[1].in_flight[0] = half[1].in_flight[0]._replace(bytes=16)
     assert find_mismatches(view(half, tables), settle)[0].ranks == [0, 2]  # nobody agrees
+
+
+def test_mismatch_tie_in_a_pair_is_broken_by_the_groups_own_history():
+    # TP2xPP2 at DP=1: rank 1 all-gathers 24 B as seq 9 of its TP pair, where rank 0
+    # all-reduces 64 B as the pair did every step before; the other stage's pair is not
+    # at that seq (it waits for this stage's activations). The pair's recent collectives
+    # (the arrival join's, with the ids of real groups) name rank 1.
+    tp01, tp23, dp02 = group("tp", [0, 1]), group("tp", [2, 3]), group("dp", [0, 2])
+    tables = {0: [tp01], 1: [tp01]}
+    entered = [summary(r, {0: 9}, [(0, "all_reduce", 9, 1, 0, -1)]) for r in (0, 1)]
+    entered[1].in_flight[0] = (
+        entered[1].in_flight[0]._replace(op=OP_CODES["all_gather_into_tensor"], bytes=24)
+    )
+    v = view(entered, tables)
+    ran = [(tp01, 64), (tp01, 64), (tp23, 24), (tp01, 128), (dp02, 24)]  # (dp02's id > 2**63)
+    joined = JoinedTable.of(
+        [
+            Joined(g, i, NOW, 0, 0, b, np.array(g.ranks), np.array([NOW, NOW]))
+            for i, (g, b) in enumerate(ran)
+        ]
+    )
+    assert joined.sizes_run(tp01.group_id) == {64: 2, 128: 1}
+    (m,) = find_mismatches(v, settle, joined.sizes_run)
+    assert (m.ranks, m.op) == ([1], "all_gather_into_tensor")
+    (ev,) = facts(m.evidence)["group_history"]
+    assert (ev["data"]["count"], ev["data"]["bytes"], ev["data"]["usual"]) == (2, 64, [0])
+    # Both sizes run before, or neither: nothing tells; both named.
+    for sizes in ({64: 2, 24: 1}, {}):
+        (m,) = find_mismatches(v, settle, lambda _gid, sizes=sizes: sizes)
+        assert m.ranks == [0, 1] and "no_majority" in facts(m.evidence)
 
 
 def test_a_rank_that_died_inside_a_mismatched_collective_died_of_it():
