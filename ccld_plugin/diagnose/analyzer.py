@@ -129,7 +129,7 @@ class Diagnoser:
         mismatches = [
             v
             for v in (
-                *find_mismatches(view, self.threshold_s, self.slow.joined.sizes_run),
+                *find_mismatches(view, self.threshold_s, self.slow.joined.sizes_of),
                 *find_left_early(view, self.min_wait_s),
             )
             if not crashed & set(v.ranks)

@@ -134,11 +134,10 @@ class JoinedTable:
         ):
             yield Joined(groups[g], q, t, r, x, b, self.ranks[a:e], self.enters_ns[a:e])
 
-    def sizes_run(self, group_id: int) -> dict[int, int]:
-        """The sizes of the collectives of group ``group_id`` kept here: bytes -> count."""
-        at = [i for i, g in enumerate(self.groups) if g.group_id == group_id]
-        sizes, counts = np.unique(self.bytes[np.isin(self.group, at)], return_counts=True)
-        return dict(zip(sizes.tolist(), counts.tolist(), strict=True))
+    def sizes_of(self, group_id: int) -> dict[int, int]:
+        """The sizes of the collectives of group ``group_id`` kept here: seq -> bytes."""
+        mine = np.isin(self.group, [i for i, g in enumerate(self.groups) if g.group_id == group_id])
+        return dict(zip(self.seq[mine].tolist(), self.bytes[mine].tolist(), strict=True))
 
     def since(self, i: int) -> JoinedTable:
         """The collectives from position ``i`` on."""

@@ -36,13 +36,13 @@ _SIZE_MAY_DIFFER = {
 def find_mismatches(
     view: JobView,
     settle_s: Callable[[int], float],
-    sizes_run: Callable[[int], Mapping[int, int]] | None = None,
+    history: Callable[[int], Mapping[int, int]] | None = None,
 ) -> list[Verdict]:
     """Members that entered the same trace id with different ops (or sizes). A tie waits
     for the members not seen in the seq: until each has reported since and stood still
     for ``settle_s(group_id)`` (the group's hang threshold), its op may still come.
-    ``sizes_run(group_id)``: the sizes of the group's recent collectives (bytes -> how
-    many), which break a tie that the sibling groups do not."""
+    ``history(group_id)``: the sizes of the group's recent collectives (seq -> bytes),
+    which break a tie that the sibling groups do not."""
     seen: dict[tuple[int, int], dict[int, tuple[str, int, int]]] = {}
     groups: dict[int, GroupInfo] = {}
     in_ops = view.in_ops()
@@ -100,8 +100,8 @@ def find_mismatches(
                         seq=seq,
                     )
                 )
-        if tie and sizes_run is not None:
-            usual = _usual_op(entries, sizes_run(gid), g, seq)
+        if tie and history is not None:
+            usual = _usual_op(entries, history(gid), g, seq)
             if usual is not None:
                 top, tie = sig[usual[0]], False
                 evidence.append(usual[1])
@@ -173,28 +173,39 @@ def _settled(
 def _usual_op(
     entries: dict[int, tuple[str, int, int]], sizes: Mapping[int, int], g: GroupInfo, seq: int
 ) -> tuple[int, Evidence] | None:
-    """Where the members split evenly: a member whose op has the size of collectives the
-    group ran before (it follows the group's program) while the others' ops have sizes
-    never run there, as the member to go by, with the evidence. None where all or none
-    of them ran before, or where those that did entered different ops."""
-    usual = sorted(r for r, (_, b, _) in entries.items() if sizes.get(b))
-    if not usual or len(usual) == len(entries):
-        return None
-    if len({entries[r][:2] for r in usual}) > 1:
-        return None
-    op, size, _ = entries[usual[0]]
-    return usual[0], Evidence.of(
-        "group_history",
-        "{role}{members} ran {count} collectives of {bytes} B before ({op} as seq {seq}: "
-        "ranks {usual}); none of the size the others entered",
-        role=g.role,
-        members=list(g.ranks),
-        count=sizes[size],
-        bytes=size,
-        op=op,
-        seq=seq,
-        usual=usual,
+    """Where the members split evenly: the member to go by, with the evidence, from the
+    group's recent collectives (``sizes``: seq -> bytes). First what the group ran after
+    a collective of the size of its last one (seq - 1): a member that skipped one enters
+    a size the group ran too, but not there; else which sizes it ran at all (a stray op of
+    a size never run there). None where that splits no member from the others, or the
+    members it singles out entered different ops."""
+    before = sizes.get(seq - 1)
+    after = Counter(
+        b for s, b in sizes.items() if s < seq and s - 1 in sizes and sizes[s - 1] == before
     )
+    ran = Counter(v for s, v in sizes.items() if s < seq)
+    rules = (
+        (after, "followed a collective of {after} B with one of {bytes} B {count} times", before),
+        (ran, "ran {count} collectives of {bytes} B", None),
+    )
+    for counts, what, follows in rules:
+        usual = sorted(r for r, (_, b, _) in entries.items() if counts.get(b))
+        if usual and len(usual) < len(entries) and len({entries[r][:2] for r in usual}) == 1:
+            op, size, _ = entries[usual[0]]
+            return usual[0], Evidence.of(
+                "group_history",
+                "{role}{members} " + what + " before ({op} as seq {seq}: ranks {usual}); "
+                "none of the size the others entered",
+                role=g.role,
+                members=list(g.ranks),
+                after=follows,
+                count=counts[size],
+                bytes=size,
+                op=op,
+                seq=seq,
+                usual=usual,
+            )
+    return None
 
 
 def _unanimous_ops(

@@ -342,33 +342,43 @@ def test_mismatch_tie_in_a_pair_is_broken_by_the_sibling_groups():
 
 
 def test_mismatch_tie_in_a_pair_is_broken_by_the_groups_own_history():
-    # TP2xPP2 at DP=1: rank 1 all-gathers 24 B as seq 9 of its TP pair, where rank 0
-    # all-reduces 64 B as the pair did every step before; the other stage's pair is not
-    # at that seq (it waits for this stage's activations). The pair's recent collectives
-    # (the arrival join's, with the ids of real groups) name rank 1.
+    # TP2xPP2 at DP=1: the TP pair [0, 1] runs 64 B and 128 B collectives in turn; as seq
+    # 9 rank 0 enters the 64 B all-reduce and rank 1 an all-gather of 24 B. The other
+    # stage's pair is not at that seq (it waits for this stage's activations). The pair's
+    # recent collectives (the arrival join's, with the ids of real groups) name rank 1.
     tp01, tp23, dp02 = group("tp", [0, 1]), group("tp", [2, 3]), group("dp", [0, 2])
     tables = {0: [tp01], 1: [tp01]}
-    entered = [summary(r, {0: 9}, [(0, "all_reduce", 9, 1, 0, -1)]) for r in (0, 1)]
-    entered[1].in_flight[0] = (
-        entered[1].in_flight[0]._replace(op=OP_CODES["all_gather_into_tensor"], bytes=24)
-    )
-    v = view(entered, tables)
-    ran = [(tp01, 64), (tp01, 64), (tp23, 24), (tp01, 128), (dp02, 24)]  # (dp02's id > 2**63)
+
+    def entered(op1: str, bytes1: int):
+        ops = [summary(r, {0: 9}, [(0, "all_reduce", 9, 1, 0, -1)]) for r in (0, 1)]
+        ops[1].in_flight[0] = ops[1].in_flight[0]._replace(op=OP_CODES[op1], bytes=bytes1)
+        return view(ops, tables)
+
+    ran = [(tp01, seq, 64 if seq % 2 else 128) for seq in range(1, 9)]
+    ran += [(tp23, 9, 24), (dp02, 9, 24)]  # other groups' (dp02's id is above 2**63)
     joined = JoinedTable.of(
-        [
-            Joined(g, i, NOW, 0, 0, b, np.array(g.ranks), np.array([NOW, NOW]))
-            for i, (g, b) in enumerate(ran)
-        ]
+        [Joined(g, seq, NOW, 0, 0, b, np.array(g.ranks), np.array([NOW, NOW])) for g, seq, b in ran]
     )
-    assert joined.sizes_run(tp01.group_id) == {64: 2, 128: 1}
-    (m,) = find_mismatches(v, settle, joined.sizes_run)
+    history = joined.sizes_of(tp01.group_id)
+    assert history == {seq: 64 if seq % 2 else 128 for seq in range(1, 9)}
+    (m,) = find_mismatches(entered("all_gather_into_tensor", 24), settle, joined.sizes_of)
     assert (m.ranks, m.op) == ([1], "all_gather_into_tensor")
     (ev,) = facts(m.evidence)["group_history"]
-    assert (ev["data"]["count"], ev["data"]["bytes"], ev["data"]["usual"]) == (2, 64, [0])
-    # Both sizes run before, or neither: nothing tells; both named.
-    for sizes in ({64: 2, 24: 1}, {}):
-        (m,) = find_mismatches(v, settle, lambda _gid, sizes=sizes: sizes)
-        assert m.ranks == [0, 1] and "no_majority" in facts(m.evidence)
+    assert (ev["data"]["count"], ev["data"]["bytes"], ev["data"]["usual"]) == (3, 64, [0])
+    assert ev["data"]["after"] == 128 and "a collective of 128 B with one of 64 B" in ev["text"]
+    # Rank 1 skipped the 64 B collective and entered the next, 128 B: a size the pair ran
+    # too, but never after a 128 B one.
+    (m,) = find_mismatches(entered("all_reduce", 128), settle, joined.sizes_of)
+    assert m.ranks == [1] and facts(m.evidence)["group_history"][0]["data"]["usual"] == [0]
+    # Seq 8 not sampled: the sizes run at all still single out a stray size, not a skip.
+    sampled = {s: b for s, b in history.items() if s != 8}
+    (m,) = find_mismatches(entered("all_gather_into_tensor", 24), settle, lambda _: sampled)
+    assert m.ranks == [1]
+    (m,) = find_mismatches(entered("all_reduce", 128), settle, lambda _: sampled)
+    assert m.ranks == [0, 1] and "no_majority" in facts(m.evidence)
+    # No history: nothing tells; both named.
+    (m,) = find_mismatches(entered("all_gather_into_tensor", 24), settle, lambda _: {})
+    assert m.ranks == [0, 1] and "no_majority" in facts(m.evidence)
 
 
 def test_a_rank_that_died_inside_a_mismatched_collective_died_of_it():
