@@ -20,7 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from ccld_plugin.agent.board_summary import BoardSnapshot, stuck_s, summarize_board
+from ccld_plugin.agent.board_summary import (
+    BoardSnapshot,
+    arrival_samples,
+    sampled,
+    stuck_s,
+    summarize_board,
+)
 from ccld_plugin.agent.nccl_channels import NcclChannels
 from ccld_plugin.agent.node_board import EXITED, STORE_LOST
 from ccld_plugin.agent.node_share import NodeShare
@@ -422,25 +428,8 @@ class Agent:
         return self._recent_steps.tick(stats)
 
     def _samples(self, done: np.ndarray, diag: Any) -> list[ArrivalSample]:
-        """Arrival samples: per group, about ``samples_per_group`` of the collectives
-        completed this tick, picked by their seq (``_sampled``): members pick the same
-        seqs, so the diagnoser can join them across ranks."""
-        coll = done[(done["flags"] & FLAG_P2P) == 0]
-        keep = samples_per_group(self.control.world)
-        out = []
-        for slot in np.unique(coll["group_slot"]):
-            recs = _sampled(coll[coll["group_slot"] == slot], keep)
-            out += [
-                ArrivalSample(
-                    int(slot),
-                    int(r["seq"]),
-                    diag(int(r["enter_ns"])),
-                    int((r["exit_ns"] - r["enter_ns"]) // 1000),
-                    int(r["bytes"]),
-                )
-                for r in recs
-            ]
-        return out
+        """Arrival samples of the collectives completed this tick (``arrival_samples``)."""
+        return arrival_samples(done, samples_per_group(self.control.world), diag)
 
     def _p2p_samples(self, done: np.ndarray, diag: Any) -> list[P2PSample]:
         """Point-to-point samples: per group, peer and direction, some of the sends
@@ -471,7 +460,7 @@ class Agent:
                     int((r["exit_ns"] - r["enter_ns"]) // 1000),
                     int(r["bytes"]),
                 )
-                for r in _sampled(mine, keep)
+                for r in sampled(mine, keep)
             ]
         return out
 
@@ -484,28 +473,6 @@ class Agent:
             f"{f.filename}:{f.lineno} in {f.name}"
             for f in traceback.extract_stack(frame)[-STACK_FRAMES:]
         ]
-
-
-def _sampled(ops: np.ndarray, keep: int) -> np.ndarray:
-    """The last ``keep`` of ``ops`` (one sequence of seqs) whose seq, mixed, is a multiple
-    of the power of two that leaves about ``keep`` of them: every rank that reports the
-    same sequence picks the same seqs (a larger power's multiples are a smaller's subset).
-    Mixed, because a step runs a fixed number of ops in each group: the multiples of 2 of
-    a TP group's 16 all-reduces a step were the same 8 of every step, where its peer was
-    always last, and a 1.5x straggler late at the other 8 went unnamed."""
-    every = 1 << max(0, int(np.ceil(np.log2(max(1, len(ops)) / keep))))
-    return ops[_mixed(ops["seq"]) % np.uint64(every) == 0][-keep:]
-
-
-def _mixed(seq: np.ndarray) -> np.ndarray:
-    """``seq``'s bits spread over all 64 (splitmix64's finalizer): no period left in them."""
-    x = seq.astype(np.uint64)
-    x ^= x >> np.uint64(30)
-    x *= np.uint64(0xBF58476D1CE4E5B9)
-    x ^= x >> np.uint64(27)
-    x *= np.uint64(0x94D049BB133111EB)
-    x ^= x >> np.uint64(31)
-    return x
 
 
 def _open_reach_port(control: ControlPlane) -> ReachPort | None:

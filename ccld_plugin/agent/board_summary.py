@@ -6,18 +6,19 @@ so both hand the diagnoser the same record for the same board.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ccld_plugin.board.reader import BoardHeader, BoardReader
-from ccld_plugin.wire.codes import FLAG_ASYNC, STATE_DONE, STATE_ERROR, STATE_IN_FLIGHT
+from ccld_plugin.wire.codes import FLAG_ASYNC, FLAG_P2P, STATE_DONE, STATE_ERROR, STATE_IN_FLIGHT
 from ccld_plugin.wire.summary import (
     FLAG_ERRORED,
     FLAG_EXITED,
     FLAG_LAST_WORDS,
+    ArrivalSample,
     GroupProgress,
     InFlightOp,
     RankSummary,
@@ -25,9 +26,11 @@ from ccld_plugin.wire.summary import (
 
 __all__ = [
     "BoardSnapshot",
+    "arrival_samples",
     "final_summary",
     "in_flight_ops",
     "last_seen_ns",
+    "sampled",
     "stuck_s",
     "summarize_board",
 ]
@@ -119,6 +122,51 @@ def summarize_board(
         groups=progress,
         in_flight=in_flight,
     )
+
+
+def arrival_samples(
+    done: np.ndarray, keep: int, to_diag: Callable[[int], int]
+) -> list[ArrivalSample]:
+    """Arrival samples of the completed ops ``done``: per group, about ``keep`` of its
+    collectives, picked by their seq (``sampled``): members pick the same seqs, so the
+    diagnoser can join them across ranks. Times by ``to_diag`` on the diagnoser's clock."""
+    coll = done[(done["flags"] & FLAG_P2P) == 0]
+    out = []
+    for slot in np.unique(coll["group_slot"]):
+        recs = sampled(coll[coll["group_slot"] == slot], keep)
+        out += [
+            ArrivalSample(
+                int(slot),
+                int(r["seq"]),
+                to_diag(int(r["enter_ns"])),
+                int((r["exit_ns"] - r["enter_ns"]) // 1000),
+                int(r["bytes"]),
+            )
+            for r in recs
+        ]
+    return out
+
+
+def sampled(ops: np.ndarray, keep: int) -> np.ndarray:
+    """The last ``keep`` of ``ops`` (one sequence of seqs) whose seq, mixed, is a multiple
+    of the power of two that leaves about ``keep`` of them: every rank that reports the
+    same sequence picks the same seqs (a larger power's multiples are a smaller's subset).
+    Mixed, because a step runs a fixed number of ops in each group: the multiples of 2 of
+    a TP group's 16 all-reduces a step were the same 8 of every step, where its peer was
+    always last, and a 1.5x straggler late at the other 8 went unnamed."""
+    every = 1 << max(0, int(np.ceil(np.log2(max(1, len(ops)) / keep))))
+    return ops[_mixed(ops["seq"]) % np.uint64(every) == 0][-keep:]
+
+
+def _mixed(seq: np.ndarray) -> np.ndarray:
+    """``seq``'s bits spread over all 64 (splitmix64's finalizer): no period left in them."""
+    x = seq.astype(np.uint64)
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return x
 
 
 def last_seen_ns(snap: BoardSnapshot) -> int:

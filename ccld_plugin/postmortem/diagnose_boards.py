@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ccld_plugin.agent.board_summary import summarize_board
+from ccld_plugin.agent.agent import samples_per_group
+from ccld_plugin.agent.board_summary import arrival_samples, summarize_board
 from ccld_plugin.agent.nccl_channels import NcclChannels
 from ccld_plugin.board.job_files import JOB_CONFIG
 from ccld_plugin.board.process import process_alive
@@ -20,6 +21,7 @@ from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
 from ccld_plugin.diagnose.analyzer import located_by_channels
 from ccld_plugin.diagnose.crash import peer_failure
 from ccld_plugin.postmortem.boards import JobBoards, RankBoard
+from ccld_plugin.wire.codes import STATE_DONE
 from ccld_plugin.wire.peer_channels import MAX_ENTRIES, encode_channels, entry_order
 from ccld_plugin.wire.summary import FLAG_CRASHED, RankSummary
 
@@ -40,12 +42,16 @@ def job_config(path: Path, config: Path | None, overrides: list[str]) -> CcldCon
     return load_config(config, overrides, writing=False)
 
 
-def _summary(b: RankBoard, interval_s: float) -> RankSummary:
+def _summary(b: RankBoard, interval_s: float, world: int) -> RankSummary:
     h = b.snap.header
     seen = b.last_seen_ns()
     # since 0: every op the ring still holds counts, so the adaptive hang threshold sees
     # the group's op durations as the live rounds did.
     s = summarize_board(b.snap, seen, 0, b.offset_ns, groups_version=1, exited=h.closed)
+    # The ring's collectives, sampled as the agent samples a tick's: joined across ranks,
+    # they are each group's recent collectives (a pair's mismatch goes by them).
+    ops = b.snap.ops
+    s.samples = arrival_samples(ops[ops["state"] == STATE_DONE], samples_per_group(world), b.diag)
     s.stack = b.stack
     if h.closed and b.crash:
         s.flags |= FLAG_CRASHED
@@ -68,7 +74,7 @@ def job_view(boards: JobBoards, cfg: CcldConfig) -> JobView:
     if first is not None and not _raised_on_its_own(ranks[first]):
         # judged at the first failure: see RankBoard.as_of
         ranks = {r: b.as_of(failures[first]) for r, b in ranks.items()}
-    summaries = {r: _summary(b, interval_s) for r, b in ranks.items()}
+    summaries = {r: _summary(b, interval_s, boards.world) for r, b in ranks.items()}
     now = max(s.heartbeat_ns for s in summaries.values())
     return JobView(
         summaries=summaries,

@@ -52,9 +52,17 @@ def test_compute_hang_killed_while_hung(tmp_path):
     assert {e["pid"] for e in by_ph["s"] + by_ph["t"] + by_ph["f"]} == {0, 1, 2, 3}
 
 
-def test_mismatch(tmp_path):
-    code, summary = demo(tmp_path / "out", "mismatch@3:step=4", **TORCH)
+@pytest.mark.parametrize(
+    ("fault", "layout", "ranks"),
+    [("mismatch@3:step=4", {}, [3]), ("mismatch@1:step=4", {"tp": 2, "pp": 2}, [1])],
+)
+def test_mismatch(tmp_path, fault, layout, ranks):
+    # DP4: the majority. TP2xPP2 (DP=1): rank 1's TP pair, whose other stage's pair is
+    # not at that seq; the pair's recent collectives (the rings', sampled as the agents
+    # sample a tick's) tell which member strayed, after the job as live.
+    code, summary = demo(tmp_path / "out", fault, **{**TORCH, **layout})
     live = only(summary, "mismatch")
+    assert live["ranks"] == ranks
     verdicts = _postmortem(tmp_path / "out" / "boards", tmp_path / "pm.jsonl")
     (pm,) = [v for v in verdicts if v["kind"] == "mismatch"]
     assert {k: pm[k] for k in SAME} == {k: live[k] for k in SAME}

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ccld_plugin.agent.agent import Agent, _sampled
+from ccld_plugin.agent.agent import Agent
+from ccld_plugin.agent.board_summary import sampled
 
 OPS_PER_STEP = 16  # a TP group's all-reduces a step: an even number, as in most models
 
@@ -21,7 +22,7 @@ def test_samples_cover_every_op_of_a_step_not_the_same_few() -> None:
     # A tick of 50 steps, 128 samples kept: one seq in every few. Plain multiples of a
     # power of two would be the same ops of every step (only even ones here), and a rank
     # late only at the others would never be seen arriving last.
-    picked = _sampled(ops(1, 50 * OPS_PER_STEP), keep=128)
+    picked = sampled(ops(1, 50 * OPS_PER_STEP), keep=128)
     assert 64 <= len(picked) <= 128
     place_in_step = np.bincount(picked["seq"] % OPS_PER_STEP, minlength=OPS_PER_STEP)
     assert (place_in_step > 0).all(), place_in_step
@@ -31,8 +32,8 @@ def test_members_with_ticks_of_other_lengths_pick_seqs_that_join() -> None:
     # Two members of one group cut their ticks at different ops (their agents tick apart):
     # each keeps the seqs of its own density, and the sparser one's are all in the denser
     # one's, so that every seq the sparser sent can be joined.
-    dense = set(_sampled(ops(101, 300), keep=128)["seq"].tolist())  # 200 ops: 1 in 2
-    sparse = set(_sampled(ops(101, 600), keep=128)["seq"].tolist())  # 500 ops: 1 in 4
+    dense = set(sampled(ops(101, 300), keep=128)["seq"].tolist())  # 200 ops: 1 in 2
+    sparse = set(sampled(ops(101, 600), keep=128)["seq"].tolist())  # 500 ops: 1 in 4
     both = {s for s in sparse if s <= 300}
     assert both and both <= dense
 
