@@ -3,7 +3,7 @@
 Synthetic but shaped like a real 3D-parallel job (TP8 x PP4 x DP rest) on nodes of 8
 ranks: every rank's summary carries what the agent publishes in steady state (four
 groups' progress, the last steps, the arrival samples per group the agent sends at that
-size (`agent.samples_per_group`), a few channel entries)
+size (`board_summary.samples_per_group`), a few channel entries)
 and is encoded to the same bytes; each node's leader publishes its 8 ranks' summaries as
 one node key (``wire.node_summary``), as the product does. Per round it times, separately:
 
@@ -40,7 +40,7 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
-from ccld_plugin.agent.agent import samples_per_group
+from ccld_plugin.agent.board_summary import samples_per_group
 from ccld_plugin.agent.recent_steps import STEP_TICKS, STEPS_KEPT
 from ccld_plugin.config import ControlConfig, DiagnoserConfig
 from ccld_plugin.control import ControlPlane

@@ -21,9 +21,11 @@ from typing import Any
 import numpy as np
 
 from ccld_plugin.agent.board_summary import (
+    MIN_SAMPLES,
     BoardSnapshot,
     arrival_samples,
     sampled,
+    samples_per_group,
     stuck_s,
     summarize_board,
 )
@@ -52,14 +54,6 @@ from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["Agent", "StepClock"]
 
-# Arrival samples per group per tick: dense in small jobs, where a window of steps spans
-# few ticks and a two-rank cohort's verdict rests on the arrival order alone (8 per tick
-# left 2-5 joined samples in a 5-step window of a 4-rank demo), and down to 2 at tens of
-# thousands of ranks, where the diagnoser's round joins every rank's samples (8 per group
-# made ~0.5 million a round at 16,384 ranks, a quarter of the round); a straggler's span
-# of 10 ticks still holds 20 of its collectives per group.
-SAMPLE_BUDGET = 32768  # per group slot, over all ranks
-MIN_SAMPLES, MAX_SAMPLES = 2, 128
 # A summary also carries its previous tick's samples in jobs of up to this many
 # ranks: the store keeps one summary per rank, and one replaced before a round read it (a
 # round held up a tick: 3-6% of ticks on this busy 2-core host) took its samples with it;
@@ -98,11 +92,6 @@ class LocalReport:
     summary: bytes
     groups_version: int
     groups: list[GroupInfo]
-
-
-def samples_per_group(world: int) -> int:
-    """Arrival samples each rank sends per group and tick in a job of ``world`` ranks."""
-    return max(MIN_SAMPLES, min(MAX_SAMPLES, SAMPLE_BUDGET // max(1, world)))
 
 
 class Agent:

@@ -31,11 +31,20 @@ __all__ = [
     "in_flight_ops",
     "last_seen_ns",
     "sampled",
+    "samples_per_group",
     "stuck_s",
     "summarize_board",
 ]
 
 MAX_IN_FLIGHT = 8
+# Arrival samples per group per tick: dense in small jobs, where a window of steps spans
+# few ticks and a two-rank cohort's verdict rests on the arrival order alone (8 per tick
+# left 2-5 joined samples in a 5-step window of a 4-rank demo), and down to 2 at tens of
+# thousands of ranks, where the diagnoser's round joins every rank's samples (8 per group
+# made ~0.5 million a round at 16,384 ranks, a quarter of the round); a straggler's span
+# of 10 ticks still holds 20 of its collectives per group.
+SAMPLE_BUDGET = 32768  # per group slot, over all ranks
+MIN_SAMPLES, MAX_SAMPLES = 2, 128
 
 
 @dataclass(frozen=True)
@@ -122,6 +131,11 @@ def summarize_board(
         groups=progress,
         in_flight=in_flight,
     )
+
+
+def samples_per_group(world: int) -> int:
+    """Arrival samples each rank sends per group and tick in a job of ``world`` ranks."""
+    return max(MIN_SAMPLES, min(MAX_SAMPLES, SAMPLE_BUDGET // max(1, world)))
 
 
 def arrival_samples(

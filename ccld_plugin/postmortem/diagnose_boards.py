@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ccld_plugin.agent.agent import samples_per_group
-from ccld_plugin.agent.board_summary import arrival_samples, summarize_board
+from ccld_plugin.agent.board_summary import arrival_samples, samples_per_group, summarize_board
 from ccld_plugin.agent.nccl_channels import NcclChannels
 from ccld_plugin.board.job_files import JOB_CONFIG
 from ccld_plugin.board.process import process_alive
