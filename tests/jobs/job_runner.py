@@ -116,6 +116,19 @@ def facts(evidence: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
+def shown_links(evidence: list[dict]) -> list[frozenset[int]]:
+    """The connections a verdict record's evidence shows slow, in its order: by the
+    channels (``link_slow``) or by their messages (``p2p_transfer``; a pipeline connection
+    may be judged by either first)."""
+    return [
+        frozenset((e["data"]["rank"], e["data"]["peer"]))
+        if e["fact"] == "link_slow"
+        else frozenset((e["data"]["a"], e["data"]["b"]))
+        for e in evidence
+        if e["fact"] in ("link_slow", "p2p_transfer")
+    ]
+
+
 # Tests of slowness keep the default hang floor: on a loaded 2-core host a first step can
 # keep the other ranks waiting 3 s, which the short floor of the hang tests would flag.
 NO_SHORT_HANGS = ("diagnoser.hang_min_s=10",)

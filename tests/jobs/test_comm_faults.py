@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from job_runner import CUT_LINK, NO_SHORT_HANGS, facts, netns_demo, only
+from job_runner import CUT_LINK, NO_SHORT_HANGS, facts, netns_demo, only, shown_links
 
 from ccld_plugin.board.reader import BoardReader, board_files
 
@@ -72,13 +72,7 @@ def test_slow_connection_of_one_of_two_pipelines(tmp_path: Path) -> None:
     v = only(summary, "slow", "communication")
     assert v["group"]["ranks"] == [1, 3] and v["ranks"] in ([1, 3], [1]), v["evidence"]
     # the first link the evidence shows, in its order (the channels' or the messages')
-    shown = [
-        {e["data"]["rank"], e["data"]["peer"]}
-        if e["fact"] == "link_slow"
-        else {e["data"]["a"], e["data"]["b"]}
-        for e in v["evidence"]
-        if e["fact"] in ("link_slow", "p2p_transfer")
-    ]
+    shown = shown_links(v["evidence"])
     assert shown and shown[0] == {1, 3}, v["evidence"]
     assert len(summary["verdicts"]) == 1 and code == 0
 

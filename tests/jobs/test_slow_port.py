@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from job_runner import NO_SHORT_HANGS, facts, netns_demo, only
+from job_runner import NO_SHORT_HANGS, facts, netns_demo, only, shown_links
 
 from ccld_plugin.harness.faults import netns, parse_fault
 
@@ -34,16 +34,6 @@ def _closed_network() -> None:
         pytest.skip(why)
 
 
-def _slow_links(v: dict) -> set[frozenset[int]]:
-    """The connections a verdict shows slow: by the channels, or by their messages (a
-    pipeline connection may be judged by either first)."""
-    ev = facts(v["evidence"])
-    channels = {frozenset((e["data"]["rank"], e["data"]["peer"])) for e in ev.get("link_slow", [])}
-    return channels | {
-        frozenset((e["data"]["a"], e["data"]["b"])) for e in ev.get("p2p_transfer", [])
-    }
-
-
 def test_pair_spec_reads_back() -> None:
     f = parse_fault("comm-slow@2:rate=30mbit,peer=3")
     assert (f.rank, f.peer, f.rate) == (2, 3, "30mbit") and parse_fault(str(f)) == f
@@ -59,7 +49,7 @@ def test_slow_port_names_its_rank_with_its_links_in_both_groups(tmp_path: Path) 
     v = only(summary, "slow", "communication")
     assert (v["ranks"], v["link"]) == ([3], None), v["evidence"]
     assert 3 in v["group"]["ranks"]
-    links = _slow_links(v)
+    links = set(shown_links(v["evidence"]))
     assert all(3 in pair for pair in links), links
     assert {TP2PP2_GROUP_OF[p] for p in links} == {"tp", "pp"}, links
     assert [e["data"] for e in facts(v["evidence"])["common_rank"]] == [{"rank": 3}]
@@ -88,7 +78,7 @@ def test_one_slow_connection_names_the_link(tmp_path: Path) -> None:
         if v["link"] is not None:
             break
     assert (v["ranks"], v["link"], v["group"]["role"]) == ([2, 3], [2, 3], "tp"), v["evidence"]
-    assert _slow_links(v) == {frozenset({2, 3})}
+    assert set(shown_links(v["evidence"])) == {frozenset({2, 3})}
     assert facts(v["evidence"])["one_link"]
     assert len(summary["verdicts"]) == 1 and code == 0
     # A link is confirmed a window later than a rank (LINK_EXTRA_WINDOWS).
@@ -105,7 +95,7 @@ def test_one_connection_among_sibling_pipelines_names_the_link(tmp_path: Path) -
     v = only(summary, "slow", "communication")
     assert (v["ranks"], v["link"], v["group"]["role"]) == ([1, 3], [1, 3], "pp"), v["evidence"]
     # shown slow by its messages, or by the channels where they judged it first
-    assert _slow_links(v) == {frozenset({1, 3})}, v["evidence"]
+    assert set(shown_links(v["evidence"])) == {frozenset({1, 3})}, v["evidence"]
     assert len(summary["verdicts"]) == 1 and code == 0
 
 
