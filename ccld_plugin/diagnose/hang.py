@@ -161,12 +161,18 @@ def _compute_hang(
     for b in waiting:
         by_group.setdefault(b.group.group_id, []).append(b)
     # The group where the hang shows: most members waiting on the root; collectives before
-    # P2P; then the larger group; then the longer wait.
+    # P2P; then the most ranks held up behind its waiters (the root's earlier op in program
+    # order holds up those who finish the step after it, e.g. a TP peer stuck mid-step
+    # holds its DP peers, while the root's DP peers wait at the step's end and hold up
+    # nobody: their wait can start sooner only when their replica ran ahead); then the
+    # larger group; then the longer wait.
+    held = _held_up(graph, root)
     gid = max(
         by_group,
         key=lambda g: (
             len(by_group[g]),
             not by_group[g][0].p2p,
+            len(_held_behind(held, [b.rank for b in by_group[g]])),
             by_group[g][0].group.size,
             max(b.age_s for b in by_group[g]),
         ),
@@ -224,6 +230,28 @@ def _compute_hang(
         evidence=evidence,
         stack=s.stack or None,
     )
+
+
+def _held_up(graph: dict[int, list[int]], root: int) -> dict[int, list[int]]:
+    """Who waits for whom, reversed (rank -> the ranks that wait for it), the root left out."""
+    waiters: dict[int, list[int]] = {}
+    for r, targets in graph.items():
+        for t in targets:
+            if r != root:
+                waiters.setdefault(t, []).append(r)
+    return waiters
+
+
+def _held_behind(waiters: dict[int, list[int]], start: list[int]) -> set[int]:
+    """``start`` and every rank that waits, directly or through others, for one of them."""
+    seen = set(start)
+    todo = list(start)
+    while todo:
+        for w in waiters.get(todo.pop(), ()):
+            if w not in seen:
+                seen.add(w)
+                todo.append(w)
+    return seen
 
 
 def _root_hang(

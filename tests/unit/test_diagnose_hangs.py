@@ -74,6 +74,34 @@ def test_hang_root_is_the_rank_in_no_collective_tp2_pp2():
     assert h.onset_s == 87.5 and h.detected_s == 100.0
 
 
+def test_a_compute_hang_shows_in_the_group_that_holds_up_the_most_ranks():
+    # TP2xDP2 (DTensor): tp [0,1],[2,3]; dp [0,2],[1,3]. Rank 1 stops at a step's start.
+    # Rank 0 waits in the step's TP all-reduce; rank 3, whose replica ran ahead, reached the
+    # step's end and waits in the DP all-reduce, longer; rank 2 waits in DP for rank 0. The
+    # hang shows in TP: the op rank 1 meets first, and the one holding rank 2 up too.
+    tp01, tp23, dp02, dp13 = (
+        group("tp", [0, 1]),
+        group("tp", [2, 3]),
+        group("dp", [0, 2]),
+        group("dp", [1, 3]),
+    )
+    tables = {0: [tp01, dp02], 1: [tp01, dp13], 2: [tp23, dp02], 3: [tp23, dp13]}
+    v = view(
+        [
+            summary(0, {0: 11, 1: 24}, [(0, "all_reduce", 11, 11.0, 0, -1)], idle_s=11.0),
+            summary(1, {0: 10, 1: 24}, idle_s=11.2),
+            summary(2, {0: 11, 1: 25}, [(1, "all_reduce", 25, 11.1, 0, -1)], idle_s=11.1),
+            summary(3, {0: 11, 1: 25}, [(1, "all_reduce", 25, 11.2, 0, -1)], idle_s=11.2),
+        ],
+        tables,
+    )
+    (h,) = find_hangs(v, lambda gid: 10.0, 1.0)
+    assert (h.kind.value, h.cause.value, h.ranks) == ("hang", "compute", [1])
+    assert (h.group["role"], h.group["ranks"], h.op) == ("tp", [0, 1], "all_reduce")
+    (chain,) = facts(h.evidence)["wait_chain"]
+    assert [(c["rank"], c["waits_for"]) for c in chain["data"]["chains"]] == [(2, [0]), (3, [1])]
+
+
 def test_a_job_that_marks_no_steps_is_told_no_step():
     # A loop with no optimizer (nothing marks its steps) stays at step 0 on every rank: its
     # verdicts and their evidence name no step; a job that marks them is told its step.
