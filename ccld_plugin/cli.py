@@ -39,8 +39,12 @@ def _parser() -> argparse.ArgumentParser:
         "--zero-stage", type=int, default=2, choices=[1, 2, 3], help="ZeRO stage (deepspeed only)"
     )
     demo.add_argument("--world", type=int, default=4)
-    demo.add_argument("--tp", type=int, default=2, help="megatron / torch only")
-    demo.add_argument("--pp", type=int, default=2, help="megatron / torch only")
+    demo.add_argument(
+        "--tp", type=int, help="megatron / torch only (default: 2 where the world allows it)"
+    )
+    demo.add_argument(
+        "--pp", type=int, help="megatron / torch only (default: 2 where the world allows it)"
+    )
     demo.add_argument("--steps", type=int, default=40)
     demo.add_argument(
         "--fault",
@@ -48,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="SPEC",
         help="e.g. compute-hang@2:step=5, compute-slow@1:factor=2, mismatch@3, "
-        "kill@1:step=5, cpu-contention@1, none (default: compute-hang@2:step=5)",
+        "kill@1:step=5, cpu-contention@1, none "
+        "(default: compute-hang@2:step=5, on the last rank below 3 ranks)",
     )
     demo.add_argument(
         "--netns",
@@ -170,14 +175,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print_status(found.statuses, console)
             return _inspect_verdict(found)
         if args.command == "demo":
-            from ccld_plugin.harness.demo import DemoOptions, run_demo
+            from ccld_plugin.harness.demo import DemoOptions, fit_layout, run_demo
 
+            tp, pp = fit_layout(args.world, args.tp, args.pp)
             return run_demo(
                 DemoOptions(
                     framework=args.framework,
                     world=args.world,
-                    tp=args.tp,
-                    pp=args.pp,
+                    tp=tp,
+                    pp=pp,
                     steps=args.steps,
                     faults=args.fault,
                     out=args.out,

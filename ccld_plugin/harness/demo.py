@@ -44,15 +44,14 @@ from ccld_plugin.sinks.console import render_verdict
 from ccld_plugin.sinks.jsonl import read_verdicts
 
 __all__ = [
-    "DEFAULT_FAULT",
     "DemoError",
     "DemoOptions",
     "expected_verdict",
+    "fit_layout",
     "match_faults",
     "run_demo",
 ]
 
-DEFAULT_FAULT = "compute-hang@2:step=5"
 GRACE_S = 3.0  # after a verdict that means the job will not recover, before ending it
 DIAGNOSER_GRACE_S = 5.0  # for ``ccld diagnoser``'s last round once the job is over
 MARKER = ".ccld-demo"  # in DIR: a demo's output, which the next demo may replace
@@ -75,7 +74,7 @@ _TERMINAL = {"hang", "deadlock", "mismatch", "unresponsive", "crash"}
 class DemoOptions:
     framework: str = "megatron"
     world: int = 4
-    tp: int = 2
+    tp: int = 2  # the command line fits unset sizes to the world: fit_layout
     pp: int = 2
     steps: int = 40
     faults: list[str] = field(default_factory=list)
@@ -245,6 +244,22 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
     return 0
 
 
+def fit_layout(world: int, tp: int | None, pp: int | None) -> tuple[int, int]:
+    """TP and PP sizes for ``world`` ranks, those not given chosen to fit it: TP 2 where the
+    world is even, then PP 2 where what is left is (TP2xPP2 at 4 and 8 ranks, TP2 at 2 and
+    6, none at 3); sizes given are kept, and checked with the rest of the options."""
+    if tp is None:
+        tp = 2 if world % (2 * (pp or 1)) == 0 else 1
+    if pp is None:
+        pp = 2 if world % (2 * tp) == 0 else 1
+    return tp, pp
+
+
+def _default_fault(world: int) -> str:
+    """The demo's fault when none is given: a compute hang on rank 2, or the last rank."""
+    return f"compute-hang@{min(2, world - 1)}:step=5"
+
+
 def _layout(opts: DemoOptions) -> str:
     """The job's parallel layout as the framework runs it (the DeepSpeed example is data
     parallel only: --tp and --pp do not apply to it)."""
@@ -272,7 +287,7 @@ def _checked_options(opts: DemoOptions) -> list[FaultSpec]:
         raise DemoError(f"ccld demo: --zero-stage {opts.zero_stage}; expected 1, 2 or 3")
     if not (math.isfinite(opts.timeout_s) and opts.timeout_s > 0):
         raise DemoError(f"ccld demo: timeout {opts.timeout_s} s; expected a number > 0")
-    specs = opts.faults or [DEFAULT_FAULT]
+    specs = opts.faults or [_default_fault(opts.world)]
     if any(not spec.strip() for spec in specs):
         raise DemoError(
             "ccld demo: --fault '' is empty; give a spec such as compute-hang@2:step=5, or none"

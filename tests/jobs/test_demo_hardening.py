@@ -36,7 +36,7 @@ def _ccld(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         (("--steps", "-1"), "--steps -1 is not allowed"),
         (("--fault", ""), "--fault '' is empty"),
         (
-            ("--framework", "torch", "--world", "4", "--tp", "3", "--fault", "none"),
+            ("--framework", "torch", "--world", "4", "--tp", "3", "--pp", "2", "--fault", "none"),
             "--world 4 is not a multiple of --tp 3 x --pp 2",
         ),
         (("--fault", "compute-hang@1:step=50", "--steps", "10"), "after the last step (9)"),

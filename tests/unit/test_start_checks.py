@@ -19,7 +19,7 @@ import ccld_plugin
 from ccld_plugin.config import CcldConfig, ConfigError, SinksConfig, load_config
 from ccld_plugin.errors import log as ccld_log
 from ccld_plugin.errors import report_error
-from ccld_plugin.harness.demo import DemoOptions, Outcome, logged_errors, why_failed
+from ccld_plugin.harness.demo import DemoOptions, Outcome, fit_layout, logged_errors, why_failed
 from ccld_plugin.harness.faults.spec import parse_fault
 from ccld_plugin.runtime import session
 from ccld_plugin.runtime.diagnoser import DiagnoserService
@@ -276,3 +276,36 @@ def test_a_diagnosed_hang_explains_the_killed_ranks(tmp_path):
         tmp_path,
     )
     assert "did not end within" in str(why) and "was not diagnosed" in str(why)
+
+
+@pytest.mark.parametrize(
+    "world, given, fitted",
+    [
+        (4, (None, None), (2, 2)),
+        (8, (None, None), (2, 2)),
+        (2, (None, None), (2, 1)),
+        (6, (None, None), (2, 1)),
+        (3, (None, None), (1, 1)),
+        (1, (None, None), (1, 1)),
+        (4, (1, None), (1, 2)),
+        (4, (None, 4), (1, 4)),
+        (8, (None, 2), (2, 2)),
+        (4, (3, None), (3, 1)),  # kept as given: refused with the other options
+    ],
+)
+def test_the_demo_fits_unset_sizes_to_the_world(world, given, fitted):
+    assert fit_layout(world, *given) == fitted
+
+
+def test_a_two_rank_demo_needs_no_sizes():
+    # It gets as far as the fault's step, checked after the layout: nothing launched.
+    out = subprocess.run(
+        [sys.executable, "-m", "ccld_plugin.cli", "demo", "--framework", "torch"]
+        + ["--world", "2", "--steps", "3", "--out", "/nonexistent/ccld-demo"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    (line,) = out.stderr.strip().splitlines()
+    assert "fault compute-hang@1:step=5 starts at step 5, after the last step (2)" in line
