@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+import numpy as np
+
 from ccld_plugin.diagnose.p2p_transfers import (
     LoneConnection,
     P2PJoin,
@@ -43,6 +45,7 @@ class PipelineLinks:
         self.join = P2PJoin(index)
         self.transfers = Transfers.empty()
         self.lone = LoneConnection()  # a lone pipeline's connections, their past
+        self.linked: set[int] = set()  # ranks that ever sent or received a message
         # A connection among sibling pipelines slow by its messages: since when (the first
         # window of its episode, until a window shows it healthy), and its ranks.
         self._episode: tuple[int, list[int]] | None = None
@@ -52,6 +55,7 @@ class PipelineLinks:
         paired = self.join.add(view, table)
         if len(paired.src):
             self.transfers = Transfers.concat([self.transfers, paired])
+            self.linked.update(np.unique(np.concatenate([paired.src, paired.dst])).tolist())
 
     def forget_before(self, t_ns: int) -> None:
         self.transfers = self.transfers.since(t_ns)

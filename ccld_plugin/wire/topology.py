@@ -146,6 +146,17 @@ class Topology:
             return self.ranks()
         return [r for r in self.ranks() if self._shard_key(r) == key]
 
+    def placed(self, rank: int) -> bool:
+        """Whether a group tells where ``rank`` is in the model (a DP group, or a place in
+        a TP, PP, CP or EP group); if none does, ``cohort`` takes every rank for its peer."""
+        return (
+            any(
+                g is not None and g.size > 1
+                for g in (self.group_of(rank, "dp"), self.group_of(rank, "dp_cp"))
+            )
+            or self._shard_key(rank) is not None
+        )
+
     def cohorts(self) -> dict[int, list[int]]:
         """``cohort`` of every rank. The ranks of one DP group share one list (a DP group's
         ranks in a list of each member's own would be 1 GB at 65,536 ranks), and so do

@@ -194,6 +194,27 @@ def test_dtensor_tensor_parallel_compute_hang_is_named_in_its_tp_group(tmp_path)
     assert "contained error" not in _log(tmp_path)  # DTensor's sliced meshes: no groups
 
 
+def test_pipeline_on_the_world_group_healthy_gets_no_verdict(tmp_path):
+    # torch.distributed.pipelining, a stage per rank, no group to tell the stages apart:
+    # compared as one cohort, the middle stages (more work than the first and last) were
+    # named stragglers of healthy runs. Each stage is judged by its own change.
+    assert ccld_run(tmp_path, "pipeline_gpipe.py", "", 400) == []
+
+
+@pytest.mark.parametrize(
+    ("fault", "kind", "rank"), [("hang@1:6", "hang", 1), ("slow@2:0.01:20", "slow", 2)]
+)
+def test_pipeline_on_the_world_group_stage_faults(tmp_path, fault, kind, rank):
+    verdicts = ccld_run(tmp_path, "pipeline_gpipe.py", fault, 30 if kind == "hang" else 120)
+    assert [(v["kind"], v["cause"], v["ranks"]) for v in verdicts] == [(kind, "compute", [rank])], (
+        verdicts,
+        _log(tmp_path),
+    )
+    assert verdicts[0]["group"]["role"] == "world"
+    if kind == "slow":  # a stage slow from step 20, 4x its 3 ms: named within 15 steps
+        assert verdicts[0]["step"] <= 35
+
+
 def test_device_mesh_rank_that_skipped_a_collective_is_named_after_the_job_died(tmp_path):
     # Rank 1 leaves out one DP all-reduce: gloo pairs its later ones with rank 3's earlier
     # ones, and the job runs on a step out until rank 1 ends its loop and leaves, one

@@ -450,6 +450,21 @@ def test_a_recorded_stage_slow_from_the_demos_default_onset_is_named() -> None:
     assert got[0].step is not None and got[0].step <= 22
 
 
+def test_recorded_pipeline_stages_on_the_world_group_are_not_each_others_peers() -> None:
+    # Unchanged torch.distributed.pipelining scripts (GPipe, a stage per rank, 4 ranks on
+    # this project's 2-core VM): no group places the ranks, so the world was one cohort.
+    # Healthy, 400 steps: the middle stages, doing more than the first and last, were
+    # named at 1.37x and 1.25x their "cohort" (5.0 and 5.1 standard errors). Each stage is
+    # now judged by its change: nothing there, and a stage 10 ms/step slower from step 20
+    # (`slow@2:0.01:20`) is named by it.
+    _, got = replay(RECORDED / "healthy-pipelining-on-the-world-group-4stages-400steps.rec")
+    assert got == []
+    _, got = replay(RECORDED / "compute-slow-4x-rank2-step20-pipelining-on-the-world-group.rec")
+    assert [(v.kind, v.cause, v.ranks) for v in got] == [(Kind.SLOW, Cause.COMPUTE, [2])]
+    assert got[0].group is not None and got[0].group["role"] == "world"
+    assert "compared by that change" in got[0].evidence[0].text
+
+
 def test_windows_wait_for_a_rank_whose_first_summary_comes_late() -> None:
     # A 2-second TP1xPP2 demo (`compute-slow@1:factor=2,step=10`): rank 0's first summary
     # held steps 0-17 a round before rank 1's first. Judged without rank 1, those windows

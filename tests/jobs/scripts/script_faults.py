@@ -1,8 +1,8 @@
 """The faults of the unchanged test scripts (they know nothing of ccld, nor of its fault
 specs): FAULT in the environment is ``hang@R:S`` (rank R blocks at step S), ``kill@R:S``
 (rank R's process ends by SIGKILL at step S), ``crash@R:S`` (rank R raises an exception it
-does not catch at step S), ``slow@R:X`` (rank R's compute takes X
-seconds more every step), ``skip@R:S`` (rank R leaves out its gradient all-reduce at
+does not catch at step S), ``slow@R:X`` (rank R's compute takes X seconds more every step;
+``slow@R:X:S`` from step S on), ``skip@R:S`` (rank R leaves out its gradient all-reduce at
 step S: see ``skips``) or ``misuse@R:S`` (rank R calls its tensor-parallel collective
 with an output of the wrong size at step S: see ``misuses``)."""
 
@@ -15,7 +15,7 @@ def fault(rank: int, step: int) -> None:
     kind, _, where = os.environ.get("FAULT", "").partition("@")
     if not kind:
         return
-    who, arg = where.split(":")
+    who, arg, *onset = where.split(":")
     if int(who) != rank:
         return
     if kind == "hang" and step == int(arg):
@@ -24,7 +24,7 @@ def fault(rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "crash" and step == int(arg):
         raise MemoryError("out of memory (a test script's crash)")
-    if kind == "slow":
+    if kind == "slow" and step >= int(onset[0] if onset else 0):
         time.sleep(float(arg))
 
 
