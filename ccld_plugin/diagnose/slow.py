@@ -180,7 +180,8 @@ class SlowDetector:
         self._observer_rounds: deque[tuple[int, int]] = deque(maxlen=OBSERVER_ROUNDS)
         self._channel_found: LinkFinding | None = None  # of the current streak
         self._comm_reported: set[tuple] = set()  # communication streaks with a verdict
-        self._cohort_key: tuple[int, int] = (-1, -1)
+        self._cohort_key = -1
+        self._linked_seen: set[int] = set()  # ranks with messages whose cohort was checked
         self._cohort_cache: dict[int, list[int]] = {}
         # Ranks that no other rank matches in work (one per pipeline stage: TP1 x PPn x
         # DP1): compared with each other by how their compute changed, each against its
@@ -482,9 +483,9 @@ class SlowDetector:
 
     def _cohorts(self, topo: Topology) -> dict[int, list[int]]:
         """Statistics cohort of every rank, recomputed only when the topology changes."""
-        linked = self.pipelines.linked
-        key = (len(topo.groups), len(linked))
-        if self._cohort_key != key:
+        key = len(topo.groups)
+        changed = self._cohort_key != key
+        if changed:
             cohorts = topo.cohorts()  # a list per distinct cohort, shared by its ranks
             small = [r for r, c in cohorts.items() if len(c) < 3]
             if small:  # their pipeline stage may make a larger cohort
@@ -493,16 +494,22 @@ class SlowDetector:
                     stages[topo.stage_of(r)].append(r)
                 for r in small:
                     cohorts[r] = _stats_cohort(topo, r, cohorts[r], stages)
-            # Ranks that message each other with no group to place them (stages of a
-            # pipeline on the world group, as torch.distributed.pipelining runs them) hold
-            # different parts of the model, not copies of one: each is its own cohort,
-            # judged by its change. Compared as peers, a healthy pipeline's middle stages
-            # stood 1.3-2x the median stage, its first and last doing less work.
-            for r in linked:
-                if not topo.placed(r):
-                    cohorts[r] = [r]
             self._cohort_cache = cohorts
             self._cohort_key = key
+            self._linked_seen = set()
+        # Ranks that message each other with no group to place them (stages of a pipeline
+        # on the world group, as torch.distributed.pipelining runs them) hold different
+        # parts of the model, not copies of one: each is its own cohort, judged by its
+        # change. Compared as peers, a healthy pipeline's middle stages stood 1.3-2x the
+        # median stage, its first and last doing less work.
+        new = self.pipelines.linked - self._linked_seen
+        self._linked_seen |= new
+        for r in new:
+            if not topo.placed(r):
+                self._cohort_cache[r] = [r]
+                changed = True
+        if changed:
+            cohorts = self._cohort_cache
             self._solo = sorted(r for r, c in cohorts.items() if len(c) == 1)
             if len(self._solo) < SOLO_MIN_RANKS:
                 self._solo = []
