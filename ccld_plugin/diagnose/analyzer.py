@@ -17,7 +17,7 @@ import numpy as np
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose import tcp_evidence as chan
 from ccld_plugin.diagnose.crash import find_crashes
-from ccld_plugin.diagnose.hang import ChannelEvidence, find_hangs, find_unresponsive
+from ccld_plugin.diagnose.hang import ChannelEvidence, find_hangs, find_unresponsive, resumed
 from ccld_plugin.diagnose.isolation import (
     Isolation,
     cut_off_behind_store,
@@ -62,6 +62,8 @@ class Diagnoser:
         self.slow = SlowDetector(cfg, groups)
         self.durations = DurationHistory(groups)
         self._reported: set[tuple] = set()
+        # hangs reported and not seen to end: key -> (verdict, when it was reported)
+        self._open_hangs: dict[tuple, tuple[Verdict, int]] = {}
         self._seen_ns = np.full(0, -1, np.int64)  # per rank: time of the summary last taken in
         # when the first stall was reported (None: none yet), and the ranks stalls named
         self._stalled_ns: int | None = None
@@ -152,7 +154,10 @@ class Diagnoser:
         if mismatches or self.reported(Kind.MISMATCH):
             hangs = self._fold_into_mismatch(hangs, mismatches)
         slow = self.slow.evaluate(view) if not hangs else []
-        new = self._new([*crashes, *unresponsive, *mismatches, *hangs, *slow])
+        new = [
+            *self._resumed(view),
+            *self._new([*crashes, *unresponsive, *mismatches, *hangs, *slow]),
+        ]
         self._steps_marked = self._steps_marked or view.steps_marked
         if not self._steps_marked:
             for v in new:
@@ -162,7 +167,28 @@ class Diagnoser:
                 if self._stalled_ns is None:
                     self._stalled_ns = view.now_ns
                 self._stalled_ranks.update(v.ranks)
+            if v.kind is Kind.HANG:
+                self._open_hangs[v.key()] = (v, view.now_ns)
         return new
+
+    def _resumed(self, view: JobView) -> list[Verdict]:
+        """Hangs reported before whose ranks have all made progress since (a rank that
+        stopped 14 s for a checkpoint of its own): each is told as ended, and a stall of the
+        same ranks later is a new finding, reported again."""
+        out = []
+        for key, (hang, reported_ns) in list(self._open_hangs.items()):
+            # (a rank that went on and then left, or died, went on all the same)
+            summaries = [s for s in map(view.summaries.get, hang.ranks) if s is not None]
+            if len(summaries) < len(hang.ranks):
+                continue
+            if any(s.last_progress_ns <= reported_ns for s in summaries):
+                continue
+            del self._open_hangs[key]
+            self._reported.discard(key)
+            out.append(resumed(view, hang, summaries, reported_ns))
+        if out and not any(k[0] in STALLS for k in self._reported):
+            self._stalled_ns, self._stalled_ranks = None, set()  # nothing stalls now
+        return out
 
     def _fallout_of_crash(self, view: JobView, rank: int) -> bool:
         """Whether ``rank``, found gone or silent, still ran when a rank crashed (its last

@@ -7,7 +7,7 @@
    localized further by channel evidence when there is some.
 4. A cycle of ranks each waiting for the next is a deadlock (e.g. P2P ordering).
 Unresponsive ranks are found here too, since they explain hangs (mismatches, which do
-too: ``mismatch``).
+too: ``mismatch``); and a hang's end, where its ranks go on (``resumed``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ccld_plugin.wire.codes import OP_NAMES
 from ccld_plugin.wire.summary import FLAG_LAST_WORDS, RankSummary
 from ccld_plugin.wire.topology import GroupInfo
 
-__all__ = ["find_hangs", "find_unresponsive", "wait_for_graph"]
+__all__ = ["find_hangs", "find_unresponsive", "resumed", "wait_for_graph"]
 
 # How long a dead rank's verdict waits for its node's leader to read its board (agent
 # intervals after its agent's last tick: it may have died just before its next one, and
@@ -229,6 +229,44 @@ def _compute_hang(
         severity=round(idle, 1),
         evidence=evidence,
         stack=s.stack or None,
+    )
+
+
+def resumed(
+    view: JobView, hang: Verdict, summaries: list[RankSummary], reported_ns: int
+) -> Verdict:
+    """The end of ``hang``, reported at ``reported_ns``: every rank it named has made
+    progress since (``summaries``, theirs). It lasted from its onset to their progress."""
+    back_ns = min(s.last_progress_ns for s in summaries)  # all of them had moved by then
+    back_s = view.seconds(back_ns)
+    lasted = back_s - (hang.onset_s if hang.onset_s is not None else back_s)
+    step = max(s.step for s in summaries)
+    return Verdict(
+        kind=Kind.RESUMED,
+        cause=hang.cause,
+        ranks=list(hang.ranks),
+        group=hang.group,
+        link=hang.link,
+        op=hang.op,
+        trace_id=hang.trace_id,
+        step=step,
+        onset_s=hang.onset_s,
+        detected_s=view.seconds(view.now_ns),
+        severity=round(lasted, 1),
+        evidence=[
+            Evidence.of(
+                "resumed",
+                "rank{s} {ranks:join(, )} made progress again by {back_s:.1f} s"
+                + (" (step {step})" if view.steps_marked else "")
+                + ": the hang reported at {reported_s:.1f} s was a stall of {lasted_s:.1f} s",
+                s="s" if len(hang.ranks) > 1 else "",
+                ranks=list(hang.ranks),
+                back_s=back_s,
+                step=step if view.steps_marked else None,
+                reported_s=view.seconds(reported_ns),
+                lasted_s=lasted,
+            )
+        ],
     )
 
 

@@ -23,6 +23,7 @@ class Kind(str, Enum):
     UNRESPONSIVE = "unresponsive"
     DEADLOCK = "deadlock"
     CRASH = "crash"
+    RESUMED = "resumed"  # a hang reported before ended: its ranks made progress again
 
 
 class Cause(str, Enum):

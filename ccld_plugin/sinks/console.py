@@ -16,6 +16,7 @@ _STYLE = {
     "unresponsive": "bold red",
     "crash": "bold red",
     "slow": "bold yellow",
+    "resumed": "bold green",
 }
 
 

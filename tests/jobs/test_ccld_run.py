@@ -48,10 +48,12 @@ def ccld_run(
     world: int = 4,
     launcher=_torchrun,
     cleanup: bool = False,
+    end_on_verdict: bool = True,
 ) -> list[dict]:
     """Run ``script`` on ``world`` ranks under ``ccld run -- <launcher>`` (default
     ``python -m torch.distributed.run``); a hung job is ended once a verdict says it will
-    not recover. Its verdicts; its boards in ``tmp / "j"`` (all kept unless ``cleanup``)."""
+    not recover (unless not ``end_on_verdict``: it runs to its end). Its verdicts; its boards
+    in ``tmp / "j"`` (all kept unless ``cleanup``)."""
     sets = [*FAST, f"board.dir={tmp}", "job=j", f"board.cleanup={str(cleanup).lower()}"]
     sets += [f"sinks.jsonl={tmp / 'verdicts.jsonl'}", "sinks.console=false"]
     cmd = [*CCLD, "run", *sum((["--set", s] for s in sets), []), "--", *launcher(world)]
@@ -72,7 +74,7 @@ def ccld_run(
     try:
         while proc.poll() is None and time.monotonic() < deadline:
             verdicts = read_verdicts(tmp / "verdicts.jsonl")
-            if any(v["kind"] in TERMINAL for v in verdicts):
+            if end_on_verdict and any(v["kind"] in TERMINAL for v in verdicts):
                 time.sleep(1)
                 break
             time.sleep(0.3)
@@ -113,6 +115,20 @@ def test_ddp_compute_hang(tmp_path):
     stack = v["stack"] or []  # where it is stuck: the fault, called from the script's loop
     assert any("script_faults.py" in f and "in fault" in f for f in stack), stack
     assert any("ddp_plain.py" in f and "in main" in f for f in stack), stack
+
+
+def test_ddp_rank_that_stalls_and_goes_on_is_a_hang_then_resumed(tmp_path):
+    # Rank 0 stops 8 s at step 8 (a checkpoint of its own, past the 3 s floor), the others
+    # waiting in DDP's all-reduce; then the job runs to its end.
+    verdicts = ccld_run(tmp_path, "ddp_plain.py", "stall@0:8:8", 60, end_on_verdict=False)
+    assert [(v["kind"], v["cause"], v["ranks"]) for v in verdicts] == [
+        ("hang", "compute", [0]),
+        ("resumed", "compute", [0]),
+    ], (verdicts, _log(tmp_path))
+    hang, back = verdicts
+    assert back["group"] == hang["group"] and hang["step"] == 8 and back["step"] >= 9
+    assert 7 <= back["severity"] <= 10  # the stall's length, seconds
+    assert "step 59" in _log(tmp_path)
 
 
 def test_ddp_straggler(tmp_path):

@@ -102,6 +102,54 @@ def test_a_compute_hang_shows_in_the_group_that_holds_up_the_most_ranks():
     assert [(c["rank"], c["waits_for"]) for c in chain["data"]["chains"]] == [(2, [0]), (3, [1])]
 
 
+def test_a_hang_that_ends_is_told_as_resumed_and_a_later_one_is_reported_again():
+    # DP4: rank 0 stops (a checkpoint of its own) while ranks 1-3 wait in an all-reduce;
+    # 14 s later it goes on; later still it stops again.
+    dp = group("dp", range(4))
+    tables = {r: [dp] for r in range(4)}
+    diag = Diagnoser(DiagnoserConfig(hang_min_s=5), interval_s=0.5)
+
+    def at(now_s: float, stopped_s: float | None, seq: int, step: int) -> list:
+        now = int(now_s * S)
+        if stopped_s is None:  # every rank busy, progress just now
+            ranks = [rank_summary(r, now, step=step, last_progress_ns=now) for r in range(4)]
+        else:
+            stop = int(stopped_s * S)
+            ranks = [
+                rank_summary(
+                    0,
+                    now,
+                    step=step,
+                    last_progress_ns=stop,
+                    groups=[GroupProgress(0, seq - 1, seq - 1, 0, 0, 0, 0)],
+                ),
+                *[
+                    rank_summary(
+                        r,
+                        now,
+                        step=step,
+                        last_progress_ns=stop,
+                        groups=[GroupProgress(0, seq, seq - 1, 0, 0, 0, 0)],
+                        in_flight=[InFlightOp(0, OP_CODES["all_reduce"], 0, -1, seq, 64, stop)],
+                    )
+                    for r in (1, 2, 3)
+                ],
+            ]
+        return diag.round(job_view(ranks, tables, now_ns=now))
+
+    (h,) = at(100, 88, seq=40, step=5)
+    assert (h.kind.value, h.cause.value, h.ranks) == ("hang", "compute", [0])
+    assert at(101, 88, seq=40, step=5) == []  # still stopped: nothing new
+    (r,) = at(103, None, seq=41, step=6)
+    assert (r.kind.value, r.cause.value, r.ranks, r.group) == ("resumed", "compute", [0], h.group)
+    assert r.severity == 15.0 and r.step == 6
+    (fact,) = facts(r.evidence)["resumed"]
+    assert fact["data"]["reported_s"] == 100.0 and "a stall of 15.0 s" in fact["text"]
+    assert at(104, None, seq=42, step=7) == []  # told once
+    (again,) = at(130, 118, seq=60, step=9)  # a new stall of the same rank: reported
+    assert (again.kind.value, again.ranks, again.step) == ("hang", [0], 9)
+
+
 def test_a_job_that_marks_no_steps_is_told_no_step():
     # A loop with no optimizer (nothing marks its steps) stays at step 0 on every rank: its
     # verdicts and their evidence name no step; a job that marks them is told its step.

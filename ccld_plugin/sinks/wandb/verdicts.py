@@ -42,7 +42,8 @@ def verdict_row(v: dict) -> list:
 
 
 def alert_message(v: dict) -> dict:
-    """The writer's ``alert`` message for a verdict record (ERROR for a stuck job)."""
+    """The writer's ``alert`` message for a verdict record (ERROR for a stuck job, INFO for
+    one that resumed)."""
     g = v.get("group") or {}
     ranks = ", ".join(map(str, v["ranks"]))
     where = f" in {g['role']}{g['ranks']}" if g else ""
@@ -59,5 +60,7 @@ def alert_message(v: dict) -> dict:
         "op": "alert",
         "title": title,
         "text": "\n".join(lines),
-        "level": "ERROR" if v["kind"] in _STUCK_KINDS else "WARN",
+        "level": "ERROR"
+        if v["kind"] in _STUCK_KINDS
+        else ("INFO" if v["kind"] == "resumed" else "WARN"),
     }

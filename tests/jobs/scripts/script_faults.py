@@ -2,7 +2,8 @@
 specs): FAULT in the environment is ``hang@R:S`` (rank R blocks at step S), ``kill@R:S``
 (rank R's process ends by SIGKILL at step S), ``crash@R:S`` (rank R raises an exception it
 does not catch at step S), ``slow@R:X`` (rank R's compute takes X seconds more every step;
-``slow@R:X:S`` from step S on), ``skip@R:S`` (rank R leaves out its gradient all-reduce at
+``slow@R:X:S`` from step S on), ``stall@R:S:X`` (rank R stops X seconds at step S, then
+goes on), ``skip@R:S`` (rank R leaves out its gradient all-reduce at
 step S: see ``skips``) or ``misuse@R:S`` (rank R calls its tensor-parallel collective
 with an output of the wrong size at step S: see ``misuses``)."""
 
@@ -24,6 +25,8 @@ def fault(rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "crash" and step == int(arg):
         raise MemoryError("out of memory (a test script's crash)")
+    if kind == "stall" and step == int(arg):
+        time.sleep(float(onset[0]))
     if kind == "slow" and step >= int(onset[0] if onset else 0):
         time.sleep(float(arg))
 
