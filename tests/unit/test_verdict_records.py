@@ -148,3 +148,13 @@ def test_a_lost_rank_is_one_finding_whatever_op_it_was_last_seen_in():
         hang.key()
         != Verdict(kind=Kind.HANG, cause=Cause.COMPUTE, ranks=[2], group=tp.to_dict()).key()
     )
+
+
+def test_alert_levels_follow_the_kind() -> None:
+    # W&B alerts: ERROR for a stuck job, INFO for a hang that resumed, WARN for the rest.
+    hang = _verdict().to_dict()
+    levels = {
+        kind: alert_message({**hang, "kind": kind})["level"] for kind in ("hang", "resumed", "slow")
+    }
+    assert levels == {"hang": "ERROR", "resumed": "INFO", "slow": "WARN"}
+    assert render_verdict({**hang, "kind": "resumed"}).plain.startswith("[ccld] RESUMED ")
