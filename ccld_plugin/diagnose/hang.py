@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
+from dataclasses import replace
 
 from ccld_plugin.diagnose import tcp_evidence as chan
 from ccld_plugin.diagnose.mismatch import entered_op, no_majority
@@ -241,18 +242,14 @@ def resumed(
     back_s = view.seconds(back_ns)
     lasted = back_s - (hang.onset_s if hang.onset_s is not None else back_s)
     step = max(s.step for s in summaries)
-    return Verdict(
+    return replace(  # the hang's record (its cause, ranks, group, op and onset), ended
+        hang,
         kind=Kind.RESUMED,
-        cause=hang.cause,
         ranks=list(hang.ranks),
-        group=hang.group,
-        link=hang.link,
-        op=hang.op,
-        trace_id=hang.trace_id,
         step=step,
-        onset_s=hang.onset_s,
         detected_s=view.seconds(view.now_ns),
         severity=round(lasted, 1),
+        stack=None,
         evidence=[
             Evidence.of(
                 "resumed",
