@@ -137,10 +137,9 @@ class Topology:
         Without a registered DP group, ranks that hold the same position in their TP and
         PP groups are peers; with no parallelism groups at all, every rank is a peer.
         """
-        for role in ("dp", "dp_cp"):
-            g = self.group_of(rank, role)
-            if g is not None and g.size > 1:
-                return list(g.ranks)
+        dp = self._data_parallel(rank)
+        if dp is not None:
+            return list(dp.ranks)
         key = self._shard_key(rank)
         if key is None:
             return self.ranks()
@@ -149,13 +148,15 @@ class Topology:
     def placed(self, rank: int) -> bool:
         """Whether a group tells where ``rank`` is in the model (a DP group, or a place in
         a TP, PP, CP or EP group); if none does, ``cohort`` takes every rank for its peer."""
-        return (
-            any(
-                g is not None and g.size > 1
-                for g in (self.group_of(rank, "dp"), self.group_of(rank, "dp_cp"))
-            )
-            or self._shard_key(rank) is not None
-        )
+        return self._data_parallel(rank) is not None or self._shard_key(rank) is not None
+
+    def _data_parallel(self, rank: int) -> GroupInfo | None:
+        """``rank``'s DP group of more than one rank (else its DP x CP one), if it has one."""
+        for role in ("dp", "dp_cp"):
+            g = self.group_of(rank, role)
+            if g is not None and g.size > 1:
+                return g
+        return None
 
     def cohorts(self) -> dict[int, list[int]]:
         """``cohort`` of every rank. The ranks of one DP group share one list (a DP group's
