@@ -47,6 +47,7 @@ from ccld_plugin.control import ControlPlane
 from ccld_plugin.diagnose import Diagnoser, JobView
 from ccld_plugin.diagnose.view import topology_of
 from ccld_plugin.runtime.diagnoser import gc_paused
+from ccld_plugin.topology import GroupInfo, group_id_of
 from ccld_plugin.wire.node_summary import encode_node, node_count, node_ranks
 from ccld_plugin.wire.packed import PackedSummaries
 from ccld_plugin.wire.peer_channels import PeerChannel, encode_channels
@@ -58,7 +59,6 @@ from ccld_plugin.wire.summary import (
     encode_summary,
 )
 from ccld_plugin.wire.summary_batch import SummaryTable
-from ccld_plugin.wire.topology import GroupInfo, group_id_of
 
 TP, PP = 8, 4
 RANKS_PER_NODE = 8

@@ -9,8 +9,8 @@ import numpy as np
 from ccld_plugin.diagnose import JobView
 from ccld_plugin.diagnose.arrivals import Joined
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
+from ccld_plugin.topology import GroupInfo, group_id_of
 from ccld_plugin.wire.summary import GroupProgress, RankSummary, StepStat
-from ccld_plugin.wire.topology import GroupInfo, group_id_of
 
 MS = 1_000_000
 DP = GroupInfo(group_id_of([0, 1, 2, 3]), "dp", (0, 1, 2, 3))

@@ -40,6 +40,7 @@ from ccld_plugin.config import AgentConfig
 from ccld_plugin.control import ClockSync, ControlPlane, request_timeout_s, resync_epoch
 from ccld_plugin.control.reach import ReachPort, route_source
 from ccld_plugin.errors import log, report_error
+from ccld_plugin.topology import GroupInfo
 from ccld_plugin.wire.codes import FLAG_ASYNC, FLAG_P2P, FLAG_SEND, STATE_DONE
 from ccld_plugin.wire.peer_channels import MAX_ENTRIES, encode_channels, entry_order
 from ccld_plugin.wire.summary import (
@@ -50,7 +51,6 @@ from ccld_plugin.wire.summary import (
     StepStat,
     encode_summary,
 )
-from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["Agent", "StepClock"]
 

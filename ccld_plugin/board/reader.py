@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 import ccld_plugin._native as _native
+from ccld_plugin.topology import GROUP_ROLES, GroupInfo, role_name
 from ccld_plugin.wire.codes import (
     DIRECTION_NAMES,
     FLAG_ASYNC,
@@ -39,7 +40,6 @@ from ccld_plugin.wire.codes import (
     STATE_IN_FLIGHT,
     WAIT_NAMES,
 )
-from ccld_plugin.wire.topology import GROUP_ROLES, GroupInfo, role_name
 
 __all__ = [
     "BoardError",

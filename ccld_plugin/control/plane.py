@@ -42,9 +42,9 @@ from ccld_plugin.control.clock import CLOCK_ROUNDS, CLOCK_SPACING_S, ClockSync
 from ccld_plugin.control.deadline import DeadlineStore
 from ccld_plugin.control.reach import is_local_address
 from ccld_plugin.errors import report_error
+from ccld_plugin.topology import GroupInfo
 from ccld_plugin.wire.node_summary import decode_nodes, node_count
 from ccld_plugin.wire.packed import PackedSummaries
-from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["ControlPlane", "owner_record"]
 

@@ -30,9 +30,9 @@ from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.slow import SlowDetector
 from ccld_plugin.diagnose.tcp_evidence import Located, channel_evidence
 from ccld_plugin.diagnose.view import GroupIndex, JobView
+from ccld_plugin.topology import GroupInfo, trace_id
 from ccld_plugin.wire.codes import STATE_IN_FLIGHT
 from ccld_plugin.wire.summary_batch import Summaries, SummaryTable
-from ccld_plugin.wire.topology import GroupInfo, trace_id
 
 __all__ = ["Diagnoser", "DurationHistory", "located_by_channels"]
 

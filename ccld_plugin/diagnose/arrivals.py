@@ -21,9 +21,9 @@ from typing import NamedTuple
 import numpy as np
 
 from ccld_plugin.diagnose.view import GroupIndex, JobView
+from ccld_plugin.topology import GroupInfo
 from ccld_plugin.wire.summary import RankSummary
 from ccld_plugin.wire.summary_batch import SummaryTable, table_of
-from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["ArrivalJoin", "Joined", "JoinedTable", "RankJoined"]
 

@@ -20,9 +20,9 @@ from ccld_plugin.diagnose import tcp_evidence as chan
 from ccld_plugin.diagnose.mismatch import entered_op, no_majority
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.view import Blocked, JobView, verdict_at
+from ccld_plugin.topology import GroupInfo
 from ccld_plugin.wire.codes import OP_NAMES
 from ccld_plugin.wire.summary import FLAG_LAST_WORDS, RankSummary
-from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["find_hangs", "find_unresponsive", "resumed", "wait_for_graph"]
 

@@ -14,8 +14,8 @@ import numpy as np
 
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.view import Blocked, JobView, verdict_at
+from ccld_plugin.topology import GroupInfo, trace_id
 from ccld_plugin.wire.codes import FLAG_P2P, OP_NAMES
-from ccld_plugin.wire.topology import GroupInfo, trace_id
 
 __all__ = ["entered_op", "find_left_early", "find_mismatches", "no_majority"]
 

@@ -31,8 +31,8 @@ from collections.abc import Iterable
 from ccld_plugin.diagnose.records import Cause, Evidence
 from ccld_plugin.diagnose.tcp_evidence import STALL_S, Located, is_silent, report_of
 from ccld_plugin.diagnose.view import JobView
+from ccld_plugin.topology import GroupInfo
 from ccld_plugin.wire.peer_channels import PeerChannel
-from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["nccl_evidence", "nccl_stalls"]
 

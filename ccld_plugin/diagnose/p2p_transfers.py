@@ -30,8 +30,8 @@ from ccld_plugin.diagnose.records import Evidence
 from ccld_plugin.diagnose.robust import RecentFloor
 from ccld_plugin.diagnose.slow_links import LinkFinding
 from ccld_plugin.diagnose.view import GroupIndex, JobView
+from ccld_plugin.topology import GroupInfo
 from ccld_plugin.wire.summary_batch import SummaryTable
-from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = [
     "LoneConnection",

@@ -32,9 +32,9 @@ from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkFinding
 from ccld_plugin.diagnose.step_table import StepTable, StepWindow
 from ccld_plugin.diagnose.view import GroupIndex, JobView
 from ccld_plugin.errors import log
+from ccld_plugin.topology import GroupInfo, Topology
 from ccld_plugin.wire.summary import RankSummary
 from ccld_plugin.wire.summary_batch import Summaries, table_of
-from ccld_plugin.wire.topology import GroupInfo, Topology
 
 __all__ = ["SlowDetector"]
 

@@ -33,10 +33,10 @@ from ccld_plugin.diagnose.records import Evidence
 from ccld_plugin.diagnose.robust import RankedValues
 from ccld_plugin.diagnose.tcp_evidence import common_culprit
 from ccld_plugin.diagnose.view import JobView
+from ccld_plugin.topology import GroupInfo, Topology
 from ccld_plugin.wire.peer_channels import ChannelRows
 from ccld_plugin.wire.summary import RankSummary
 from ccld_plugin.wire.summary_batch import table_of
-from ccld_plugin.wire.topology import GroupInfo, Topology
 
 __all__ = [
     "ChannelHistory",

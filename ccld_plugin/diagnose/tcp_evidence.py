@@ -26,8 +26,8 @@ import numpy as np
 
 from ccld_plugin.diagnose.records import Cause, Evidence
 from ccld_plugin.diagnose.view import JobView
+from ccld_plugin.topology import GroupInfo
 from ccld_plugin.wire.peer_channels import ChannelReport, PeerChannel, decode_channels
-from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = [
     "Located",

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
+from ccld_plugin.topology import GroupInfo, Topology, trace_id
 from ccld_plugin.wire.codes import FLAG_P2P, FLAG_SEND, OP_NAMES, STATE_IN_FLIGHT
 from ccld_plugin.wire.summary import InFlightOp, RankSummary
 from ccld_plugin.wire.summary_batch import SummaryTable
-from ccld_plugin.wire.topology import GroupInfo, Topology, trace_id
 
 __all__ = ["Blocked", "GroupIndex", "JobView", "topology_of"]
 

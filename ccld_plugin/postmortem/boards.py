@@ -12,8 +12,8 @@ import numpy as np
 from ccld_plugin.agent.board_summary import BoardSnapshot, last_seen_ns
 from ccld_plugin.board.job_files import read_crash, read_stack
 from ccld_plugin.board.reader import BoardError, BoardReader, board_files
+from ccld_plugin.topology import GroupInfo
 from ccld_plugin.wire.codes import FLAG_P2P, STATE_DONE, STATE_ERROR, STATE_IN_FLIGHT
-from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["JobBoards", "PostmortemError", "RankBoard", "load_boards"]
 

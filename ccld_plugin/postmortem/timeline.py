@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from ccld_plugin.postmortem.boards import JobBoards, RankBoard
+from ccld_plugin.topology import trace_id
 from ccld_plugin.wire.codes import FLAG_P2P, FLAG_SEND, OP_NAMES, STATE_IN_FLIGHT, STATE_NAMES
-from ccld_plugin.wire.topology import trace_id
 
 __all__ = ["STEPS_TID", "trace_events", "write_trace"]
 

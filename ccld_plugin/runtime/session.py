@@ -287,7 +287,7 @@ def _restore_init() -> None:
 def register_group(group: Any, role: str) -> None:
     """Tell the plugin which parallelism role a process group plays (tp, pp, dp, ep, etp,
     cp, dp_cp, embd, pos_embd, world, mp, other). Safe to call before ``enable``."""
-    from ccld_plugin.wire.topology import role_index
+    from ccld_plugin.topology import role_index
 
     role_index(role)  # a bad role is the caller's bug: say so at once
     with _lock:

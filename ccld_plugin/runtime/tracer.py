@@ -27,6 +27,7 @@ import ccld_plugin._native as _native
 from ccld_plugin.errors import report_error
 from ccld_plugin.runtime.cpu_wait import ThreadCpuWait
 from ccld_plugin.runtime.functional_ops import FunctionalOps
+from ccld_plugin.topology import GroupInfo, Topology, group_id_of, more_specific, role_index
 from ccld_plugin.wire.codes import (
     FLAG_ASYNC,
     FLAG_CUDA,
@@ -36,7 +37,6 @@ from ccld_plugin.wire.codes import (
     STATE_DONE,
     STATE_ERROR,
 )
-from ccld_plugin.wire.topology import GroupInfo, Topology, group_id_of, more_specific, role_index
 
 __all__ = ["GroupEntry", "Tracer"]
 

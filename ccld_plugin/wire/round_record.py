@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ccld_plugin.topology import GroupInfo
 from ccld_plugin.wire.summary import upgraded_summary
-from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["RecordedRound", "RoundRecorder", "read_recording"]
 

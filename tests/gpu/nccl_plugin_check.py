@@ -59,7 +59,7 @@ def main(out: Path) -> int:
     import ccld_plugin
     from ccld_plugin.board.reader import BoardReader
     from ccld_plugin.runtime.nccl_env import nccl_plugin_path
-    from ccld_plugin.wire.topology import group_id_of
+    from ccld_plugin.topology import group_id_of
 
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -4,11 +4,11 @@ import os
 import subprocess
 import sys
 
-from ccld_plugin.wire.topology import group_id_of
+from ccld_plugin.topology import group_id_of
 
 
 def test_group_id_is_stable_across_processes_and_order_free():
-    code = "from ccld_plugin.wire.topology import group_id_of; print(group_id_of([0, 1, 5]))"
+    code = "from ccld_plugin.topology import group_id_of; print(group_id_of([0, 1, 5]))"
     other = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

@@ -27,8 +27,8 @@ from ccld_plugin.board.reader import (
     BoardReader,
 )
 from ccld_plugin.board.report import collective_table, inspect_all, rank_status
+from ccld_plugin.topology import group_id_of, role_index
 from ccld_plugin.wire.codes import FLAG_P2P, FLAG_SEND, OP_CODES, OP_NAMES, SOURCE_TCP
-from ccld_plugin.wire.topology import group_id_of, role_index
 
 WORLD, RANK = 4, 1
 HEADER = {name: HEADER_DTYPE.fields[name][1] for name in HEADER_DTYPE.names}

@@ -255,10 +255,10 @@ def ring_fault_view(build: Build, tmp_path: Path, fault: int, where: int):
     from ccld_plugin.agent.nccl_channels import NcclChannels
     from ccld_plugin.board.reader import BoardReader
     from ccld_plugin.diagnose.view import JobView
+    from ccld_plugin.topology import GroupInfo
     from ccld_plugin.wire.codes import STATE_IN_FLIGHT
     from ccld_plugin.wire.peer_channels import encode_channels
     from ccld_plugin.wire.summary import GroupProgress, RankSummary
-    from ccld_plugin.wire.topology import GroupInfo
 
     summaries, tables = {}, {}
     group = GroupInfo(RING_GROUP, "dp", tuple(2 * i + 1 for i in range(8)))

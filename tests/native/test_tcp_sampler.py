@@ -11,13 +11,13 @@ from ccld_plugin.agent.tcp_channels import ChannelSampler
 from ccld_plugin.board.reader import BoardReader
 from ccld_plugin.control.deadline import StoreTimeout
 from ccld_plugin.diagnose.view import JobView
+from ccld_plugin.topology import GroupInfo, group_id_of
 from ccld_plugin.wire.peer_channels import (
     PeerChannel,
     decode_channels,
     encode_channels,
 )
 from ccld_plugin.wire.summary import RankSummary
-from ccld_plugin.wire.topology import GroupInfo, group_id_of
 
 S = 1_000_000_000
 INTERVAL = 0.5

@@ -9,9 +9,9 @@ from typing import Any
 
 from ccld_plugin.diagnose.records import Evidence
 from ccld_plugin.diagnose.view import JobView
+from ccld_plugin.topology import GroupInfo, group_id_of
 from ccld_plugin.wire.peer_channels import PeerChannel
 from ccld_plugin.wire.summary import RankSummary
-from ccld_plugin.wire.topology import GroupInfo, group_id_of
 
 S = 1_000_000_000
 MS = 1_000_000

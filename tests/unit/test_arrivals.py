@@ -7,6 +7,7 @@ from builders import MS, group, job_view, rank_summary
 
 from ccld_plugin.diagnose.arrivals import PENDING_TTL_NS, ArrivalJoin
 from ccld_plugin.diagnose.view import JobView
+from ccld_plugin.topology import GroupInfo
 from ccld_plugin.wire.summary import (
     ArrivalSample,
     GroupProgress,
@@ -14,7 +15,6 @@ from ccld_plugin.wire.summary import (
     decode_summary,
     encode_summary,
 )
-from ccld_plugin.wire.topology import GroupInfo
 
 DP = group("dp", [0, 1, 2])
 SOLO = group("other", [5])

@@ -15,6 +15,7 @@ from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkJudgement
 from ccld_plugin.diagnose.tcp_evidence import channel_evidence, cut_off_rank, toward_evidence
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.postmortem.replay import replay
+from ccld_plugin.topology import GroupInfo
 from ccld_plugin.wire import peer_channels as codec
 from ccld_plugin.wire.codes import SOURCE_NCCL, SOURCE_TCP
 from ccld_plugin.wire.peer_channels import (
@@ -24,7 +25,6 @@ from ccld_plugin.wire.peer_channels import (
     encode_channels,
 )
 from ccld_plugin.wire.summary import InFlightOp
-from ccld_plugin.wire.topology import GroupInfo
 
 INTERVAL = 0.5
 

@@ -19,12 +19,13 @@ PACKAGE = REPO / "ccld_plugin"
 ALLOWED: dict[str, set[str]] = {
     "config": set(),
     "errors": set(),
-    "wire": set(),
-    "board": {"_native", "wire", "errors"},
-    "control": {"config", "wire", "errors"},
-    "agent": {"_native", "board", "control", "config", "wire", "errors"},
-    "diagnose": {"config", "wire", "errors"},
-    "sinks": {"config", "diagnose", "wire", "errors"},
+    "topology": set(),
+    "wire": {"topology"},
+    "board": {"_native", "wire", "topology", "errors"},
+    "control": {"config", "wire", "topology", "errors"},
+    "agent": {"_native", "board", "control", "config", "wire", "topology", "errors"},
+    "diagnose": {"config", "wire", "topology", "errors"},
+    "sinks": {"config", "diagnose", "wire", "topology", "errors"},
     # the session starts the services: the only place that wires agent, control plane,
     # diagnoser and sinks together
     "runtime": {
@@ -37,10 +38,11 @@ ALLOWED: dict[str, set[str]] = {
         "diagnose",
         "errors",
         "sinks",
+        "topology",
         "wire",
     },
     # after the job: the agent's board summary and the diagnoser, over boards left behind
-    "postmortem": {"agent", "board", "config", "diagnose", "sinks", "wire"},
+    "postmortem": {"agent", "board", "config", "diagnose", "sinks", "topology", "wire"},
     "integrations": {"", "config", "errors", "runtime"},
     "megatron": {"integrations"},
     "deepspeed": {"integrations"},

@@ -14,10 +14,10 @@ from ccld_plugin.diagnose.analyzer import located_by_channels
 from ccld_plugin.diagnose.nccl_evidence import nccl_evidence
 from ccld_plugin.diagnose.records import Cause
 from ccld_plugin.diagnose.view import JobView
+from ccld_plugin.topology import GroupInfo
 from ccld_plugin.wire.codes import FLAG_CUDA, OP_CODES
 from ccld_plugin.wire.peer_channels import PeerChannel, encode_channels
 from ccld_plugin.wire.summary import GroupProgress, InFlightOp
-from ccld_plugin.wire.topology import GroupInfo
 
 
 def ch(peer: int, direction: str, wait: str, stalled_s: float = 5.0) -> PeerChannel:

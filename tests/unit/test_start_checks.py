@@ -24,8 +24,8 @@ from ccld_plugin.harness.faults.spec import parse_fault
 from ccld_plugin.runtime import session
 from ccld_plugin.runtime.diagnoser import DiagnoserService
 from ccld_plugin.sinks import ConsoleSink, build_sinks
+from ccld_plugin.topology import GroupInfo
 from ccld_plugin.wire.summary import InFlightOp, encode_summary
-from ccld_plugin.wire.topology import GroupInfo
 
 
 def _ccld_config(*args: str) -> subprocess.CompletedProcess:

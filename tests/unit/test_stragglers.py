@@ -15,8 +15,8 @@ from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose.records import Cause, Kind, Verdict
 from ccld_plugin.diagnose.slow import SlowDetector
 from ccld_plugin.postmortem.replay import replay
+from ccld_plugin.topology import GroupInfo
 from ccld_plugin.wire.summary import ArrivalSample, GroupProgress, StepStat
-from ccld_plugin.wire.topology import GroupInfo
 
 STEP_GAP_NS = 5 * MS  # after the last collective of a step, before the next one starts
 

@@ -3,7 +3,7 @@
 import pytest
 
 from ccld_plugin.harness.workload import Layout, layout_groups
-from ccld_plugin.wire.topology import GroupInfo, Topology, group_id_of, role_index
+from ccld_plugin.topology import GroupInfo, Topology, group_id_of, role_index
 
 
 def _topology(world, tp, pp):

@@ -22,8 +22,8 @@ import numpy as np
 
 from ccld_plugin.diagnose.arrivals import Joined
 from ccld_plugin.diagnose.view import JobView
+from ccld_plugin.topology import GroupInfo, Topology
 from ccld_plugin.wire.summary import StepStat
-from ccld_plugin.wire.topology import GroupInfo, Topology
 
 __all__ = [
     "GroupRate",
