@@ -14,8 +14,8 @@ from ccld_plugin.config import CcldConfig, load_config
 from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
 from ccld_plugin.diagnose.analyzer import located_by_channels
 from ccld_plugin.diagnose.view import topology_of
+from ccld_plugin.recording import RecordedRound, read_recording
 from ccld_plugin.topology import GroupInfo, Topology
-from ccld_plugin.wire.round_record import RecordedRound, read_recording
 from ccld_plugin.wire.summary_batch import SummaryTable
 
 __all__ = ["replay", "round_views"]

@@ -29,10 +29,10 @@ from ccld_plugin.diagnose.analyzer import located_by_channels
 from ccld_plugin.diagnose.tcp_evidence import SILENT_INTERVALS
 from ccld_plugin.diagnose.view import topology_of
 from ccld_plugin.errors import log, report_error
+from ccld_plugin.recording import RecordedRound, RoundRecorder
 from ccld_plugin.sinks import Sink
 from ccld_plugin.topology import GroupInfo, Topology, role_index
 from ccld_plugin.wire.packed import PackedSummaries
-from ccld_plugin.wire.round_record import RecordedRound, RoundRecorder
 from ccld_plugin.wire.summary import FLAG_EXITED, FLAG_LAST_WORDS, HEAD_DTYPE, encode_summary
 from ccld_plugin.wire.summary_batch import SummaryTable
 

@@ -11,7 +11,7 @@ from job_runner import demo
 
 from ccld_plugin.diagnose.arrivals import ArrivalJoin
 from ccld_plugin.postmortem.replay import round_views
-from ccld_plugin.wire.round_record import read_recording
+from ccld_plugin.recording import read_recording
 from ccld_plugin.wire.summary import arrival_samples, decode_summary, p2p_samples
 
 

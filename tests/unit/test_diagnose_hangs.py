@@ -840,7 +840,7 @@ def test_a_summary_of_version_1_is_read_as_this_version_without_a_wait_for_a_cpu
     # are re-encoded on reading, each step with no wait.
     from pathlib import Path
 
-    from ccld_plugin.wire.round_record import read_recording
+    from ccld_plugin.recording import read_recording
     from ccld_plugin.wire.summary import SUMMARY_VERSION, upgraded_summary
 
     path = Path(__file__).parent / "recorded" / "compute-slow-1.5x-rank1-step10-tp2pp2.rec"

@@ -22,7 +22,7 @@ from ccld_plugin.diagnose.p2p_transfers import (
 from ccld_plugin.diagnose.records import Cause, Kind
 from ccld_plugin.diagnose.view import GroupIndex, JobView
 from ccld_plugin.postmortem.replay import replay
-from ccld_plugin.wire.round_record import RoundRecorder, read_recording
+from ccld_plugin.recording import RoundRecorder, read_recording
 from ccld_plugin.wire.summary import (
     P2PSample,
     RankSummary,

@@ -11,8 +11,8 @@ from builders import S, group, rank_summary
 
 from ccld_plugin.config import CcldConfig, load_config, to_yaml
 from ccld_plugin.postmortem.replay import replay
+from ccld_plugin.recording import RecordedRound, RoundRecorder, read_recording
 from ccld_plugin.wire.codes import OP_CODES
-from ccld_plugin.wire.round_record import RecordedRound, RoundRecorder, read_recording
 from ccld_plugin.wire.summary import GroupProgress, InFlightOp, encode_summary
 
 
