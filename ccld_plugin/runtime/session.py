@@ -38,7 +38,7 @@ from ccld_plugin.config import (
     make_private_dirs,
 )
 from ccld_plugin.errors import log, report_error
-from ccld_plugin.runtime.tracer import Tracer
+from ccld_plugin.tracing.tracer import Tracer
 from ccld_plugin.wire.summary import MAX_FRAMES
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ def enable(config: ConfigSource = None, overrides: Iterable[str] = ()) -> Sessio
         return None
     if cfg.nccl_profiler:  # NCCL reads it once, at its first communicator: set it early
         try:
-            from ccld_plugin.runtime.nccl_env import enable_nccl_profiler_env
+            from ccld_plugin.tracing.nccl_env import enable_nccl_profiler_env
 
             enable_nccl_profiler_env()
         except Exception as exc:  # noqa: BLE001

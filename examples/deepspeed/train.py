@@ -228,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "loss": loss_value,
         "zero_stage": engine.zero_optimization_stage(),
         "ccld": hooks is not None,
-        "traced": dist.all_reduce.__module__ == "ccld_plugin.runtime.tracer",
+        "traced": dist.all_reduce.__module__ == "ccld_plugin.tracing.tracer",
         "seconds": round(time.perf_counter() - t_start, 3),
     }
     print("result " + json.dumps(result), flush=True)

@@ -58,8 +58,8 @@ class Stats(ctypes.Structure):
 def main(out: Path) -> int:
     import ccld_plugin
     from ccld_plugin.board.reader import BoardReader
-    from ccld_plugin.runtime.nccl_env import nccl_plugin_path
     from ccld_plugin.topology import group_id_of
+    from ccld_plugin.tracing.nccl_env import nccl_plugin_path
 
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

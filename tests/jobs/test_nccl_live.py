@@ -122,7 +122,7 @@ def test_config_key_sets_the_plugin_env_before_nccl_starts(tmp_path):
     loaded, as soon as the plugin is enabled (before init_process_group here)."""
     code = (
         "import os, ccld_plugin\n"
-        "from ccld_plugin.runtime.nccl_env import nccl_plugin_path\n"
+        "from ccld_plugin.tracing.nccl_env import nccl_plugin_path\n"
         "os.environ.pop('NCCL_PROFILER_PLUGIN', None)\n"
         "ccld_plugin.enable(overrides=['nccl_profiler=true'])\n"
         "assert os.environ['NCCL_PROFILER_PLUGIN'] == nccl_plugin_path(), os.environ\n"

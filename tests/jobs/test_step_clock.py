@@ -13,7 +13,7 @@ import time
 import pytest
 from job_runner import run_job
 
-from ccld_plugin.runtime.cpu_wait import ThreadCpuWait
+from ccld_plugin.tracing.cpu_wait import ThreadCpuWait
 
 
 def _busy(seconds: float) -> None:

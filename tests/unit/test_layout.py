@@ -23,6 +23,8 @@ ALLOWED: dict[str, set[str]] = {
     "wire": set(),
     "recording": {"topology", "wire"},
     "board": {"_native", "wire", "topology", "errors"},
+    # inside the training thread; the package root only for where the native plugin lies
+    "tracing": {"", "_native", "errors", "topology", "wire"},
     "control": {"config", "wire", "topology", "errors"},
     "agent": {"_native", "board", "control", "config", "wire", "topology", "errors"},
     "diagnose": {"config", "wire", "topology", "errors"},
@@ -41,6 +43,7 @@ ALLOWED: dict[str, set[str]] = {
         "recording",
         "sinks",
         "topology",
+        "tracing",
         "wire",
     },
     # after the job: the agent's board summary and the diagnoser, over boards left behind

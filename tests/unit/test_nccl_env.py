@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ccld_plugin.runtime.nccl_env import LIBRARY_NAME, enable_nccl_profiler_env, nccl_plugin_path
+from ccld_plugin.tracing.nccl_env import LIBRARY_NAME, enable_nccl_profiler_env, nccl_plugin_path
 
 
 def test_enable_env_keeps_a_value_already_set() -> None:

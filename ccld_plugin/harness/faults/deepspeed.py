@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ccld_plugin.errors import report_error
 from ccld_plugin.harness.faults.inject import Injector, injector_for
 from ccld_plugin.integrations.deepspeed import EngineHooks, deepspeed_groups
-from ccld_plugin.runtime.cpu_wait import ThreadCpuWait
+from ccld_plugin.tracing.cpu_wait import ThreadCpuWait
 
 __all__ = ["attach_faults"]
 

@@ -14,7 +14,7 @@ import captured_refs  # noqa: E402  - captures originals before the plugin is en
 
 import ccld_plugin  # noqa: E402
 from ccld_plugin.board.reader import BoardReader  # noqa: E402
-from ccld_plugin.runtime.tracer import WRAPPED_NAMES  # noqa: E402
+from ccld_plugin.tracing.tracer import WRAPPED_NAMES  # noqa: E402
 from ccld_plugin.wire.codes import OP_NAMES
 
 originals = {n: getattr(c10d, n) for n in WRAPPED_NAMES if hasattr(c10d, n)}

@@ -26,8 +26,8 @@ def _load_example():
 
 
 def _is_traced(fn: object) -> bool:
-    # Tracer wrappers keep torch's name and doc but are defined in ccld_plugin.runtime.tracer.
-    return getattr(fn, "__module__", "") == "ccld_plugin.runtime.tracer"
+    # Tracer wrappers keep torch's name and doc but are defined in ccld_plugin.tracing.tracer.
+    return getattr(fn, "__module__", "") == "ccld_plugin.tracing.tracer"
 
 
 def _probe() -> dict:

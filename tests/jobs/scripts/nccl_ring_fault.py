@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 import ccld_plugin
-from ccld_plugin.runtime.nccl_env import nccl_plugin_path
 from ccld_plugin.sinks.jsonl import read_verdicts
+from ccld_plugin.tracing.nccl_env import nccl_plugin_path
 from ccld_plugin.wire.codes import FLAG_ASYNC, FLAG_CUDA, OP_CODES, STATE_DONE
 
 HEALTHY_STEPS = 8

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import ccld_plugin
-from ccld_plugin.runtime.nccl_env import nccl_plugin_path
+from ccld_plugin.tracing.nccl_env import nccl_plugin_path
 from ccld_plugin.wire.codes import FLAG_CUDA, OP_CODES, STATE_DONE
 
 STEPS, ONSET = 40, 5

@@ -27,7 +27,7 @@ from ccld_plugin.errors import report_error
 from ccld_plugin.wire.codes import FLAG_ASYNC, FLAG_CUDA, OP_CODES, STATE_DONE, STATE_ERROR
 
 if TYPE_CHECKING:
-    from ccld_plugin.runtime.tracer import Tracer
+    from ccld_plugin.tracing.tracer import Tracer
 
 __all__ = ["FunctionalOps"]
 

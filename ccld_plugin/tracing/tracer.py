@@ -25,9 +25,9 @@ import torch.distributed.distributed_c10d as c10d
 
 import ccld_plugin._native as _native
 from ccld_plugin.errors import report_error
-from ccld_plugin.runtime.cpu_wait import ThreadCpuWait
-from ccld_plugin.runtime.functional_ops import FunctionalOps
 from ccld_plugin.topology import GroupInfo, Topology, group_id_of, more_specific, role_index
+from ccld_plugin.tracing.cpu_wait import ThreadCpuWait
+from ccld_plugin.tracing.functional_ops import FunctionalOps
 from ccld_plugin.wire.codes import (
     FLAG_ASYNC,
     FLAG_CUDA,
