@@ -46,7 +46,7 @@ def _paired(orig, traced, batches: int, calls: int, *args, **kwargs) -> tuple[fl
 
 def rank_main(args: argparse.Namespace) -> None:
     import ccld_plugin
-    from ccld_plugin.runtime.session import current
+    from ccld_plugin.services.session import current
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ccld_plugin.config import CcldConfig, ConfigError, load_config
-    from ccld_plugin.runtime.session import disable, enable, mark_step, register_group
+    from ccld_plugin.services.session import disable, enable, mark_step, register_group
 
 __all__ = [
     "CcldConfig",
@@ -32,10 +32,10 @@ _HOME = {
     "CcldConfig": "ccld_plugin.config",
     "ConfigError": "ccld_plugin.config",
     "load_config": "ccld_plugin.config",
-    "disable": "ccld_plugin.runtime.session",
-    "enable": "ccld_plugin.runtime.session",
-    "mark_step": "ccld_plugin.runtime.session",
-    "register_group": "ccld_plugin.runtime.session",
+    "disable": "ccld_plugin.services.session",
+    "enable": "ccld_plugin.services.session",
+    "mark_step": "ccld_plugin.services.session",
+    "register_group": "ccld_plugin.services.session",
 }
 
 

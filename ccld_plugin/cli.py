@@ -197,8 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if args.command == "diagnoser":
             from ccld_plugin.config import load_config
-            from ccld_plugin.runtime.external import run_diagnoser
-            from ccld_plugin.runtime.session import job_name
+            from ccld_plugin.services.diagnoser_process import run_diagnoser
+            from ccld_plugin.services.session import job_name
 
             host, sep, port = args.store.rpartition(":")
             if not sep or not host or not port.isdigit() or args.world < 1:

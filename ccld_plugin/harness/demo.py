@@ -623,7 +623,7 @@ def failed_grace_s(cfg: CcldConfig) -> float:
     """How long the job goes on after a rank failed on its own, unless a verdict that means
     it will not recover comes first: time for the diagnoser (or its standby, if the
     diagnoser's rank is the one lost) to name the rank: its lease, the "unresponsive"
-    threshold and a few rounds. (The lease is runtime.diagnoser's LEASE_INTERVALS, 4
+    threshold and a few rounds. (The lease is services.diagnoser's LEASE_INTERVALS, 4
     intervals: not imported, as that would load torch into the demo's own process.)"""
     return cfg.diagnoser.unresponsive_s + 6 * cfg.agent.interval_s + 3.0
 

@@ -83,7 +83,7 @@ def start() -> None:
 
 
 def _register(pairs: Sequence[tuple[Any, str]]) -> None:
-    from ccld_plugin.runtime.session import register_group
+    from ccld_plugin.services.session import register_group
 
     for pg, role in pairs:
         register_group(pg, role)
@@ -228,7 +228,7 @@ def _watch_deepspeed(ds: Any) -> None:
 def _mark_steps_from_optimizer() -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from ccld_plugin.runtime.session import mark_step
+    from ccld_plugin.services.session import mark_step
 
     # Several optimizers step once each per training step: the first to step counts them.
     first: list[int] = []

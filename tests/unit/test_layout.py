@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "sinks": {"config", "diagnose", "wire", "topology", "errors"},
     # the session starts the services: the only place that wires agent, control plane,
     # diagnoser and sinks together
-    "runtime": {
+    "services": {
         "",
         "_native",
         "agent",
@@ -57,10 +57,10 @@ ALLOWED: dict[str, set[str]] = {
         "topology",
         "wire",
     },
-    "integrations": {"", "config", "errors", "runtime"},
+    "integrations": {"", "config", "errors", "services"},
     "megatron": {"integrations"},
     "deepspeed": {"integrations"},
-    "": {"config", "runtime"},  # ccld_plugin/__init__.py: the public names, lazily
+    "": {"config", "services"},  # ccld_plugin/__init__.py: the public names, lazily
 }
 
 
@@ -127,7 +127,7 @@ def test_no_module_level_import_cycle() -> None:
 
 
 def test_services_do_not_reach_back_into_the_session() -> None:
-    assert "ccld_plugin.runtime.session" not in _imports(PACKAGE / "runtime" / "services.py")
+    assert "ccld_plugin.services.session" not in _imports(PACKAGE / "services" / "rank_services.py")
 
 
 @pytest.mark.parametrize(

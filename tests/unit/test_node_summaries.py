@@ -31,7 +31,7 @@ from ccld_plugin.board.process import PF_EXITING, process_alive, running
 from ccld_plugin.config import CcldConfig, ControlConfig
 from ccld_plugin.control import ControlPlane
 from ccld_plugin.harness.launch import free_port
-from ccld_plugin.runtime.diagnoser import DiagnoserService
+from ccld_plugin.services.diagnoser import DiagnoserService
 from ccld_plugin.wire.codes import OP_NAMES, STATE_IN_FLIGHT
 from ccld_plugin.wire.node_summary import (
     decode_node,

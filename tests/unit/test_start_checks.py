@@ -21,8 +21,8 @@ from ccld_plugin.errors import log as ccld_log
 from ccld_plugin.errors import report_error
 from ccld_plugin.harness.demo import DemoOptions, Outcome, fit_layout, logged_errors, why_failed
 from ccld_plugin.harness.faults.spec import parse_fault
-from ccld_plugin.runtime import session
-from ccld_plugin.runtime.diagnoser import DiagnoserService
+from ccld_plugin.services import session
+from ccld_plugin.services.diagnoser import DiagnoserService
 from ccld_plugin.sinks import ConsoleSink, build_sinks
 from ccld_plugin.topology import GroupInfo
 from ccld_plugin.wire.summary import InFlightOp, encode_summary

@@ -1,5 +1,5 @@
 """Store requests that give up in time (control/deadline.py), and who stands by for the
-diagnoser (runtime/standby.standby_rank)."""
+diagnoser (services/standby.standby_rank)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 
 from ccld_plugin.control.deadline import DeadlineStore, StoreTimeout
-from ccld_plugin.runtime.standby import standby_rank
+from ccld_plugin.services.standby import standby_rank
 
 
 class _CutLinkStore:

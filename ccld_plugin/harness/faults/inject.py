@@ -89,7 +89,7 @@ class Injector:
 
     def _hook_into_tracer(self) -> None:
         """Stretch compute right before every traced communication, in any framework."""
-        from ccld_plugin.runtime.session import current
+        from ccld_plugin.services.session import current
 
         s = current()
         if s is not None:
@@ -145,7 +145,7 @@ class Injector:
 
     @staticmethod
     def _board() -> Any:
-        from ccld_plugin.runtime.session import current
+        from ccld_plugin.services.session import current
 
         s = current()
         return s.board if s is not None else None
@@ -172,7 +172,7 @@ class Injector:
     def _record(self, fault: FaultSpec, step: int) -> None:
         if self.log_path is None:
             return
-        from ccld_plugin.runtime.session import job_seconds
+        from ccld_plugin.services.session import job_seconds
 
         now = time.monotonic_ns()
         entry = {

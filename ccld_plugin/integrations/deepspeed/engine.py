@@ -36,7 +36,7 @@ import ccld_plugin
 from ccld_plugin.config import CcldConfig
 from ccld_plugin.integrations.deepspeed.config import read_config
 from ccld_plugin.integrations.deepspeed.groups import deepspeed_groups
-from ccld_plugin.runtime.session import current
+from ccld_plugin.services.session import current
 
 __all__ = ["EngineHooks", "initialize", "install"]
 

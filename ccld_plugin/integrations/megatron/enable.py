@@ -24,7 +24,7 @@ from collections.abc import Callable
 import ccld_plugin
 from ccld_plugin.config import load_config
 from ccld_plugin.errors import log, report_error
-from ccld_plugin.runtime.session import Session
+from ccld_plugin.services.session import Session
 
 __all__ = ["ArgsProvider", "add_ccld_args", "combine_providers", "install", "mark_iteration"]
 

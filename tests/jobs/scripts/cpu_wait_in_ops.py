@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 import ccld_plugin
-from ccld_plugin.runtime.session import current
+from ccld_plugin.services.session import current
 from ccld_plugin.tracing.cpu_wait import ThreadCpuWait
 
 BUSY_S = 0.5

@@ -34,7 +34,7 @@ def _probe() -> dict:
     from megatron.core.distributed import param_and_grad_buffer as buffers
     from megatron.core.tensor_parallel import mappings
 
-    from ccld_plugin.runtime.session import current
+    from ccld_plugin.services.session import current
 
     names = (
         "all_reduce",

@@ -21,7 +21,7 @@ from types import FrameType
 from ccld_plugin.config import CcldConfig
 from ccld_plugin.control import ControlPlane
 from ccld_plugin.errors import log
-from ccld_plugin.runtime.diagnoser import DiagnoserService
+from ccld_plugin.services.diagnoser import DiagnoserService
 from ccld_plugin.sinks import build_sinks
 
 __all__ = ["run_diagnoser"]

@@ -25,7 +25,7 @@ from ccld_plugin.board.process import process_alive
 from ccld_plugin.config import CcldConfig
 from ccld_plugin.control import ControlPlane, request_timeout_s
 from ccld_plugin.errors import log, report_error
-from ccld_plugin.runtime.diagnoser import (
+from ccld_plugin.services.diagnoser import (
     FAILING_GRACE_S,
     FAILING_RETRY_S,
     LEASE_INTERVALS,

@@ -42,7 +42,7 @@ from ccld_plugin.tracing.tracer import Tracer
 from ccld_plugin.wire.summary import MAX_FRAMES
 
 if TYPE_CHECKING:
-    from ccld_plugin.runtime.services import Services
+    from ccld_plugin.services.rank_services import Services
 
 __all__ = [
     "Session",
@@ -179,7 +179,7 @@ def _start(cfg: CcldConfig) -> Session:
     atexit.register(_at_exit)
     _watch_uncaught_exceptions()
     # imported here: it needs the store, the tracer does not
-    from ccld_plugin.runtime import services
+    from ccld_plugin.services import rank_services as services
 
     _session.services = services.start(
         cfg, rank, world, job_name(cfg), path, tracer, _session.started_ns

@@ -1,5 +1,5 @@
 """The live-diagnosis services of a session: the agent in every rank, the diagnoser on the
-diagnoser rank (``runtime.diagnoser``) and its standby on another (``runtime.standby``)."""
+diagnoser rank (``services.diagnoser``) and its standby on another (``services.standby``)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from ccld_plugin.board.job_files import JOB_CONFIG
 from ccld_plugin.config import CcldConfig, to_yaml
 from ccld_plugin.control import ControlPlane
 from ccld_plugin.errors import report_error
-from ccld_plugin.runtime.diagnoser import DiagnoserService
-from ccld_plugin.runtime.standby import Standby, standby_rank
+from ccld_plugin.services.diagnoser import DiagnoserService
+from ccld_plugin.services.standby import Standby, standby_rank
 from ccld_plugin.sinks import build_sinks
 
 __all__ = ["Services", "ranks_per_node", "start"]
