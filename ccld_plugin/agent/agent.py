@@ -29,17 +29,17 @@ from ccld_plugin.agent.board_summary import (
     stuck_s,
     summarize_board,
 )
-from ccld_plugin.agent.nccl_channels import NcclChannels
 from ccld_plugin.agent.node_board import EXITED, STORE_LOST
 from ccld_plugin.agent.node_share import NodeShare
 from ccld_plugin.agent.recent_steps import RecentSteps
-from ccld_plugin.agent.tcp_channels import ChannelSampler
 from ccld_plugin.board.job_files import remove_stack, write_crash, write_stack
 from ccld_plugin.board.reader import BoardReader
 from ccld_plugin.config import AgentConfig
 from ccld_plugin.control import ClockSync, ControlPlane, request_timeout_s, resync_epoch
 from ccld_plugin.control.reach import ReachPort, route_source
 from ccld_plugin.errors import log, report_error
+from ccld_plugin.probes.nccl_channels import NcclChannels
+from ccld_plugin.probes.tcp_channels import ChannelSampler
 from ccld_plugin.topology import GroupInfo
 from ccld_plugin.wire.codes import FLAG_ASYNC, FLAG_P2P, FLAG_SEND, STATE_DONE
 from ccld_plugin.wire.peer_channels import MAX_ENTRIES, encode_channels, entry_order
@@ -382,7 +382,7 @@ class Agent:
         try:
             nccl = self._nccl.sample(self._reader.channels(), now_ns)
         except Exception as exc:  # noqa: BLE001 - no NCCL evidence, training goes on
-            report_error("agent.nccl_channels", exc)
+            report_error("probes.nccl_channels", exc)
             nccl = []
         if tcp is None and not nccl:
             return b""

@@ -1,7 +1,7 @@
 """Hangs of NCCL collectives, located from the wait states of their channels.
 
 The NCCL profiler plugin records, per channel, peer and direction, which state the oldest
-unfinished transfer step waits in (``ccld_plugin.agent.nccl_channels`` turns the records into
+unfinished transfer step waits in (``ccld_plugin.probes.nccl_channels`` turns the records into
 "nccl" entries of the summary). Each state says whom the step waits for:
 
 - **local**: this rank's GPU. A send step waits for the kernel to produce the data, a

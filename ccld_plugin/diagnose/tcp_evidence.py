@@ -1,12 +1,12 @@
 """Channel evidence of hangs: what each rank's TCP connections say about where data waits.
 
 Every agent tick a rank sends, inside its summary, one compact entry per peer rank it has
-connections to (``wire.peer_channels``, filled by ``agent.tcp_channels``): bytes moved
+connections to (``wire.peer_channels``, filled by ``probes.tcp_channels``): bytes moved
 each way in the interval, bytes queued, RTT and its floor, retransmissions, the
 share of the interval the sender was stalled by the peer's receive window or its own send
-buffer, the wait class of ``agent.tcp_wait.classify_wait`` and how long queued data has not
+buffer, the wait class of ``probes.tcp_wait.classify_wait`` and how long queued data has not
 moved. Entries of source "nccl" come from the NCCL profiler plugin's channel records
-instead (``ccld_plugin.agent.nccl_channels``); their wait states are read by
+instead (``ccld_plugin.probes.nccl_channels``); their wait states are read by
 ``diagnose.nccl_waits``.
 
 This module is pure (no torch, no native code). It answers,

@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from ccld_plugin.agent.board_summary import arrival_samples, samples_per_group, summarize_board
-from ccld_plugin.agent.nccl_channels import NcclChannels
 from ccld_plugin.board.job_files import JOB_CONFIG
 from ccld_plugin.board.process import process_alive
 from ccld_plugin.config import CcldConfig, load_config
@@ -20,6 +19,7 @@ from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
 from ccld_plugin.diagnose.analyzer import located_by_channels
 from ccld_plugin.diagnose.crash import peer_failure
 from ccld_plugin.postmortem.boards import JobBoards, RankBoard
+from ccld_plugin.probes.nccl_channels import NcclChannels
 from ccld_plugin.wire.codes import STATE_DONE
 from ccld_plugin.wire.peer_channels import MAX_ENTRIES, encode_channels, entry_order
 from ccld_plugin.wire.summary import FLAG_CRASHED, RankSummary

@@ -2,8 +2,8 @@
 
 Every agent tick a rank puts, inside its summary (``RankSummary.channels``), one compact
 entry per peer rank it exchanges data with: from its TCP connections
-(``ccld_plugin.agent.tcp_channels``) or from the NCCL profiler plugin's channel records
-(``ccld_plugin.agent.nccl_channels``). The diagnoser decodes them one rank at a time for a
+(``ccld_plugin.probes.tcp_channels``) or from the NCCL profiler plugin's channel records
+(``ccld_plugin.probes.nccl_channels``). The diagnoser decodes them one rank at a time for a
 hang's evidence (:func:`decode_channels`) and all ranks at once, as numpy rows, for slow
 links over a window (:func:`channel_rows`).
 """

@@ -278,8 +278,8 @@ def test_sweep_removes_runs_of_dead_owners_only(net: ClosedNetwork) -> None:
 # how the TCP probe classifies its connection before and after the parent applies a fault.
 SENDER = """
 import os, socket, sys, threading, time
-from ccld_plugin.agent.tcp_probe import TcpProbe
-from ccld_plugin.agent.tcp_wait import classify_wait
+from ccld_plugin.probes.tcp_probe import TcpProbe
+from ccld_plugin.probes.tcp_wait import classify_wait
 probe = TcpProbe(sys.argv[3])
 c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)
 c.settimeout(0.2)

@@ -252,9 +252,9 @@ READ_LATER_S = 5.0  # the boards are read as if 5 s later: the stalled steps hav
 
 def ring_fault_view(build: Build, tmp_path: Path, fault: int, where: int):
     from ccld_plugin.agent.board_summary import in_flight_ops
-    from ccld_plugin.agent.nccl_channels import NcclChannels
     from ccld_plugin.board.reader import BoardReader
     from ccld_plugin.diagnose.view import JobView
+    from ccld_plugin.probes.nccl_channels import NcclChannels
     from ccld_plugin.topology import GroupInfo
     from ccld_plugin.wire.codes import STATE_IN_FLIGHT
     from ccld_plugin.wire.peer_channels import encode_channels
@@ -488,8 +488,8 @@ def test_cost_per_event_benchmark(
 def test_agent_entries_from_nccl_records() -> None:
     """NcclChannels: one entry per (peer, direction), bytes moved since the last tick,
     pending bytes from the completed steps' size, the oldest wait; idle ones left out."""
-    from ccld_plugin.agent.nccl_channels import NcclChannels
     from ccld_plugin.board.reader import CHANNEL_DTYPE
+    from ccld_plugin.probes.nccl_channels import NcclChannels
 
     def recs(*rows: dict) -> np.ndarray:
         a = np.zeros(len(rows), CHANNEL_DTYPE)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from ccld_plugin.agent import tcp_probe as transport
-from ccld_plugin.agent.tcp_peers import map_peers
-from ccld_plugin.agent.tcp_probe import TcpConn, TcpProbe
-from ccld_plugin.agent.tcp_wait import classify_wait
+from ccld_plugin.probes import tcp_probe as transport
+from ccld_plugin.probes.tcp_peers import map_peers
+from ccld_plugin.probes.tcp_probe import TcpConn, TcpProbe
+from ccld_plugin.probes.tcp_wait import classify_wait
 from ccld_plugin.wire import codes
 
 

@@ -7,10 +7,10 @@ import socket
 import time
 
 from ccld_plugin import _native
-from ccld_plugin.agent.tcp_channels import ChannelSampler
 from ccld_plugin.board.reader import BoardReader
 from ccld_plugin.control.deadline import StoreTimeout
 from ccld_plugin.diagnose.view import JobView
+from ccld_plugin.probes.tcp_channels import ChannelSampler
 from ccld_plugin.topology import GroupInfo, group_id_of
 from ccld_plugin.wire.peer_channels import (
     PeerChannel,

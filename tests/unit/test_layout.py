@@ -26,7 +26,9 @@ ALLOWED: dict[str, set[str]] = {
     # inside the training thread; the package root only for where the native plugin lies
     "tracing": {"", "_native", "errors", "topology", "wire"},
     "control": {"config", "wire", "topology", "errors"},
-    "agent": {"_native", "board", "control", "config", "wire", "topology", "errors"},
+    # the link probes beside the agent: TCP sockets and NCCL channels, per peer
+    "probes": {"_native", "errors", "wire"},
+    "agent": {"_native", "board", "control", "config", "probes", "wire", "topology", "errors"},
     "diagnose": {"config", "wire", "topology", "errors"},
     "sinks": {"config", "diagnose", "wire", "topology", "errors"},
     # the session starts the services: the only place that wires agent, control plane,
@@ -50,6 +52,7 @@ ALLOWED: dict[str, set[str]] = {
     "postmortem": {
         "agent",
         "board",
+        "probes",
         "config",
         "diagnose",
         "recording",
@@ -91,7 +94,7 @@ def _imports(path: Path, top_level_only: bool = False) -> set[str]:
 
 
 def _part(module: str) -> str:
-    """``ccld_plugin.agent.tcp_probe`` -> ``agent``; the package itself -> ``""``."""
+    """``ccld_plugin.probes.tcp_probe`` -> ``probes``; the package itself -> ``""``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
 

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from ccld_plugin.agent.tcp_channels import channel_fields
-from ccld_plugin.agent.tcp_peers import map_peers
-from ccld_plugin.agent.tcp_probe import TcpConn
-from ccld_plugin.agent.tcp_wait import classify_wait
+from ccld_plugin.probes.tcp_channels import channel_fields
+from ccld_plugin.probes.tcp_peers import map_peers
+from ccld_plugin.probes.tcp_probe import TcpConn
+from ccld_plugin.probes.tcp_wait import classify_wait
 from ccld_plugin.wire import codes
 
 

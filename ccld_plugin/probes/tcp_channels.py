@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ccld_plugin.agent.tcp_peers import map_peers
-from ccld_plugin.agent.tcp_probe import LIBRARY_GLOB, TcpConn, TcpProbe, find_library
-from ccld_plugin.agent.tcp_wait import classify_wait
 from ccld_plugin.errors import log, report_error
+from ccld_plugin.probes.tcp_peers import map_peers
+from ccld_plugin.probes.tcp_probe import LIBRARY_GLOB, TcpConn, TcpProbe, find_library
+from ccld_plugin.probes.tcp_wait import classify_wait
 from ccld_plugin.wire.codes import DIRECTION_RECV, DIRECTION_SEND, SOURCE_TCP, WAIT_CODES
 from ccld_plugin.wire.peer_channels import (
     MAX_ENTRIES,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable, Mapping
 
-from ccld_plugin.agent.tcp_probe import Endpoint, TcpConn
+from ccld_plugin.probes.tcp_probe import Endpoint, TcpConn
 
 __all__ = ["map_peers"]
 

@@ -5,7 +5,7 @@ not read), or nothing."""
 
 from __future__ import annotations
 
-from ccld_plugin.agent.tcp_probe import TcpConn
+from ccld_plugin.probes.tcp_probe import TcpConn
 from ccld_plugin.wire.codes import WAIT_LOCAL, WAIT_NETWORK, WAIT_NONE, WAIT_PEER
 
 __all__ = [
