@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 if TYPE_CHECKING:
-    from ccld_plugin.board.report import Inspection
+    from ccld_plugin.postmortem.inspect_boards import Inspection
 
 __all__ = ["main"]
 
@@ -166,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         if args.command == "inspect":
-            from ccld_plugin.board.report import inspect_all, print_status
+            from ccld_plugin.postmortem.inspect_boards import inspect_all, print_status
 
             found = inspect_all(args.path)
             if args.json:

@@ -34,12 +34,12 @@ from rich.console import Console
 from rich.markup import escape
 
 from ccld_plugin.board.reader import BoardError, BoardReader, board_files
-from ccld_plugin.board.report import collective_table, print_collectives
 from ccld_plugin.config import CcldConfig, load_config
 from ccld_plugin.errors import CONTAINED
 from ccld_plugin.harness.faults.spec import FaultSpec, parse_faults
 from ccld_plugin.harness.launch import LocalJob, free_port
 from ccld_plugin.harness.netjob import NetJob, available
+from ccld_plugin.postmortem.inspect_boards import collective_table, print_collectives
 from ccld_plugin.sinks.console import render_verdict
 from ccld_plugin.sinks.jsonl import read_verdicts
 

@@ -26,7 +26,7 @@ from ccld_plugin.board.reader import (
     BoardError,
     BoardReader,
 )
-from ccld_plugin.board.report import collective_table, inspect_all, rank_status
+from ccld_plugin.postmortem.inspect_boards import collective_table, inspect_all, rank_status
 from ccld_plugin.topology import group_id_of, role_index
 from ccld_plugin.wire.codes import FLAG_P2P, FLAG_SEND, OP_CODES, OP_NAMES, SOURCE_TCP
 

@@ -326,7 +326,7 @@ def test_ring_fault_verdict(
     ``ccld inspect`` shows the culprit's waiting channels."""
     from rich.console import Console
 
-    from ccld_plugin.board.report import inspect_boards, print_status
+    from ccld_plugin.postmortem.inspect_boards import inspect_boards, print_status
 
     view, group = ring_fault_view(build, tmp_path, fault, where)
     statuses = {st.rank: st for st in inspect_boards(tmp_path)}
