@@ -28,7 +28,7 @@ $(DEPS): pyproject.toml | $(VPY)
 # The package's module list: the editable install maps each module to its file, so a module
 # added, moved or removed needs a reinstall, as a changed C source does.
 $(PY_FILES): FORCE | $(VPY)
-	@find ccld_plugin -name '*.py' | sort > $@.new
+	@find ccld_plugin ccld_harness -name '*.py' | sort > $@.new
 	@cmp -s $@.new $@ || mv $@.new $@
 	@rm -f $@.new
 
@@ -54,7 +54,7 @@ native: $(NATIVE)
 jobs: $(NATIVE)
 	$(VPY) -m pytest -q tests/jobs
 
-LINTED := ccld_plugin tests benchmarks examples
+LINTED := ccld_plugin ccld_harness tests benchmarks examples
 
 # Lint, format and types.
 check: $(NATIVE)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ccld_plugin.harness.demo import DemoOptions, run_demo
+from ccld_harness.demo import DemoOptions, run_demo
 
 CASES = {
     "compute-hang": dict(

@@ -6,7 +6,7 @@ trigger file and each rank's dump thread writes ``<TORCH_FR_DUMP_TEMP_FILE><rank
 
 Two jobs:
 
-- ``workload ARGS...``: the demo's workload (``ccld_plugin.harness.workload``), its fault
+- ``workload ARGS...``: the demo's workload (``ccld_harness.workload``), its fault
   from ``CCLD_FAULTS`` (compute-hang, mismatch, kill);
 - ``pp-deadlock --step S --steps N --timeout-s T --ccld-set ...``: two pipeline pairs
   (0->1, 2->3) that send activations forward each step, and a DP all-reduce (0,2) and
@@ -106,7 +106,7 @@ def main(argv: list[str]) -> int:
     threading.Thread(target=_dump_on_trigger, args=(rank,), daemon=True).start()
     try:
         if argv[0] == "workload":
-            from ccld_plugin.harness import workload
+            from ccld_harness import workload
 
             return workload.main(argv[1:])
         p = argparse.ArgumentParser()

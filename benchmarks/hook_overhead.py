@@ -124,7 +124,7 @@ def main() -> int:
     if "RANK" in os.environ:
         rank_main(args)
         return 0
-    from ccld_plugin.harness.launch import LocalJob
+    from ccld_harness.launch import LocalJob
 
     with tempfile.TemporaryDirectory() as tmp:
         job = LocalJob(

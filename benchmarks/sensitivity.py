@@ -35,9 +35,9 @@ from pathlib import Path
 
 from rich.console import Console
 
+from ccld_harness.demo import DemoOptions, run_demo
+from ccld_harness.netjob import available
 from ccld_plugin.config import load_config
-from ccld_plugin.harness.demo import DemoOptions, run_demo
-from ccld_plugin.harness.netjob import available
 
 LAYOUTS = {
     "dp4": (4, 1, 1),

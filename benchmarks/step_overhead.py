@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ccld_plugin.harness.launch import LocalJob
+from ccld_harness.launch import LocalJob
 
 REPO = Path(__file__).resolve().parents[1]
 MEGATRON = REPO / "examples" / "megatron" / "pretrain_gpt.py"

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ccld_plugin.harness.demo import DEEPSPEED_EXAMPLE, DemoOptions, run_demo
-from ccld_plugin.harness.launch import LocalJob
+from ccld_harness.demo import DEEPSPEED_EXAMPLE, DemoOptions, run_demo
+from ccld_harness.launch import LocalJob
 
 FAULT = "compute-slow@1:factor=2,step=3"
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ccld_plugin.harness.launch import LocalJob
+from ccld_harness.launch import LocalJob
 from ccld_plugin.sinks.jsonl import read_verdicts
 
 RANK_SCRIPT = Path(__file__).with_name("fr_rank.py")

@@ -157,10 +157,10 @@ def _verdict_options(p: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console()
+    from ccld_harness.demo import DemoError
+    from ccld_harness.faults.spec import FaultSpecError
     from ccld_plugin.board.reader import BoardError
     from ccld_plugin.config import ConfigError
-    from ccld_plugin.harness.demo import DemoError
-    from ccld_plugin.harness.faults.spec import FaultSpecError
     from ccld_plugin.postmortem.boards import PostmortemError
     from ccld_plugin.sinks.wandb.run_file import RunFileError
 
@@ -175,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print_status(found.statuses, console)
             return _inspect_verdict(found)
         if args.command == "demo":
-            from ccld_plugin.harness.demo import DemoOptions, fit_layout, run_demo
+            from ccld_harness.demo import DemoOptions, fit_layout, run_demo
 
             tp, pp = fit_layout(args.world, args.tp, args.pp)
             return run_demo(

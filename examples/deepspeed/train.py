@@ -38,8 +38,8 @@ from deepspeed.accelerator import get_accelerator
 
 import ccld_plugin
 import ccld_plugin.deepspeed as ccld_ds
+from ccld_harness.faults.deepspeed import attach_faults
 from ccld_plugin import ConfigError
-from ccld_plugin.harness.faults.deepspeed import attach_faults
 
 HERE = Path(__file__).resolve().parent
 # DeepSpeed calls torch's all_gather_into_tensor, deprecated in torch 2.13: one notice per

@@ -1,7 +1,7 @@
 """Pretrain a tiny GPT with megatron-core: tensor, pipeline, data and expert parallelism.
 
 Runs under torchrun. On a machine without CUDA it uses gloo and the CPU compatibility
-layer (``ccld_plugin.harness.megatron_cpu``); with CUDA it uses nccl and the layer stays off.
+layer (``ccld_harness.megatron_cpu``); with CUDA it uses nccl and the layer stays off.
 
     torchrun --nproc-per-node 4 examples/megatron/pretrain_gpt.py \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --train-iters 5
@@ -55,9 +55,9 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 
+from ccld_harness.faults.megatron import attach_faults
 from ccld_plugin import ConfigError
 from ccld_plugin import megatron as ccld
-from ccld_plugin.harness.faults.megatron import attach_faults
 
 __all__ = ["main", "parse_args"]
 
@@ -170,7 +170,7 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
-        from ccld_plugin.harness import megatron_cpu
+        from ccld_harness import megatron_cpu
 
         megatron_cpu.activate()
     dist.init_process_group(

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Train the tiny GPT of pretrain_gpt.py on 4 ranks: TP2 x PP2, with the repo's .venv.
-# On a CPU-only machine the ranks use gloo and ccld_plugin.harness.megatron_cpu.
+# On a CPU-only machine the ranks use gloo and ccld_harness.megatron_cpu.
 #
 # 8 ranks, TP2 x PP2 x DP2, with the distributed optimizer:
 #   NPROC=8 examples/megatron/run.sh --use-distributed-optimizer

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ccld_plugin.harness.demo import DemoOptions, run_demo
-from ccld_plugin.harness.faults import netns
-from ccld_plugin.harness.launch import LocalJob
+from ccld_harness.demo import DemoOptions, run_demo
+from ccld_harness.faults import netns
+from ccld_harness.launch import LocalJob
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -70,7 +70,11 @@ def run_job(
     env: dict[str, str] | None = None,
     timeout_s: float = 120.0,
 ) -> JobResult:
-    target = ["-m", script] if script.startswith("ccld_plugin.") else [str(SCRIPTS / script)]
+    target = (
+        ["-m", script]
+        if script.startswith(("ccld_plugin.", "ccld_harness."))
+        else [str(SCRIPTS / script)]
+    )
     job = LocalJob(world=world, argv=[*target, *args], log_dir=out / "logs", env=env or {})
     job.start()
     finished = job.wait(timeout_s)

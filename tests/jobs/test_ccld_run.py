@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from job_runner import FAST, SCRIPTS, facts
 
+from ccld_harness.launch import free_port
 from ccld_plugin.board.reader import BoardReader, board_files
 from ccld_plugin.cli import main
-from ccld_plugin.harness.launch import free_port
 from ccld_plugin.sinks.jsonl import read_verdicts
 from ccld_plugin.wire.codes import OP_NAMES
 

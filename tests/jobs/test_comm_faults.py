@@ -1,5 +1,5 @@
 """Communication faults on real jobs in a closed network: every rank in its own network
-namespace (ccld_plugin.harness.netjob), the fault applied on the rank's link from outside.
+namespace (ccld_harness.netjob), the fault applied on the rank's link from outside.
 
 Each test runs the demo's launcher on the built-in workload and asserts the verdict's
 kind, cause, ranks, group role and link. Thresholds are short so that the file stays

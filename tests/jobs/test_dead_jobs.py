@@ -14,8 +14,8 @@ import pytest
 from job_runner import FAST_UNRESPONSIVE, demo, only
 from trace_rules import check_trace
 
+from ccld_harness.launch import LocalJob
 from ccld_plugin.cli import main
-from ccld_plugin.harness.launch import LocalJob
 from ccld_plugin.sinks.jsonl import read_verdicts
 
 KEEP = (*FAST_UNRESPONSIVE, "board.cleanup=false")
@@ -84,7 +84,7 @@ def test_crash_on_the_diagnoser_rank(tmp_path):
 def test_rank_killed_first(tmp_path):
     out = tmp_path / "out"
     sets = [*KEEP, f"board.dir={out}", "job=b"]
-    argv = ["-m", "ccld_plugin.harness.workload", "--steps", "400"]
+    argv = ["-m", "ccld_harness.workload", "--steps", "400"]
     job = LocalJob(4, [*argv, *sum((["--ccld-set", s] for s in sets), [])], out / "logs")
     job.start()
     try:
@@ -113,7 +113,7 @@ def test_job_ended_by_its_collective_timeouts(tmp_path, fault, kind, cause):
     moment the first collective raised."""
     out = tmp_path / "out"
     sets = [*KEEP, f"board.dir={out}", "job=t"]
-    argv = ["-m", "ccld_plugin.harness.workload", "--steps", "40", "--timeout-s", "8"]
+    argv = ["-m", "ccld_harness.workload", "--steps", "40", "--timeout-s", "8"]
     env = {"CCLD_FAULTS": fault, "OMP_NUM_THREADS": "1"}
     job = LocalJob(4, [*argv, *sum((["--ccld-set", s] for s in sets), [])], out / "logs", env)
     job.start()

@@ -9,7 +9,7 @@ import time
 
 from job_runner import run_job
 
-from ccld_plugin.harness.launch import LocalJob
+from ccld_harness.launch import LocalJob
 
 
 def _inspect(path) -> list[dict]:
@@ -29,7 +29,7 @@ def test_inspect_live_hung_and_killed_ranks(tmp_path):
         world=2,
         argv=[
             "-m",
-            "ccld_plugin.harness.workload",
+            "ccld_harness.workload",
             "--steps",
             "50",
             "--ccld-set",
@@ -75,7 +75,7 @@ def test_inspect_live_hung_and_killed_ranks(tmp_path):
 def test_inspect_boards_left_by_a_finished_job_with_cleanup_off(tmp_path):
     boards = tmp_path / "boards"
     run_job(
-        "ccld_plugin.harness.workload",
+        "ccld_harness.workload",
         2,
         tmp_path,
         args=(

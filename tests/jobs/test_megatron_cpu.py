@@ -21,7 +21,7 @@ import sys
 import pytest
 from paths import REPO
 
-from ccld_plugin.harness.launch import free_port
+from ccld_harness.launch import free_port
 
 pytest.importorskip("megatron.core")
 
@@ -159,7 +159,7 @@ def test_compat_layer_activation() -> None:
     # In a subprocess: activate() patches torch for the whole process.
     code = """
 import megatron.core, torch
-from ccld_plugin.harness import megatron_cpu as m
+from ccld_harness import megatron_cpu as m
 real = torch.cuda.is_available
 torch.cuda.is_available = lambda: True
 assert m.activate() is False and not m.is_active(), "must stay off where CUDA exists"

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from ccld_plugin.harness.faults import netns
-from ccld_plugin.harness.faults.netns import PREFIX, ClosedNetwork
+from ccld_harness.faults import netns
+from ccld_harness.faults.netns import PREFIX, ClosedNetwork
 
 NETNS_PY = Path(netns.__file__).resolve()
 PORT = 5001

@@ -28,7 +28,7 @@ def test_boards_and_verdicts_are_private_and_inspectable(tmp_path):
     ]
     try:
         run_job(
-            "ccld_plugin.harness.workload",
+            "ccld_harness.workload",
             2,
             tmp_path,
             args=("--steps", "3", *sum((["--ccld-set", s] for s in sets), [])),

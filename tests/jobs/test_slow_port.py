@@ -1,7 +1,7 @@
 """A slow port names its rank; a slow connection names its link (issue 14 item 5).
 
 Real 4-rank TP2xPP2 and TP1xPP4 jobs on the built-in torch workload, every rank in its own
-network namespace (ccld_plugin.harness.netjob). In TP2xPP2 rank 3 has links in two groups:
+network namespace (ccld_harness.netjob). In TP2xPP2 rank 3 has links in two groups:
 its TP peer 2 and its PP peer 1; TP1xPP4 is one pipeline, whose links have no siblings.
 A pipeline connection's evidence is its messages' transfers (both ends paired).
 ``comm-slow@R`` shapes R's whole link (every connection of R: a slow NIC or switch port);
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from job_runner import NO_SHORT_HANGS, facts, netns_demo, only, shown_links
 
-from ccld_plugin.harness.faults import netns, parse_fault
+from ccld_harness.faults import netns, parse_fault
 
 TP2PP2_GROUP_OF = {  # the layout's groups: which one a link of two ranks belongs to
     frozenset({0, 1}): "tp",

@@ -89,13 +89,13 @@ def test_references_captured_before_install_are_traced_and_restored(tmp_path):
 def test_traced_training_is_bit_identical_to_untraced(tmp_path):
     args = ("--tp", "2", "--pp", "2", "--steps", "3")
     run_job(
-        "ccld_plugin.harness.workload",
+        "ccld_harness.workload",
         4,
         tmp_path / "plain",
         args=(*args, "--no-ccld", "--report-dir", str(tmp_path / "plain" / "r")),
     ).check()
     run_job(
-        "ccld_plugin.harness.workload",
+        "ccld_harness.workload",
         4,
         tmp_path / "traced",
         args=(

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ccld_plugin.harness.faults import FaultSpecError, parse_fault, parse_faults
+from ccld_harness.faults import FaultSpecError, parse_fault, parse_faults
 
 
 def test_specs_parse_with_defaults():

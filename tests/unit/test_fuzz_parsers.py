@@ -16,8 +16,8 @@ from builders import peer_channel, rank_summary
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from ccld_harness.faults.spec import FAULT_KINDS, FaultSpec, FaultSpecError, parse_fault
 from ccld_plugin.config import CcldConfig, ConfigError, load_config
-from ccld_plugin.harness.faults.spec import FAULT_KINDS, FaultSpec, FaultSpecError, parse_fault
 from ccld_plugin.wire.codes import OP_NAMES, WAIT_NAMES
 from ccld_plugin.wire.peer_channels import (
     MAX_ENTRIES,

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from builders import rank_summary
 
+from ccld_harness.launch import free_port
 from ccld_plugin.agent.board_summary import as_board_stands
 from ccld_plugin.agent.node_board import (
     EXITED,
@@ -30,7 +31,6 @@ from ccld_plugin.agent.node_share import NodeShare
 from ccld_plugin.board.process import PF_EXITING, process_alive, running
 from ccld_plugin.config import CcldConfig, ControlConfig
 from ccld_plugin.control import ControlPlane
-from ccld_plugin.harness.launch import free_port
 from ccld_plugin.services.diagnoser import DiagnoserService
 from ccld_plugin.wire.codes import OP_NAMES, STATE_IN_FLIGHT
 from ccld_plugin.wire.node_summary import (

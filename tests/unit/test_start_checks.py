@@ -16,11 +16,11 @@ import pytest
 from builders import rank_summary
 
 import ccld_plugin
+from ccld_harness.demo import DemoOptions, Outcome, fit_layout, logged_errors, why_failed
+from ccld_harness.faults.spec import parse_fault
 from ccld_plugin.config import CcldConfig, ConfigError, SinksConfig, load_config
 from ccld_plugin.errors import log as ccld_log
 from ccld_plugin.errors import report_error
-from ccld_plugin.harness.demo import DemoOptions, Outcome, fit_layout, logged_errors, why_failed
-from ccld_plugin.harness.faults.spec import parse_fault
 from ccld_plugin.services import session
 from ccld_plugin.services.diagnoser import DiagnoserService
 from ccld_plugin.sinks import ConsoleSink, build_sinks

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ccld_plugin.harness.workload import Layout, layout_groups
+from ccld_harness.workload import Layout, layout_groups
 from ccld_plugin.topology import GroupInfo, Topology, group_id_of, role_index
 
 

@@ -1,6 +1,6 @@
 """Compute-fault injection in a Megatron job (tests, benchmarks and the demo; DESIGN 2.9).
 
-``attach_faults()`` returns the rank's :class:`~ccld_plugin.harness.faults.Injector`
+``attach_faults()`` returns the rank's :class:`~ccld_harness.faults.Injector`
 (faults from ``CCLD_FAULTS``), bound to Megatron's DP and TP groups, or None when no
 compute fault targets this rank. The training loop calls
 ``injector.before_step(iteration)`` at each iteration start: a compute-hang blocks there,
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ccld_plugin.harness.faults import Injector, injector_for
+from ccld_harness.faults import Injector, injector_for
 
 __all__ = ["attach_faults"]
 

@@ -33,12 +33,12 @@ from types import FrameType
 from rich.console import Console
 from rich.markup import escape
 
+from ccld_harness.faults.spec import FaultSpec, parse_faults
+from ccld_harness.launch import LocalJob, free_port
+from ccld_harness.netjob import NetJob, available
 from ccld_plugin.board.reader import BoardError, BoardReader, board_files
 from ccld_plugin.config import CcldConfig, load_config
 from ccld_plugin.errors import CONTAINED
-from ccld_plugin.harness.faults.spec import FaultSpec, parse_faults
-from ccld_plugin.harness.launch import LocalJob, free_port
-from ccld_plugin.harness.netjob import NetJob, available
 from ccld_plugin.postmortem.inspect_boards import collective_table, print_collectives
 from ccld_plugin.sinks.console import render_verdict
 from ccld_plugin.sinks.jsonl import read_verdicts
@@ -434,9 +434,9 @@ EXAMPLE_SCRIPTS = {"megatron": "megatron/pretrain_gpt.py", "deepspeed": "deepspe
 
 
 def example_script(framework: str) -> Path:
-    """A framework's example training script: shipped in the wheel (``ccld_plugin/examples``,
+    """A framework's example training script: shipped in the wheel (``ccld_harness/examples``,
     installed by CMakeLists.txt) or, in a source checkout, ``examples/``."""
-    package = Path(__file__).resolve().parents[1]
+    package = Path(__file__).resolve().parent
     rel = EXAMPLE_SCRIPTS[framework]
     for root in (package / "examples", package.parent / "examples"):
         if (root / rel).is_file():
@@ -459,7 +459,7 @@ def _framework_argv(opts: DemoOptions) -> list[str]:
     if opts.framework == "torch":
         return [
             "-m",
-            "ccld_plugin.harness.workload",
+            "ccld_harness.workload",
             "--tp",
             str(opts.tp),
             "--pp",

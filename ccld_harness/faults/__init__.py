@@ -5,7 +5,7 @@ faults inside a rank; ``netns`` builds the closed-box network that communication
 act on.
 """
 
-from ccld_plugin.harness.faults.inject import Injector, injector_for
-from ccld_plugin.harness.faults.spec import FaultSpec, FaultSpecError, parse_fault, parse_faults
+from ccld_harness.faults.inject import Injector, injector_for
+from ccld_harness.faults.spec import FaultSpec, FaultSpecError, parse_fault, parse_faults
 
 __all__ = ["FaultSpec", "FaultSpecError", "Injector", "injector_for", "parse_fault", "parse_faults"]

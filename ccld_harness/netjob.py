@@ -1,7 +1,7 @@
 """A local job as a real multi-host job: every rank in its own network namespace.
 
-:class:`NetJob` wraps a :class:`~ccld_plugin.harness.launch.LocalJob` and runs it inside a
-:class:`~ccld_plugin.harness.faults.netns.ClosedNetwork`: rank r in its namespace with its own
+:class:`NetJob` wraps a :class:`~ccld_harness.launch.LocalJob` and runs it inside a
+:class:`~ccld_harness.faults.netns.ClosedNetwork`: rank r in its namespace with its own
 address, MASTER_ADDR = rank 0's address, gloo on the rank's ``eth0``. Communication
 faults are applied from outside, on the rank's link, when the rank reaches the fault's
 step: ``comm-slow`` shapes it (``tc`` tbf), ``comm-hang`` cuts it. ``comm-slow`` with a
@@ -11,7 +11,7 @@ rest of the rank's link is left alone.
 
 The launcher talks to the job only through files: it watches the steps on the rank
 boards and appends each fault's onset to the fault log (the format of
-``ccld_plugin.harness.faults.inject``), with ``onset_s`` on the diagnoser's clock. The launcher
+``ccld_harness.faults.inject``), with ``onset_s`` on the diagnoser's clock. The launcher
 runs on the same host, so CLOCK_MONOTONIC is shared; the diagnoser's job start is taken
 from the diagnoser rank's board header (``start_mono_ns``), which the rank writes a few
 milliseconds before its session's ``started_ns`` (the verdicts' time base).
@@ -30,12 +30,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
+from ccld_harness.faults import netns
+from ccld_harness.faults.netns import RANK_IFNAME, ClosedNetwork, NetnsError, available
+from ccld_harness.faults.spec import FaultSpec
+from ccld_harness.launch import LocalJob
 from ccld_plugin.board.job_files import board_file
 from ccld_plugin.board.reader import BoardError, BoardReader
-from ccld_plugin.harness.faults import netns
-from ccld_plugin.harness.faults.netns import RANK_IFNAME, ClosedNetwork, NetnsError, available
-from ccld_plugin.harness.faults.spec import FaultSpec
-from ccld_plugin.harness.launch import LocalJob
 
 __all__ = ["NetJob", "NetnsError", "available"]
 

@@ -12,7 +12,7 @@ the workload of the demo and the tests. The model is a stack of MLP blocks:
 
 Groups are laid out like Megatron's (TP fastest, then DP, then PP) and registered with
 their roles. Run one process per rank with the usual env (RANK, WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT): ``python -m ccld_plugin.harness.workload --tp 2 --pp 2 --steps 20``.
+MASTER_PORT): ``python -m ccld_harness.workload --tp 2 --pp 2 --steps 20``.
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hidden=args.hidden,
         micro_batches=args.micro_batches,
     )
-    from ccld_plugin.harness.faults import injector_for
+    from ccld_harness.faults import injector_for
 
     report = train(cfg, injector_for(dist.get_rank(), world=dist.get_world_size()), args.timeout_s)
     if args.report_dir is not None:

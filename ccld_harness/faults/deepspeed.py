@@ -1,6 +1,6 @@
 """Compute-fault injection in a DeepSpeed job (tests, benchmarks and the demo; DESIGN 2.9).
 
-``attach_faults(engine, hooks)`` gives the rank's :class:`~ccld_plugin.harness.faults.Injector`
+``attach_faults(engine, hooks)`` gives the rank's :class:`~ccld_harness.faults.Injector`
 (faults from ``CCLD_FAULTS``) the engine's groups and its step starts, or returns None when
 no compute fault targets this rank. With the plugin on, ``hooks`` are the integration's
 :class:`~ccld_plugin.integrations.deepspeed.EngineHooks`, and a compute-slow fault stretches
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ccld_harness.faults.inject import Injector, injector_for
 from ccld_plugin.errors import report_error
-from ccld_plugin.harness.faults.inject import Injector, injector_for
 from ccld_plugin.integrations.deepspeed import EngineHooks, deepspeed_groups
 from ccld_plugin.tracing.cpu_wait import ThreadCpuWait
 

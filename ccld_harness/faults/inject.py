@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ccld_plugin.harness.faults.spec import FaultSpec, parse_faults
+from ccld_harness.faults.spec import FaultSpec, parse_faults
 
 __all__ = ["InjectedCrash", "Injector", "injector_for"]
 
