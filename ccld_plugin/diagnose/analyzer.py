@@ -15,20 +15,20 @@ from collections.abc import Iterable
 import numpy as np
 
 from ccld_plugin.config import DiagnoserConfig
-from ccld_plugin.diagnose import tcp_evidence as chan
-from ccld_plugin.diagnose.crash import find_crashes
-from ccld_plugin.diagnose.hang import ChannelEvidence, find_hangs, find_unresponsive, resumed
-from ccld_plugin.diagnose.isolation import (
+from ccld_plugin.diagnose.links import tcp_evidence as chan
+from ccld_plugin.diagnose.links.nccl_evidence import nccl_evidence
+from ccld_plugin.diagnose.links.tcp_evidence import Located, channel_evidence
+from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
+from ccld_plugin.diagnose.slow import SlowDetector
+from ccld_plugin.diagnose.stalls.crash import find_crashes
+from ccld_plugin.diagnose.stalls.hang import ChannelEvidence, find_hangs, find_unresponsive, resumed
+from ccld_plugin.diagnose.stalls.isolation import (
     Isolation,
     cut_off_behind_store,
     isolation_hang,
     observer_isolated,
 )
-from ccld_plugin.diagnose.mismatch import find_left_early, find_mismatches
-from ccld_plugin.diagnose.nccl_evidence import nccl_evidence
-from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
-from ccld_plugin.diagnose.slow import SlowDetector
-from ccld_plugin.diagnose.tcp_evidence import Located, channel_evidence
+from ccld_plugin.diagnose.stalls.mismatch import find_left_early, find_mismatches
 from ccld_plugin.diagnose.view import GroupIndex, JobView
 from ccld_plugin.topology import GroupInfo, trace_id
 from ccld_plugin.wire.codes import STATE_IN_FLIGHT

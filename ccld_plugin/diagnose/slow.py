@@ -24,11 +24,11 @@ import numpy as np
 
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose.arrivals import ArrivalJoin, JoinedTable, RankJoined
-from ccld_plugin.diagnose.compute_excess import Excess, compute_excess
-from ccld_plugin.diagnose.pipeline_links import PipelineLinks
+from ccld_plugin.diagnose.compute.compute_excess import Excess, compute_excess
+from ccld_plugin.diagnose.links.pipeline_links import PipelineLinks
+from ccld_plugin.diagnose.links.slow_links import ChannelHistory, LinkFinding
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.robust import RankedValues, RecentFloor
-from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkFinding
 from ccld_plugin.diagnose.step_table import StepTable, StepWindow
 from ccld_plugin.diagnose.view import GroupIndex, JobView
 from ccld_plugin.errors import log

@@ -17,7 +17,7 @@ from ccld_plugin.board.process import process_alive
 from ccld_plugin.config import CcldConfig, load_config
 from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
 from ccld_plugin.diagnose.analyzer import located_by_channels
-from ccld_plugin.diagnose.crash import peer_failure
+from ccld_plugin.diagnose.stalls.crash import peer_failure
 from ccld_plugin.postmortem.boards import JobBoards, RankBoard
 from ccld_plugin.probes.nccl_channels import NcclChannels
 from ccld_plugin.wire.codes import STATE_DONE
@@ -103,7 +103,7 @@ def _implicated(ranks: dict[int, RankBoard], raised: set[int]) -> set[int]:
 def _raised_on_its_own(b: RankBoard) -> bool:
     """Whether the rank left on the exception its op raised, and not for a peer's failure
     or a timeout (a collective called with bad arguments): the job failed there, and is
-    judged as it ended, with that rank's crash (diagnose.crash)."""
+    judged as it ended, with that rank's crash (diagnose.stalls.crash)."""
     return bool(b.crash) and not peer_failure(b.crash[-1])
 
 

@@ -7,7 +7,7 @@ persistent totals record per (communicator, peer, direction) with the bytes and 
 steps spent in each wait (``csrc/nccl_links.c``). Every agent tick
 :meth:`NcclChannels.sample` folds the records of one peer and direction into one summary
 entry of source "nccl" (``peer_channels.PeerChannel``): ``diagnose.nccl_waits`` reads
-the wait states when a collective hangs, ``diagnose.slow_links`` the wait times per byte
+the wait states when a collective hangs, ``diagnose.links.slow_links`` the wait times per byte
 over a window. Records of kernel channels (no peer) are left out: they say a kernel runs,
 not what it waits for.
 """

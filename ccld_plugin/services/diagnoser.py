@@ -26,7 +26,7 @@ from ccld_plugin.control import ControlPlane, owner_record, request_timeout_s, r
 from ccld_plugin.control.reach import ReachProbe
 from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
 from ccld_plugin.diagnose.analyzer import located_by_channels
-from ccld_plugin.diagnose.tcp_evidence import SILENT_INTERVALS
+from ccld_plugin.diagnose.links.tcp_evidence import SILENT_INTERVALS
 from ccld_plugin.diagnose.view import topology_of
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.recording import RecordedRound, RoundRecorder

@@ -293,7 +293,7 @@ def ring_fault_view(build: Build, tmp_path: Path, fault: int, where: int):
 
 def hang_verdicts(view):
     from ccld_plugin.diagnose.analyzer import located_by_channels
-    from ccld_plugin.diagnose.hang import find_hangs
+    from ccld_plugin.diagnose.stalls.hang import find_hangs
 
     return find_hangs(view, lambda gid: 3.0, 1.0, located_by_channels)
 
@@ -349,7 +349,7 @@ def test_ring_fault_verdict(
 
 
 def test_ring_without_fault_has_no_stalled_channels(build: Build, tmp_path: Path) -> None:
-    from ccld_plugin.diagnose.nccl_evidence import nccl_stalls
+    from ccld_plugin.diagnose.links.nccl_evidence import nccl_stalls
 
     view, group = ring_fault_view(build, tmp_path, FAULT_NONE, 0)
     assert nccl_stalls(view, group.ranks) == {}

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from builders import S, facts, group, job_view, peer_channel, rank_summary
 
-from ccld_plugin.diagnose.hang import find_unresponsive
+from ccld_plugin.diagnose.links.slow_links import ChannelHistory, LinkJudgement
+from ccld_plugin.diagnose.links.tcp_evidence import channel_evidence, cut_off_rank, toward_evidence
 from ccld_plugin.diagnose.records import Cause, Kind
-from ccld_plugin.diagnose.slow_links import ChannelHistory, LinkJudgement
-from ccld_plugin.diagnose.tcp_evidence import channel_evidence, cut_off_rank, toward_evidence
+from ccld_plugin.diagnose.stalls.hang import find_unresponsive
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.postmortem.replay import replay
 from ccld_plugin.topology import GroupInfo
@@ -700,8 +700,8 @@ def test_a_link_verdict_waits_a_window_in_which_a_port_can_show() -> None:
     # A link is confirmed one window later than a rank; a window in between that finds
     # one end's port slow names that rank, with the count of the link's windows.
     from ccld_plugin.config import DiagnoserConfig
+    from ccld_plugin.diagnose.links.slow_links import LinkFinding
     from ccld_plugin.diagnose.slow import SlowDetector
-    from ccld_plugin.diagnose.slow_links import LinkFinding
 
     cfg = DiagnoserConfig()
     link = LinkFinding([2, 3], [2, 3], TP2PP2[2], 30.0, [])
@@ -776,7 +776,7 @@ def test_too_few_intervals_are_judged_with_the_next_window() -> None:
 
 def test_reports_are_kept_for_a_bounded_time_while_no_window_closes() -> None:
     # Steps that do not advance close no window: the history must not grow with the job.
-    from ccld_plugin.diagnose.slow_links import KEEP_S
+    from ccld_plugin.diagnose.links.slow_links import KEEP_S
 
     h = ChannelHistory()
     ticks = int(3 * KEEP_S / INTERVAL)
@@ -796,8 +796,13 @@ def test_sibling_medians_match_the_direct_computation() -> None:
 
     import numpy as np
 
-    from ccld_plugin.diagnose.link_stats import LinkStats, LinkTable, sibling_medians, spm_floors
-    from ccld_plugin.diagnose.slow_links import _SiblingMedians
+    from ccld_plugin.diagnose.links.link_stats import (
+        LinkStats,
+        LinkTable,
+        sibling_medians,
+        spm_floors,
+    )
+    from ccld_plugin.diagnose.links.slow_links import _SiblingMedians
 
     rng = random.Random(7)
     for n_ranks in (3, 4, 5, 8, 16, 40):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from builders import S, rank_summary
 
-from ccld_plugin.diagnose.compute_excess import _median_without_each, compute_excess
+from ccld_plugin.diagnose.compute.compute_excess import _median_without_each, compute_excess
 from ccld_plugin.diagnose.step_table import StepTable
 from ccld_plugin.wire.summary import StepStat
 

@@ -9,9 +9,9 @@ from builders import NOW, S, facts, group, job_view, rank_summary
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose import Diagnoser
 from ccld_plugin.diagnose.arrivals import Joined, JoinedTable
-from ccld_plugin.diagnose.crash import find_crashes
-from ccld_plugin.diagnose.hang import LAST_WORDS_TICKS, find_hangs, find_unresponsive
-from ccld_plugin.diagnose.mismatch import find_left_early, find_mismatches
+from ccld_plugin.diagnose.stalls.crash import find_crashes
+from ccld_plugin.diagnose.stalls.hang import LAST_WORDS_TICKS, find_hangs, find_unresponsive
+from ccld_plugin.diagnose.stalls.mismatch import find_left_early, find_mismatches
 from ccld_plugin.services.session import crash_record
 from ccld_plugin.wire.codes import FLAG_ASYNC, FLAG_P2P, FLAG_SEND, OP_CODES
 from ccld_plugin.wire.summary import (

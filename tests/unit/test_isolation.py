@@ -7,7 +7,7 @@ from builders import NOW, S, facts, group, job_view, peer_channel, rank_summary
 
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose import Diagnoser
-from ccld_plugin.diagnose.isolation import observer_isolated
+from ccld_plugin.diagnose.stalls.isolation import observer_isolated
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.wire.codes import OP_CODES
 from ccld_plugin.wire.peer_channels import encode_channels

@@ -11,7 +11,7 @@ from builders import NOW, S, group, job_view, peer_channel, rank_summary
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose import Diagnoser
 from ccld_plugin.diagnose.analyzer import located_by_channels
-from ccld_plugin.diagnose.nccl_evidence import nccl_evidence
+from ccld_plugin.diagnose.links.nccl_evidence import nccl_evidence
 from ccld_plugin.diagnose.records import Cause
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.topology import GroupInfo

@@ -1,4 +1,4 @@
-"""Point-to-point samples on the wire, paired end to end (diagnose/p2p_transfers.py), and
+"""Point-to-point samples on the wire, paired end to end (diagnose/links/p2p_transfers.py), and
 the slow port or link their transfers show."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from builders import MS, group, job_view, rank_summary
 
-from ccld_plugin.diagnose.p2p_transfers import (
+from ccld_plugin.diagnose.links.p2p_transfers import (
     PAIRED_MAX_RANKS,
     PENDING_TTL_NS,
     LoneConnection,

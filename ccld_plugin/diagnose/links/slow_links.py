@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ccld_plugin.diagnose.link_stats import (
+from ccld_plugin.diagnose.links.link_stats import (
     SLOW_MIN_TICKS,
     LinkHistory,
     LinkStats,
@@ -29,9 +29,9 @@ from ccld_plugin.diagnose.link_stats import (
     spm_floors,
     tcp_links,
 )
+from ccld_plugin.diagnose.links.tcp_evidence import common_culprit
 from ccld_plugin.diagnose.records import Evidence
 from ccld_plugin.diagnose.robust import RankedValues
-from ccld_plugin.diagnose.tcp_evidence import common_culprit
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.topology import GroupInfo, Topology
 from ccld_plugin.wire.peer_channels import ChannelRows

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ccld_plugin.diagnose.p2p_transfers import (
+from ccld_plugin.diagnose.links.p2p_transfers import (
     LoneConnection,
     P2PJoin,
     Transfers,
@@ -24,7 +24,7 @@ from ccld_plugin.diagnose.p2p_transfers import (
     p2p_cleared,
     slow_p2p_port,
 )
-from ccld_plugin.diagnose.slow_links import (
+from ccld_plugin.diagnose.links.slow_links import (
     ChannelHistory,
     LinkFinding,
     LinkJudgement,

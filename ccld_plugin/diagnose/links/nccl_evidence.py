@@ -28,8 +28,8 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 
+from ccld_plugin.diagnose.links.tcp_evidence import STALL_S, Located, is_silent, report_of
 from ccld_plugin.diagnose.records import Cause, Evidence
-from ccld_plugin.diagnose.tcp_evidence import STALL_S, Located, is_silent, report_of
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.topology import GroupInfo
 from ccld_plugin.wire.peer_channels import PeerChannel

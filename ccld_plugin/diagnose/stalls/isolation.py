@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ccld_plugin.diagnose import tcp_evidence as chan
+from ccld_plugin.diagnose.links import tcp_evidence as chan
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
 from ccld_plugin.diagnose.view import JobView
 

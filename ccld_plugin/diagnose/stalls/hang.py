@@ -16,9 +16,9 @@ from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import replace
 
-from ccld_plugin.diagnose import tcp_evidence as chan
-from ccld_plugin.diagnose.mismatch import entered_op, no_majority
+from ccld_plugin.diagnose.links import tcp_evidence as chan
 from ccld_plugin.diagnose.records import Cause, Evidence, Kind, Verdict
+from ccld_plugin.diagnose.stalls.mismatch import entered_op, no_majority
 from ccld_plugin.diagnose.view import Blocked, JobView, verdict_at
 from ccld_plugin.topology import GroupInfo
 from ccld_plugin.wire.codes import OP_NAMES

@@ -13,7 +13,7 @@ This module is pure (no torch, no native code). It answers,
 for a hang (:func:`channel_evidence`, :func:`cut_off_rank`), which connections are
 stalled and which rank (or link) is common to them: a sender whose bytes are not even
 acknowledged waits on the network, one whose peer's receive window stays closed waits for
-a receiver that does not read. Slow links over a window are ``diagnose.slow_links``'.
+a receiver that does not read. Slow links over a window are ``diagnose.links.slow_links``'.
 """
 
 from __future__ import annotations
@@ -280,7 +280,7 @@ def speaking(view: JobView, besides: set[int], interval_s: float) -> bool:
 def _unreachable(view: JobView, rank: int, interval: float) -> Located | None:
     """``rank`` cut off, by the observer's handshake to its host (``control.reach``): no
     answer, while the store answers the observer and other ranks report (else the
-    observer's own link is as likely down: ``diagnose.isolation``); in a job of two, the
+    observer's own link is as likely down: ``diagnose.stalls.isolation``); in a job of two, the
     link between them."""
     if view.reach.get(rank) is not False or view.store_failed is not None:
         return None
@@ -289,7 +289,7 @@ def _unreachable(view: JobView, rank: int, interval: float) -> Located | None:
     s = view.summaries[rank]
     obs = view.observer
     # No rank but the diagnoser's heard from: where others are silent too, its own
-    # isolation (diagnose.isolation); where the job is two ranks (the others left), nobody
+    # isolation (diagnose.stalls.isolation); where the job is two ranks (the others left), nobody
     # is there to tell whose link it is, and both ends are named.
     alone = heard < 1
     if alone and (

@@ -26,9 +26,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ccld_plugin.diagnose.links.slow_links import LinkFinding
 from ccld_plugin.diagnose.records import Evidence
 from ccld_plugin.diagnose.robust import RecentFloor
-from ccld_plugin.diagnose.slow_links import LinkFinding
 from ccld_plugin.diagnose.view import GroupIndex, JobView
 from ccld_plugin.topology import GroupInfo
 from ccld_plugin.wire.summary_batch import SummaryTable

@@ -1,0 +1,1 @@
+"""Compute: ranks that compute slower than their cohort, step by step (``compute_excess``)."""

@@ -1,0 +1,4 @@
+"""Links: what the ranks' connections say. Where a hang's TCP or NCCL channels put it
+(``tcp_evidence``, ``nccl_evidence``); slow links and ports over windows of channel reports
+(``link_stats``, ``slow_links``); pipelines' messages paired end to end (``p2p_transfers``)
+and judged beside the channels (``pipeline_links``)."""
