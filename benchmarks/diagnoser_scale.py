@@ -15,7 +15,7 @@ one node key (``wire.node_summary``), as the product does. Per round it times, s
   the merge with the last round's values and the check for news, as the diagnoser
   service does;
 - view: the JobView (topology of every rank's group table);
-- analyze: Diagnoser.round (hang, mismatch, unresponsive, slow windows).
+- analyze: Analyzer.round (hang, mismatch, unresponsive, slow windows).
 
 The ranks' steps advance one per round from a step in steady state (each summary carries
 the steps of its last STEP_TICKS ticks, as an agent's do), so slow-detector windows close
@@ -44,7 +44,7 @@ from ccld_plugin.agent.board_summary import samples_per_group
 from ccld_plugin.agent.recent_steps import STEP_TICKS, STEPS_KEPT
 from ccld_plugin.config import ControlConfig, DiagnoserConfig
 from ccld_plugin.control import ControlPlane
-from ccld_plugin.diagnose import Diagnoser, JobView
+from ccld_plugin.diagnose import Analyzer, JobView
 from ccld_plugin.diagnose.view import topology_of
 from ccld_plugin.services.diagnoser import gc_paused
 from ccld_plugin.topology import GroupInfo, group_id_of
@@ -69,7 +69,7 @@ JOB = "bench"
 
 def layout(world: int) -> dict[int, list[GroupInfo]]:
     """Every rank's group table: world, tp, pp, dp (Megatron order: tp fastest). A group is
-    one object in every member's table, as the diagnoser service keeps them."""
+    one object in every member's table, as the diagnoser keeps them."""
     dp = world // (TP * PP)
     world_g = GroupInfo(group_id_of(range(world)), "world", tuple(range(world)))
     known: dict[tuple[str, tuple[int, ...]], GroupInfo] = {}
@@ -169,7 +169,7 @@ def bench(
     plane = ControlPlane.client(ControlConfig(), "127.0.0.1", port, JOB, world)
     tables = layout(world)
     topology = topology_of(tables)
-    diag = Diagnoser(DiagnoserConfig(), interval_s=1.0)
+    diag = Analyzer(DiagnoserConfig(), interval_s=1.0)
     times: dict[str, list[float]] = {k: [] for k in ("read", "decode", "view", "analyze")}
     size = 0
     last = PackedSummaries.of({})
@@ -182,7 +182,7 @@ def bench(
         raw = plane.read_summaries(range(world))
         t1 = time.perf_counter()
         assert len(raw) == world, len(raw)
-        with gc_paused():  # as the diagnoser service runs a round
+        with gc_paused():  # as the diagnoser runs a round
             # the service's merge with the last good values, and its check for news
             values = last.merged(raw)
             assert values != last
@@ -190,7 +190,7 @@ def bench(
             last = values
             t2 = time.perf_counter()
             assert not bad, bad
-            # the diagnoser service rebuilds the topology only when a table changes
+            # the diagnoser rebuilds the topology only when a table changes
             view = JobView(
                 summaries=summaries,
                 tables=tables,

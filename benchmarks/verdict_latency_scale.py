@@ -2,7 +2,7 @@
 
 The job of ``diagnoser_scale.py`` (TP8 x PP4 x DP, steady-state summaries) runs on a
 simulated clock: every rank publishes a summary each 1 s agent tick, and the real
-``Diagnoser`` runs rounds over the decoded summaries, each round timed for real. Where
+``Analyzer`` runs rounds over the decoded summaries, each round timed for real. Where
 the diagnoser lives sets when its rounds come:
 
 - ``rank``: a thread on a training rank, which keeps its rounds to 20% of that rank's time
@@ -30,7 +30,7 @@ import time
 from diagnoser_scale import OPS_PER_STEP, STEP_NS, TP, layout, rank_summary
 
 from ccld_plugin.config import DiagnoserConfig
-from ccld_plugin.diagnose import Diagnoser, JobView
+from ccld_plugin.diagnose import Analyzer, JobView
 from ccld_plugin.diagnose.view import topology_of
 from ccld_plugin.services.diagnoser import MAX_ROUND_SHARE, gc_paused
 from ccld_plugin.wire.codes import OP_CODES
@@ -87,7 +87,7 @@ def faulted(
 def run(world: int, where: str, fault: str, rank: int, onset: int, ticks: int) -> dict:
     tables = layout(world)
     topology = topology_of(tables)
-    diag = Diagnoser(DiagnoserConfig(), interval_s=INTERVAL_S)
+    diag = Analyzer(DiagnoserConfig(), interval_s=INTERVAL_S)
     want = {"hang": ("hang", "compute"), "slow": ("slow", "compute")}[fault]
     t, encoded_tick, raw = 1.0, -1, {}
     costs = []
@@ -110,7 +110,7 @@ def run(world: int, where: str, fault: str, rank: int, onset: int, ticks: int) -
             encoded_tick = tick
         t0 = time.perf_counter()
         with gc_paused():
-            summaries, _ = SummaryTable.decode(raw)  # as the diagnoser service does
+            summaries, _ = SummaryTable.decode(raw)  # as the diagnoser does
             view = JobView(
                 summaries=summaries,
                 tables=tables,

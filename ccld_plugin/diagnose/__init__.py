@@ -6,8 +6,8 @@ per collective; stragglers, slow groups; slow_links: slow TCP and NCCL links) ->
 analyzer (rounds, dedup) -> records (the Verdict). robust: medians at scale.
 """
 
-from ccld_plugin.diagnose.analyzer import Diagnoser
+from ccld_plugin.diagnose.analyzer import Analyzer
 from ccld_plugin.diagnose.records import Cause, Kind, Verdict
 from ccld_plugin.diagnose.view import JobView
 
-__all__ = ["Cause", "Diagnoser", "JobView", "Kind", "Verdict"]
+__all__ = ["Analyzer", "Cause", "JobView", "Kind", "Verdict"]

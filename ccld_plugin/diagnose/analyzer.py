@@ -1,4 +1,4 @@
-"""The diagnoser's rounds: one view of the job in, the new verdicts out.
+"""The analyzer's round: one view of the job in, the new verdicts out.
 
 Keeps what must persist across rounds (op duration history for the adaptive hang
 threshold, the slow detector's windows, what was already reported) and decides which
@@ -34,7 +34,7 @@ from ccld_plugin.topology import GroupInfo, trace_id
 from ccld_plugin.wire.codes import STATE_IN_FLIGHT
 from ccld_plugin.wire.summary_batch import Summaries, SummaryTable
 
-__all__ = ["Diagnoser", "DurationHistory", "located_by_channels"]
+__all__ = ["Analyzer", "DurationHistory", "located_by_channels"]
 
 HISTORY = 300  # per-group max op durations kept (one per rank per round)
 STALLS = (Kind.HANG, Kind.DEADLOCK, Kind.MISMATCH)
@@ -47,7 +47,7 @@ def located_by_channels(view: JobView, group: GroupInfo, members: list[int]) -> 
     return nccl_evidence(view, group, members) or channel_evidence(view, group, members)
 
 
-class Diagnoser:
+class Analyzer:
     def __init__(
         self,
         cfg: DiagnoserConfig,

@@ -4,7 +4,7 @@ Each board becomes the summary its agent would have published at the rank's last
 life (``agent.board_summary``, the function the agent uses), all on the diagnoser's clock;
 the job's "now" is the latest of them, so who stopped or died first is judged from the
 boards relative to each other, not relative to the moment of the post-mortem. One round of
-the same :class:`Diagnoser` gives the same verdict records.
+the same :class:`Analyzer` gives the same verdict records.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from ccld_plugin.agent.board_summary import arrival_samples, samples_per_group, 
 from ccld_plugin.board.job_files import JOB_CONFIG
 from ccld_plugin.board.process import process_alive
 from ccld_plugin.config import CcldConfig, load_config
-from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
+from ccld_plugin.diagnose import Analyzer, JobView, Verdict
 from ccld_plugin.diagnose.analyzer import located_by_channels
 from ccld_plugin.diagnose.stalls.crash import peer_failure
 from ccld_plugin.postmortem.boards import JobBoards, RankBoard
@@ -138,5 +138,5 @@ def failed_beyond(boards: JobBoards) -> tuple[list[int], list[int]]:
 
 def diagnose_boards(boards: JobBoards, cfg: CcldConfig) -> list[Verdict]:
     """The verdicts one diagnoser round gives on the boards."""
-    diagnoser = Diagnoser(cfg.diagnoser, cfg.agent.interval_s, channel_evidence=located_by_channels)
-    return diagnoser.round(job_view(boards, cfg))
+    analyzer = Analyzer(cfg.diagnoser, cfg.agent.interval_s, channel_evidence=located_by_channels)
+    return analyzer.round(job_view(boards, cfg))

@@ -11,7 +11,7 @@ import numpy as np
 import yaml
 
 from ccld_plugin.config import CcldConfig, load_config
-from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
+from ccld_plugin.diagnose import Analyzer, JobView, Verdict
 from ccld_plugin.diagnose.analyzer import located_by_channels
 from ccld_plugin.diagnose.view import topology_of
 from ccld_plugin.recording import RecordedRound, read_recording
@@ -41,10 +41,10 @@ def replay(
     else:  # recorded by another version: its keys that this one does not know are left out
         schema = dataclasses.asdict(CcldConfig())
         cfg = load_config(_known(yaml.safe_load(recorded) or {}, schema), overrides, writing=False)
-    diagnoser = Diagnoser(cfg.diagnoser, cfg.agent.interval_s, located_by_channels)
+    analyzer = Analyzer(cfg.diagnoser, cfg.agent.interval_s, located_by_channels)
     verdicts: list[Verdict] = []
     for _, view in round_views(rounds):
-        verdicts += diagnoser.round(view)
+        verdicts += analyzer.round(view)
     return cfg, verdicts
 
 

@@ -1,5 +1,5 @@
 """The live diagnoser: a thread on the diagnoser rank (or, once it took over, the standby
-rank) that reads every summary each round, runs the diagnoser and feeds the sinks. It holds
+rank) that reads every summary each round, runs the analyzer's round and feeds the sinks. It holds
 the diagnosis lease while it runs and emits verdicts only while it is the one in charge."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ccld_plugin.board.process import HOST_BYTES, process_alive
 from ccld_plugin.config import CcldConfig, to_yaml
 from ccld_plugin.control import ControlPlane, owner_record, request_timeout_s, resync_epoch
 from ccld_plugin.control.reach import ReachProbe
-from ccld_plugin.diagnose import Diagnoser, JobView, Verdict
+from ccld_plugin.diagnose import Analyzer, JobView, Verdict
 from ccld_plugin.diagnose.analyzer import located_by_channels
 from ccld_plugin.diagnose.links.tcp_evidence import SILENT_INTERVALS
 from ccld_plugin.diagnose.view import topology_of
@@ -36,7 +36,7 @@ from ccld_plugin.wire.packed import PackedSummaries
 from ccld_plugin.wire.summary import FLAG_EXITED, FLAG_LAST_WORDS, HEAD_DTYPE, encode_summary
 from ccld_plugin.wire.summary_batch import SummaryTable
 
-__all__ = ["DiagnoserService"]
+__all__ = ["Diagnoser"]
 
 # Ranks whose reach ports are looked up ahead (spread over the job), to try when this
 # diagnoser hears from nobody.
@@ -73,7 +73,7 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-class DiagnoserService:
+class Diagnoser:
     def __init__(
         self,
         cfg: CcldConfig,
@@ -114,7 +114,7 @@ class DiagnoserService:
         # (rank, pid) whose board was seen while the process ran: only the exit path
         # removes a board (board.cleanup), so one gone since tells a clean exit
         self._boards_seen: set[tuple[int, int]] = set()
-        self.diagnoser = Diagnoser(
+        self.analyzer = Analyzer(
             cfg.diagnoser, cfg.agent.interval_s, channel_evidence=located_by_channels
         )
         self.verdicts: list[Verdict] = []
@@ -317,7 +317,7 @@ class DiagnoserService:
                 with gc_paused():
                     view = self._view(last)
                     self._record(view)
-                    verdicts = self.diagnoser.round(view) if view.summaries else []
+                    verdicts = self.analyzer.round(view) if view.summaries else []
             except Exception as exc:  # noqa: BLE001
                 report_error("diagnoser.round", exc)
                 return 0
@@ -338,7 +338,7 @@ class DiagnoserService:
             for sink in self.sinks:
                 if hasattr(sink, "observe"):
                     try:
-                        sink.observe(view, self.diagnoser)
+                        sink.observe(view, self.analyzer)
                     except Exception as exc:  # noqa: BLE001
                         report_error(f"diagnoser.{type(sink).__name__}", exc)
         return len(verdicts)

@@ -21,7 +21,7 @@ from types import FrameType
 from ccld_plugin.config import CcldConfig
 from ccld_plugin.control import ControlPlane
 from ccld_plugin.errors import log
-from ccld_plugin.services.diagnoser import DiagnoserService
+from ccld_plugin.services.diagnoser import Diagnoser
 from ccld_plugin.sinks import build_sinks
 
 __all__ = ["run_diagnoser"]
@@ -41,7 +41,7 @@ def run_diagnoser(
     control = ControlPlane.client(cfg.control, host, port, job, world)
     # the boards are where this host keeps them: the timeline needs the job on this host
     sinks = build_sinks(cfg.sinks, cfg.board_root() / job)
-    service = DiagnoserService(
+    service = Diagnoser(
         cfg, control, world, time.monotonic_ns(), sinks, boards=cfg.board_root() / job
     )
     service.start()

@@ -15,7 +15,7 @@ from ccld_plugin.board.job_files import JOB_CONFIG
 from ccld_plugin.config import CcldConfig, to_yaml
 from ccld_plugin.control import ControlPlane
 from ccld_plugin.errors import report_error
-from ccld_plugin.services.diagnoser import DiagnoserService
+from ccld_plugin.services.diagnoser import Diagnoser
 from ccld_plugin.services.standby import Standby, standby_rank
 from ccld_plugin.sinks import build_sinks
 
@@ -29,7 +29,7 @@ class Services:
 
     agent: Agent
     steps: StepClock
-    diagnoser: DiagnoserService | None = None
+    diagnoser: Diagnoser | None = None
     standby: Standby | None = None
 
     def stop(self, failing: bool = False, crash: list[str] | None = None) -> None:
@@ -82,7 +82,7 @@ def start(
     )
     diag, standby = None, None
     if rank == cfg.diagnoser.rank:
-        diag = DiagnoserService(
+        diag = Diagnoser(
             cfg,
             control.connect(),
             world,
@@ -100,10 +100,10 @@ def start(
         cfg.diagnoser.standby_rank,
     ):
 
-        def take_over() -> DiagnoserService:
+        def take_over() -> Diagnoser:
             # On the first diagnoser's clock, through this rank's offset to it.
             clock = agent.clock
-            return DiagnoserService(
+            return Diagnoser(
                 cfg,
                 control.connect(),
                 world,

@@ -29,7 +29,7 @@ from ccld_plugin.services.diagnoser import (
     FAILING_GRACE_S,
     FAILING_RETRY_S,
     LEASE_INTERVALS,
-    DiagnoserService,
+    Diagnoser,
 )
 
 __all__ = ["Standby", "standby_rank"]
@@ -55,13 +55,13 @@ class Standby:
         self,
         cfg: CcldConfig,
         control: ControlPlane,
-        make_diagnoser: Callable[[], DiagnoserService],
+        make_diagnoser: Callable[[], Diagnoser],
     ) -> None:
         self.cfg = cfg
         self.control = control
         self.rank = control.rank
         self._make_diagnoser = make_diagnoser
-        self.diagnoser: DiagnoserService | None = None  # once it took over
+        self.diagnoser: Diagnoser | None = None  # once it took over
         self._host = socket.gethostname()
         self._owner: bytes | None = None  # the owner record last seen, and its beat
         self._beat = -1
@@ -142,7 +142,7 @@ class Standby:
             stale_s,
         )
         diagnoser = self._make_diagnoser()
-        diagnoser.diagnoser.mark_reported(self.control.reported_keys())
+        diagnoser.analyzer.mark_reported(self.control.reported_keys())
         self.diagnoser = diagnoser
         if start:
             diagnoser.start()

@@ -1,5 +1,5 @@
 """Where verdicts go: the console, a JSONL file, W&B. Each sink has ``emit(verdict)`` and
-``close()``, and may have ``observe(view, diagnoser)``, called once per diagnoser round
+``close()``, and may have ``observe(view, analyzer)``, called once per diagnoser round
 (the W&B sink draws its panels from it); a failing sink is contained and never stops the
 others."""
 

@@ -22,7 +22,7 @@ from trace_rules import check_trace
 from wandb_views import job_views, joined_samples, slow_link_verdict
 
 from ccld_plugin.config import DiagnoserConfig, load_config
-from ccld_plugin.diagnose import Diagnoser
+from ccld_plugin.diagnose import Analyzer
 from ccld_plugin.diagnose.arrivals import JoinedTable
 from ccld_plugin.errors import contained_errors
 from ccld_plugin.sinks import build_sinks
@@ -222,7 +222,7 @@ def test_panels_go_into_the_users_existing_run(tmp_path):
             ).sinks
         )
         assert isinstance(sink, WandbSink)
-        diag = Diagnoser(DiagnoserConfig(), 0.5)
+        diag = Analyzer(DiagnoserConfig(), 0.5)
         for step in range(6):
             run.log({"loss": 1.0 / (step + 1)}, step=step)
             views = job_views(steps=1, first=step)

@@ -7,7 +7,7 @@ import numpy as np
 from builders import NOW, S, facts, group, job_view, rank_summary
 
 from ccld_plugin.config import DiagnoserConfig
-from ccld_plugin.diagnose import Diagnoser
+from ccld_plugin.diagnose import Analyzer
 from ccld_plugin.diagnose.arrivals import Joined, JoinedTable
 from ccld_plugin.diagnose.stalls.crash import find_crashes
 from ccld_plugin.diagnose.stalls.hang import LAST_WORDS_TICKS, find_hangs, find_unresponsive
@@ -107,7 +107,7 @@ def test_a_hang_that_ends_is_told_as_resumed_and_a_later_one_is_reported_again()
     # 14 s later it goes on; later still it stops again.
     dp = group("dp", range(4))
     tables = {r: [dp] for r in range(4)}
-    diag = Diagnoser(DiagnoserConfig(hang_min_s=5), interval_s=0.5)
+    diag = Analyzer(DiagnoserConfig(hang_min_s=5), interval_s=0.5)
 
     def at(now_s: float, stopped_s: float | None, seq: int, step: int) -> list:
         now = int(now_s * S)
@@ -163,7 +163,7 @@ def test_a_job_that_marks_no_steps_is_told_no_step():
             ],
             tables,
         )
-        (h,) = Diagnoser(DiagnoserConfig(hang_min_s=5), interval_s=0.5).round(v)
+        (h,) = Analyzer(DiagnoserConfig(hang_min_s=5), interval_s=0.5).round(v)
         assert (h.kind.value, h.cause.value, h.ranks, h.step) == ("hang", "compute", [1], told)
         (idle,) = facts(h.evidence)["in_no_collective"]
         assert idle["data"]["step"] == told
@@ -181,7 +181,7 @@ def test_a_frozen_root_is_unresponsive_not_a_compute_hang():
     frozen.time_ns = frozen.heartbeat_ns
     v = view([summary(0, {0: 9}, [(0, "all_reduce", 9, 12, 0, -1)], idle_s=12), frozen], tables)
     assert find_hangs(v, lambda gid: 10.0, 1.0) == []
-    (u,) = Diagnoser(DiagnoserConfig(unresponsive_s=10), interval_s=0.5).round(v)
+    (u,) = Analyzer(DiagnoserConfig(unresponsive_s=10), interval_s=0.5).round(v)
     assert (u.kind.value, u.ranks) == ("unresponsive", [1])
     # Its stale summary may show it inside the op (it froze just after): still no
     # "everyone entered" communication hang on that stale word.
@@ -210,7 +210,7 @@ def test_ranks_that_go_down_with_a_reported_stall_are_not_news():
         summary(4, {0: 30}, [(0, "all_reduce", 30, 0.1, 0, -1)]),
         summary(5, {0: 30}, [(0, "all_reduce", 30, 0.1, 0, -1)]),
     ]
-    d = Diagnoser(DiagnoserConfig(hang_min_s=5, unresponsive_s=10), interval_s=0.5)
+    d = Analyzer(DiagnoserConfig(hang_min_s=5, unresponsive_s=10), interval_s=0.5)
     (h,) = d.round(job_view(ranks, tables))
     assert (h.kind.value, h.cause.value, h.ranks) == ("hang", "compute", [1])
     ranks[4] = summary(4, {0: 80}, [(0, "all_reduce", 80, -4.9, 0, -1)])  # 4.9 s later
@@ -218,7 +218,7 @@ def test_ranks_that_go_down_with_a_reported_stall_are_not_news():
     (u,) = d.round(later)  # and no new hang of the waiters, explained by the lost ranks
     assert (u.kind.value, u.ranks) == ("unresponsive", [4])
     # Without the stall reported first, each gone rank is named.
-    fresh = Diagnoser(DiagnoserConfig(hang_min_s=5, unresponsive_s=10), interval_s=0.5)
+    fresh = Analyzer(DiagnoserConfig(hang_min_s=5, unresponsive_s=10), interval_s=0.5)
     named = [v.ranks for v in fresh.round(later) if v.kind.value == "unresponsive"]
     assert named == [[0], [1], [2], [3], [4]]
 
@@ -234,7 +234,7 @@ def test_no_hang_below_the_threshold_and_adaptive_threshold():
         tables,
     )
     assert find_hangs(v, lambda gid: 10.0, 1.0) == []
-    d = Diagnoser(DiagnoserConfig(hang_min_s=3), interval_s=0.5)
+    d = Analyzer(DiagnoserConfig(hang_min_s=3), interval_s=0.5)
     assert d.threshold_s(dp.group_id) == 6  # no op completed yet: twice the floor
     d.durations.extend(dp.group_id, [100_000])  # one op of 0.1 s
     assert d.threshold_s(dp.group_id) == 3
@@ -471,7 +471,7 @@ def test_a_rank_that_died_inside_a_mismatched_collective_died_of_it():
         gone=[1],
     )
     v.summaries[1].in_flight[0] = v.summaries[1].in_flight[0]._replace(bytes=32)
-    verdicts = Diagnoser(DiagnoserConfig(hang_min_s=3), interval_s=0.5).round(v)
+    verdicts = Analyzer(DiagnoserConfig(hang_min_s=3), interval_s=0.5).round(v)
     assert [(x.kind.value, x.ranks) for x in verdicts] == [("mismatch", [0, 1])]
     assert facts(verdicts[0].evidence)["ended_in_it"][0]["data"] == {"rank": 1}
 
@@ -490,7 +490,7 @@ def test_groups_stalled_behind_a_mismatch_are_not_separate_hangs():
         ],
         tables,
     )
-    verdicts = Diagnoser(DiagnoserConfig(hang_min_s=3), interval_s=0.5).round(v)
+    verdicts = Analyzer(DiagnoserConfig(hang_min_s=3), interval_s=0.5).round(v)
     assert [x.kind.value for x in verdicts] == ["mismatch"]
     (ev,) = facts(verdicts[0].evidence)["stalled_behind"]
     item = ev["data"]["item"]
@@ -515,7 +515,7 @@ def test_a_transfer_waiting_for_a_rank_held_in_a_stuck_group_is_no_hang_of_its_o
         ],
         tables,
     )
-    verdicts = Diagnoser(DiagnoserConfig(hang_min_s=3), interval_s=0.5).round(v)
+    verdicts = Analyzer(DiagnoserConfig(hang_min_s=3), interval_s=0.5).round(v)
     assert [(x.kind.value, x.ranks) for x in verdicts] == [("mismatch", [0, 1])]
     # Alone, the stuck DP pair is the communication hang, and still the only one.
     (h,) = find_hangs(v, lambda gid: 10.0, 1.0)
@@ -537,7 +537,7 @@ def test_a_member_that_left_short_of_a_collective_its_peers_wait_in_is_a_mismatc
         summary(3, {0: 40}, [(0, "all_reduce", 40, 2.0, 0, -1)], idle_s=2),
     ]
     v = view(summaries, tables)
-    verdicts = Diagnoser(DiagnoserConfig(hang_min_s=3), interval_s=0.5).round(v)
+    verdicts = Analyzer(DiagnoserConfig(hang_min_s=3), interval_s=0.5).round(v)
     assert [(x.kind.value, x.cause.value, x.ranks) for x in verdicts] == [
         ("mismatch", "software", [2])
     ]
@@ -661,7 +661,7 @@ def test_a_crashed_rank_is_named_with_its_exception_and_its_fallout_is_not():
     waits = summary(0, {0: 8}, [(0, "all_reduce", 8, 5.0, 0, -1)], idle_s=5)
     ended = summary(3, {0: 7}, hb_age_s=2)
     cfg = DiagnoserConfig(hang_min_s=3)
-    verdicts = Diagnoser(cfg, interval_s=0.5).round(
+    verdicts = Analyzer(cfg, interval_s=0.5).round(
         view([waits, fallout, crashed, ended], tables, gone=[3])
     )
     assert [(x.kind.value, x.cause.value, x.ranks) for x in verdicts] == [
@@ -675,7 +675,7 @@ def test_a_crashed_rank_is_named_with_its_exception_and_its_fallout_is_not():
     assert verdicts[0].stack == raised_in and verdicts[0].step == 5
     # A rank gone well before the crash (its heartbeat 10 s old) went on its own.
     earlier = summary(3, {0: 7}, hb_age_s=10)
-    verdicts = Diagnoser(cfg, interval_s=0.5).round(
+    verdicts = Analyzer(cfg, interval_s=0.5).round(
         view([waits, fallout, crashed, earlier], tables, gone=[3])
     )
     assert sorted((x.kind.value, x.ranks) for x in verdicts) == [
@@ -720,7 +720,7 @@ def test_a_collective_that_raised_on_its_caller_alone_is_that_ranks_crash():
     ranks = [crashed(2, own, 1.0), crashed(3, lost, 0.9), crashed(0, lost, 0.8)]
     ranks.append(summary(1, {0: 8}, hb_age_s=0.8))  # ended by the launcher: gone
     cfg = DiagnoserConfig(hang_min_s=3)
-    verdicts = Diagnoser(cfg, interval_s=0.5).round(view(ranks, tables, gone=[1]))
+    verdicts = Analyzer(cfg, interval_s=0.5).round(view(ranks, tables, gone=[1]))
     assert [(x.kind.value, x.cause.value, x.ranks) for x in verdicts] == [
         ("crash", "software", [2])
     ]
@@ -732,7 +732,7 @@ def test_a_collective_that_raised_on_its_caller_alone_is_that_ranks_crash():
         ranks[0], in_flight=[ranks[0].in_flight[0]._replace(op=OP_CODES["all_gather_into_tensor"])]
     )
     peer = summary(3, {0: 8, 1: 40}, [(1, "all_reduce", 40, 1.0, 0, -1)], idle_s=1.0)
-    verdicts = Diagnoser(cfg, interval_s=0.5).round(
+    verdicts = Analyzer(cfg, interval_s=0.5).round(
         view([misuse, peer, ranks[2], ranks[3]], tables, gone=[1])
     )
     assert [(x.kind.value, x.ranks) for x in verdicts] == [("crash", [2])]

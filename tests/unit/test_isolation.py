@@ -6,7 +6,7 @@ from __future__ import annotations
 from builders import NOW, S, facts, group, job_view, peer_channel, rank_summary
 
 from ccld_plugin.config import DiagnoserConfig
-from ccld_plugin.diagnose import Diagnoser
+from ccld_plugin.diagnose import Analyzer
 from ccld_plugin.diagnose.stalls.isolation import observer_isolated
 from ccld_plugin.diagnose.view import JobView
 from ccld_plugin.wire.codes import OP_CODES
@@ -51,13 +51,13 @@ def _view(ages: dict[int, float], observer: int = 0, **where: object) -> JobView
     return v
 
 
-def _diagnoser() -> Diagnoser:
-    return Diagnoser(DiagnoserConfig(hang_min_s=3, unresponsive_s=4), INTERVAL)
+def _analyzer() -> Analyzer:
+    return Analyzer(DiagnoserConfig(hang_min_s=3, unresponsive_s=4), INTERVAL)
 
 
 def test_every_peer_silent_at_once_names_the_diagnosers_own_rank() -> None:
     v = _view({1: 4.0, 2: 4.1, 3: 4.2})
-    (verdict,) = _diagnoser().round(v)
+    (verdict,) = _analyzer().round(v)
     assert (verdict.kind, verdict.cause, verdict.ranks) == ("hang", "communication", [0])
     assert verdict.group is not None and verdict.group["role"] == "dp"
     ev = facts(verdict.evidence)
@@ -68,7 +68,7 @@ def test_every_peer_silent_at_once_names_the_diagnosers_own_rank() -> None:
 
 def test_a_store_that_does_not_answer_is_evidence_of_isolation_anywhere() -> None:
     v = _view({1: 4.0, 2: 4.1, 3: 4.2}, observer=0, store_local=False, store_failed="timeout")
-    (verdict,) = _diagnoser().round(v)
+    (verdict,) = _analyzer().round(v)
     assert verdict.ranks == [0]
     assert facts(verdict.evidence)["store_unreachable"][0]["data"]["error"] == "timeout"
 
@@ -84,7 +84,7 @@ def test_a_remote_store_that_answers_clears_the_observer() -> None:
     # been heard too. They are judged one by one, and the observer is not named.
     v = _view({1: 4.0, 2: 4.1, 3: 4.2}, store_local=False)
     assert observer_isolated(v) is None
-    assert all(0 not in verdict.ranks for verdict in _diagnoser().round(v))
+    assert all(0 not in verdict.ranks for verdict in _analyzer().round(v))
 
 
 def test_no_isolation_when_one_peer_still_speaks_or_they_stopped_apart() -> None:
@@ -99,7 +99,7 @@ def test_no_isolation_when_one_peer_still_speaks_or_they_stopped_apart() -> None
 def test_isolated_but_not_yet_stuck_past_the_threshold_gives_nothing_yet() -> None:
     v = _view({1: 4.0, 2: 4.1, 3: 4.2})
     v.summaries[0] = _rank(0, 0.0, 1.0)  # its op began 1 s ago: under hang_min_s
-    d = _diagnoser()
+    d = _analyzer()
     assert observer_isolated(v) is not None
     assert d.round(v) == []  # and the silent peers are not blamed meanwhile
 
@@ -108,7 +108,7 @@ def test_the_isolation_holds_while_its_own_signs_come_and_go() -> None:
     # Named once; a round later the observer's links show no stall for a moment (their
     # retransmissions paused) while its store still fails and every peer stays silent:
     # the peers are not named one by one.
-    d = _diagnoser()
+    d = _analyzer()
     where = {"store_local": False, "store_failed": "timeout"}
     (verdict,) = d.round(_view({1: 4.0, 2: 4.1, 3: 4.2}, **where))
     assert verdict.ranks == [0]
@@ -128,19 +128,19 @@ def test_peers_silent_through_a_store_that_does_not_answer_are_not_named() -> No
     v = _view({1: 12.0, 2: 12.1, 3: 12.2}, store_local=False, store_failed="timeout")
     v.summaries[0] = _rank(0, 0.0, 12.0)  # no channel evidence of its own
     assert observer_isolated(v) is None
-    assert _diagnoser().round(v) == []
+    assert _analyzer().round(v) == []
     # Its handshakes to the peers' hosts (control.reach): none answered, though one did
     # before (a dead store host would leave the others answering): its own link is down.
     v.reach = {1: False, 2: False, 3: False}
     assert observer_isolated(v) is not None
-    (h,) = _diagnoser().round(v)
+    (h,) = _analyzer().round(v)
     assert (h.kind, h.cause, h.ranks) == ("hang", "communication", [0])
     assert facts(h.evidence)["peers_unreachable"][0]["data"]["ranks"] == [1, 2, 3]
     # One peer's host answers (another host: ranks of its own are not probed): the
     # observer's link works, the others' hosts are cut off, the store's among them.
     v.reach = {1: True, 2: False, 3: False}
     assert observer_isolated(v) is None
-    got = _diagnoser().round(v)
+    got = _analyzer().round(v)
     assert [(h.kind, h.cause, h.ranks) for h in got] == [
         ("hang", "communication", [2]),
         ("hang", "communication", [3]),
@@ -149,7 +149,7 @@ def test_peers_silent_through_a_store_that_does_not_answer_are_not_named() -> No
     assert ev["host_unreachable"][0]["data"]["answered"] == [1] and ev["store_unreachable"]
     # No handshake ended yet: nobody named.
     v.reach = {}
-    assert _diagnoser().round(v) == []
+    assert _analyzer().round(v) == []
 
 
 def test_a_peer_that_answers_the_observers_handshake_ends_its_isolation() -> None:
@@ -157,7 +157,7 @@ def test_a_peer_that_answers_the_observers_handshake_ends_its_isolation() -> Non
     # peer that was cut, rank 1): it looks isolated at first. Then the other peers'
     # hosts answer its handshakes and rank 1's does not: rank 1 is the one cut off (the
     # store's host, in a live run that named the observer before).
-    d = _diagnoser()
+    d = _analyzer()
     v = _view({1: 4.0, 2: 4.1, 3: 4.2}, store_local=False, store_failed="timeout")
     assert observer_isolated(v) is not None
     v.summaries[0].in_flight = []  # between ops: no verdict yet, the isolation is kept

@@ -9,7 +9,7 @@ from __future__ import annotations
 from builders import NOW, S, group, job_view, peer_channel, rank_summary
 
 from ccld_plugin.config import DiagnoserConfig
-from ccld_plugin.diagnose import Diagnoser
+from ccld_plugin.diagnose import Analyzer
 from ccld_plugin.diagnose.analyzer import located_by_channels
 from ccld_plugin.diagnose.links.nccl_evidence import nccl_evidence
 from ccld_plugin.diagnose.records import Cause
@@ -150,7 +150,7 @@ def test_short_waits_and_tcp_entries_are_not_nccl_stalls() -> None:
     assert located({0: [tcp], 1: []}) is None
 
 
-def ring_round(d: Diagnoser, now_ns: int, culprit: int, silent: bool, cleared: bool) -> list:
+def ring_round(d: Analyzer, now_ns: int, culprit: int, silent: bool, cleared: bool) -> list:
     """One diagnoser round over a 3-rank NCCL all-reduce stalled on ``culprit``'s GPU
     (the entries of test_silent_culprit_is_named_without_a_cause), its summaries stale by
     3 s when ``silent``, its channel records gone when ``cleared`` (its op ended)."""
@@ -187,11 +187,11 @@ def test_a_hang_is_not_reported_again_as_its_evidence_fades() -> None:
     # The culprit's op ends (its channel records clear) or it leaves (its summaries stop)
     # after the verdict: the same stall read again is not a second verdict; a cause found
     # where the first verdict had none is.
-    d = Diagnoser(DiagnoserConfig(hang_min_s=3), 0.5, channel_evidence=located_by_channels)
+    d = Analyzer(DiagnoserConfig(hang_min_s=3), 0.5, channel_evidence=located_by_channels)
     assert ring_round(d, NOW, 0, silent=False, cleared=False) == [("hang", "compute", [0])]
     assert ring_round(d, NOW + 3 * S, 0, silent=True, cleared=False) == []
     assert ring_round(d, NOW + 4 * S, 0, silent=False, cleared=True) == []
-    d = Diagnoser(DiagnoserConfig(hang_min_s=3), 0.5, channel_evidence=located_by_channels)
+    d = Analyzer(DiagnoserConfig(hang_min_s=3), 0.5, channel_evidence=located_by_channels)
     assert ring_round(d, NOW, 0, silent=True, cleared=False) == [("hang", "unknown", [0])]
     assert ring_round(d, NOW + S, 0, silent=False, cleared=False) == [("hang", "compute", [0])]
     assert ring_round(d, NOW + 2 * S, 0, silent=False, cleared=True) == []

@@ -31,7 +31,7 @@ from ccld_plugin.agent.node_share import NodeShare
 from ccld_plugin.board.process import PF_EXITING, process_alive, running
 from ccld_plugin.config import CcldConfig, ControlConfig
 from ccld_plugin.control import ControlPlane
-from ccld_plugin.services.diagnoser import DiagnoserService
+from ccld_plugin.services.diagnoser import Diagnoser
 from ccld_plugin.wire.codes import OP_NAMES, STATE_IN_FLIGHT
 from ccld_plugin.wire.node_summary import (
     decode_node,
@@ -382,7 +382,7 @@ def test_a_rank_whose_board_went_with_it_left_through_its_exit_path(
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     cfg = ControlConfig(store="dedicated", port=free_port(), connect_timeout_s=10)
     plane = ControlPlane(cfg, 0, 4, "exit-test", 0)
-    svc = DiagnoserService(CcldConfig(), plane, 4, 0, [], boards=tmp_path)
+    svc = Diagnoser(CcldConfig(), plane, 4, 0, [], boards=tmp_path)
     here = os.uname().nodename
     children = {}
     for rank, how in ((1, "exit path"), (2, "killed"), (3, "exit path")):

@@ -22,7 +22,7 @@ from ccld_plugin.config import CcldConfig, ConfigError, SinksConfig, load_config
 from ccld_plugin.errors import log as ccld_log
 from ccld_plugin.errors import report_error
 from ccld_plugin.services import session
-from ccld_plugin.services.diagnoser import DiagnoserService
+from ccld_plugin.services.diagnoser import Diagnoser
 from ccld_plugin.sinks import ConsoleSink, build_sinks
 from ccld_plugin.topology import GroupInfo
 from ccld_plugin.wire.summary import InFlightOp, encode_summary
@@ -191,7 +191,7 @@ def test_corrupt_summaries_and_group_tables_are_counted_and_left_out():
     control = _Store(
         {0: [good], 1: [good], 2: [GroupInfo(7, "dp", (2, 9))], 3: KeyError("version")}
     )
-    svc = DiagnoserService(CcldConfig(), control, 4, 0, [])  # type: ignore[arg-type]
+    svc = Diagnoser(CcldConfig(), control, 4, 0, [])  # type: ignore[arg-type]
     raw = {r: encode_summary(rank_summary(r)) for r in range(4)}
     raw[1] = raw[1][:-3]  # torn
     raw[3] = encode_summary(rank_summary(0))  # under another rank's key

@@ -25,7 +25,7 @@ from wandb_views import (
 )
 
 from ccld_plugin.config import DiagnoserConfig, WandbConfig, load_config
-from ccld_plugin.diagnose import Diagnoser, JobView
+from ccld_plugin.diagnose import Analyzer, JobView
 from ccld_plugin.diagnose.records import (
     VERDICT_SCHEMA_VERSION,
 )
@@ -244,7 +244,7 @@ def test_disabled_mode_and_no_sink_when_off(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     sink = WandbSink(WandbConfig(enabled=True))
     view = job_views(1)[0]
-    sink.observe(view, Diagnoser(DiagnoserConfig(), 0.5))
+    sink.observe(view, Analyzer(DiagnoserConfig(), 0.5))
     sink.close()
     assert sink._dead and sink._backend is None
 

@@ -1,6 +1,6 @@
 """The W&B sink: the diagnosis as panels next to the user's loss curves.
 
-Runs on the diagnoser rank. Each round the diagnoser service hands it the round's view
+Runs on the diagnoser rank. Each round the diagnoser hands it the round's view
 (``observe``) and every new verdict (``emit``); both only queue, and a thread of the sink
 turns them into panels under ``ccld/`` and writes them out:
 
@@ -97,16 +97,16 @@ class WandbSink:
         self._thread.start()
 
     # -------------------------------------------------------------- diagnoser side
-    def observe(self, view: Any, diagnoser: Any) -> None:
+    def observe(self, view: Any, analyzer: Any) -> None:
         """Queue one round (called on the diagnoser thread: only cheap work here)."""
         if self._dead:
             return
-        slow = getattr(diagnoser, "slow", None)
+        slow = getattr(analyzer, "slow", None)
         joined: Any = ()
         if slow is not None:  # columns here; made into objects on the sink's thread
             joined, self._joined_taken = slow.joined_since(self._joined_taken)
-        # The threshold reads the diagnoser's history, so it is taken on its thread.
-        watch = hang_watch(view, getattr(diagnoser, "threshold_s", None))
+        # The threshold reads the analyzer's history, so it is taken on its thread.
+        watch = hang_watch(view, getattr(analyzer, "threshold_s", None))
         self._put(("round", view, joined, watch))
 
     def emit(self, verdict: Verdict) -> None:
