@@ -26,7 +26,7 @@ from ccld_plugin.wire.codes import (
     WAIT_NAMES,
     wait_name,
 )
-from ccld_plugin.wire.packed import opaque
+from ccld_plugin.wire.packed import gather, opaque, records
 from ccld_plugin.wire.summary import RankSummary
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "PeerChannel",
     "WAIT_ORDER",
     "channel_rows",
+    "channel_rows_at",
     "decode_channels",
     "encode_channels",
     "entry_order",
@@ -304,43 +305,85 @@ def _rows_concat(parts: list[np.ndarray]) -> np.ndarray:
 
 
 _REPORT_DTYPE = np.dtype([("rank", "<i4"), ("mid_ns", "<i8"), ("interval_s", "<f8")])
+_HEAD_DTYPE = np.dtype(
+    [("version", "u1"), ("n", "u1"), ("k", "u1"), ("interval_ms", "<u2"), ("conns", "<u2")]
+)
+_WAITS_DTYPE = np.dtype([(w, "<u4") for w in _WAIT_FIELDS])
+assert _HEAD_DTYPE.itemsize == _HEAD.size and _WAITS_DTYPE.itemsize == _NCCL_WAITS.size
+
+
+def _offset_in_row(dtype: np.dtype) -> int:
+    """Where ``dtype``'s fields lie in a ROW_DTYPE row, laid out as in ``dtype`` (checked)."""
+    fields, row = dtype.fields, ROW_DTYPE.fields
+    assert dtype.names is not None and fields is not None and row is not None
+    at = row[dtype.names[0]][1]
+    for name in dtype.names:
+        assert row[name][:2] == (fields[name][0], at + fields[name][1]), name
+    return at
+
+
+_ENTRY_AT, _WAITS_AT = _offset_in_row(ENTRY_DTYPE), _offset_in_row(_WAITS_DTYPE)
 
 
 def channel_rows(summaries: Iterable[RankSummary]) -> ChannelRows:
     """The channel evidence of ``summaries`` as rows (values not well formed, or with an
     entry that is not, are left out, as :func:`decode_channels` leaves them)."""
-    reports, counts, nccl_counts, entry_parts, wait_parts = [], [], [], [], []
-    for s in summaries:
-        layout = _layout(s.channels) if s.channels else None
-        if layout is None:
-            continue
-        n, k, interval_s, _ = layout
-        end = _HEAD.size + n * _ENTRY.size
-        reports.append((s.rank, s.time_ns - int(interval_s * 5e8), interval_s))
-        counts.append(n)
-        nccl_counts.append(k)
-        entry_parts.append(s.channels[_HEAD.size : end])
-        wait_parts.append(s.channels[end:])
-    head = np.array(reports, dtype=_REPORT_DTYPE)
-    raw = np.frombuffer(b"".join(entry_parts), ENTRY_DTYPE)
-    which = np.repeat(np.arange(len(reports)), counts)
+    objs = list(summaries)
+    sizes = np.array([len(s.channels) for s in objs], np.int64)
+    starts = np.cumsum(sizes) - sizes
+    return channel_rows_at(
+        b"".join(s.channels for s in objs),
+        starts,
+        sizes,
+        np.array([s.rank for s in objs], np.int64),
+        np.array([s.time_ns for s in objs], np.int64),
+    )
+
+
+def channel_rows_at(
+    blob: bytes, at: np.ndarray, size: np.ndarray, ranks: np.ndarray, time_ns: np.ndarray
+) -> ChannelRows:
+    """The channel evidence values of ``size`` bytes at ``at`` in ``blob`` (of the
+    summaries of ``ranks``, made at ``time_ns``) as rows, read in a few gathers; the values
+    that :func:`decode_channels` refuses are left out."""
+    head = gather(blob, np.where(size >= _HEAD.size, at, 0), _HEAD_DTYPE)
+    n, k = head["n"].astype(np.int64), head["k"].astype(np.int64)
+    ok = (
+        (size >= _HEAD.size)
+        & (head["version"] == CHANNELS_VERSION)
+        & (k <= n)
+        & (n <= MAX_ENTRIES)
+        & (size == _HEAD.size + n * _ENTRY.size + k * _NCCL_WAITS.size)
+    )
+    n, k = np.where(ok, n, 0), np.where(ok, k, 0)
+    entries_at = at + _HEAD.size
+    raw, which = records(blob, entries_at, n, ENTRY_DTYPE)
+    waits, _ = records(blob, entries_at + n * _ENTRY.size, k, _WAITS_DTYPE)
     nccl = raw["source"] == SOURCE_NCCL
-    bad = np.bincount(which, weights=~_entries_ok(raw), minlength=len(reports))
-    ok = (np.bincount(which, weights=nccl, minlength=len(reports)) == nccl_counts) & (bad == 0)
-    if not ok.all():  # a value whose head miscounts its NCCL entries is left out
-        keep = ok[which]
+    bad = np.bincount(which, weights=~_entries_ok(raw), minlength=len(ok))
+    ok &= (np.bincount(which, weights=nccl, minlength=len(ok)) == k) & (bad == 0)
+    keep = ok[which]
+    if not keep.all():  # (a copy of ~200,000 entries at 65,536 ranks: only when needed)
         raw, which, nccl = raw[keep], which[keep], nccl[keep]
-        wait_parts = [w for w, good in zip(wait_parts, ok, strict=True) if good]
-        head = head[ok]
-        which = np.cumsum(ok)[which] - 1  # renumbered among the reports kept
+        waits = waits[np.repeat(ok, k)]
+    interval_s = head["interval_ms"][ok] / 1000
+    reports = np.zeros(int(ok.sum()), _REPORT_DTYPE)
+    reports["rank"] = ranks[ok]
+    reports["mid_ns"] = time_ns[ok] - (interval_s * 5e8).astype(np.int64)
+    reports["interval_s"] = interval_s
+    which = (np.cumsum(ok) - 1)[which]  # renumbered among the reports kept
     rows = np.zeros(len(raw), ROW_DTYPE)
-    # Both are structured dtypes: their names are never None.
-    assert ENTRY_DTYPE.names is not None and _REPORT_DTYPE.names is not None
-    for name in ENTRY_DTYPE.names:
-        rows[name] = raw[name]
+    assert _REPORT_DTYPE.names is not None
+    cells = rows.view(np.uint8).reshape(len(rows), ROW_DTYPE.itemsize)
+    # the entries' and waits' bytes as sent: one copy each, not one per field
+    cells[:, _ENTRY_AT : _ENTRY_AT + ENTRY_DTYPE.itemsize] = _bytes_of(raw)
+    cells[nccl, _WAITS_AT : _WAITS_AT + _WAITS_DTYPE.itemsize] = _bytes_of(waits)
     for name in _REPORT_DTYPE.names:
-        rows[name] = head[name][which]
-    waits = np.frombuffer(b"".join(wait_parts), "<u4").reshape(-1, 3)
-    for i, name in enumerate(_WAIT_FIELDS):
-        rows[name][nccl] = waits[:, i]
-    return ChannelRows(head, rows)
+        rows[name] = reports[name][which]
+    return ChannelRows(reports, rows)
+
+
+def _bytes_of(rows: np.ndarray) -> np.ndarray:
+    """Packed records as a matrix of their bytes, one row each."""
+    size = rows.dtype.itemsize
+    return np.ascontiguousarray(rows).view(np.uint8).reshape(len(rows), size)

@@ -2,18 +2,18 @@
 
 A value type: plain dataclasses and named tuples (the per-op records: the diagnoser decodes
 hundreds of thousands of them per round at scale, and tuples are the cheapest to build),
-no torch. Every time in it is on the diagnoser's
-monotonic clock (the agent applies its clock offset), so the diagnoser compares ranks
-directly. Steady state is a few hundred bytes per rank; a per-node aggregator could merge
-the summaries of its ranks into one value without the diagnoser's analysis changing.
+no torch. Every time in it is on the diagnoser's monotonic clock (the agent applies its
+clock offset), so the diagnoser compares ranks directly. Steady state is a few hundred
+bytes per rank; a per-node aggregator could merge the summaries of its ranks into one
+value without the diagnoser's analysis changing.
 """
 
 from __future__ import annotations
 
-import itertools
 import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -29,8 +29,11 @@ from ccld_plugin.wire.codes import (
 
 __all__ = [
     "FLIGHT_DTYPE",
+    "FRAME_LEN",
     "GROUP_DTYPE",
     "HEAD_DTYPE",
+    "NOT_THIS_VERSION",
+    "OP_FLAGS",
     "P2P_DTYPE",
     "SAMPLE_DTYPE",
     "STEP_DTYPE",
@@ -39,6 +42,7 @@ __all__ = [
     "InFlightOp",
     "P2PSample",
     "RankSummary",
+    "Sections",
     "StepStat",
     "SummaryError",
     "arrival_samples",
@@ -48,6 +52,10 @@ __all__ = [
     "encoded_samples",
     "p2p_rows_ok",
     "p2p_samples",
+    "problems",
+    "read_frames",
+    "read_summary",
+    "sections",
     "upgraded_summary",
 ]
 
@@ -64,8 +72,12 @@ FLAG_CRASHED = 8
 KNOWN_FLAGS = FLAG_EXITED | FLAG_ERRORED | FLAG_LAST_WORDS | FLAG_CRASHED
 MAX_HOST = 255  # bytes of the host name kept
 MAX_FRAMES, MAX_FRAME = 32, 400  # stack frames kept, bytes per frame
-_OP_FLAGS = FLAG_ASYNC | FLAG_P2P | FLAG_SEND | FLAG_CUDA
+OP_FLAGS = FLAG_ASYNC | FLAG_P2P | FLAG_SEND | FLAG_CUDA  # the flags an op record may have
+_OP_CODES = np.array(sorted(OP_NAMES), np.int64)
 LATE_NS = 10**9  # a time in a summary may pass its own time_ns by this much (a racing step)
+
+
+NOT_THIS_VERSION = "corrupt ccld summary: not a ccld summary of this version"
 
 
 class SummaryError(ValueError):
@@ -157,32 +169,11 @@ class RankSummary:
         return bool(self.flags & FLAG_EXITED)
 
 
-_HEAD = struct.Struct("<BBiiqqqiHIHHHHHHI")
-_GROUP = struct.Struct("<HQQIIQI")
-_FLIGHT = struct.Struct("<HBBiQQqB")
-# Step starts and sample times go relative to the summary's time, in microseconds, and a
+# The records of a value, defined once: numpy rows for the decoders that read many values
+# at once (summary_batch), and the structs made from them for one value at a time. Step
+# starts and sample times go relative to the summary's time, in microseconds, and a
 # sample's seq as its distance below the group's completed seq: that keeps a steady-state
 # summary under 1 KB.
-_STEP = struct.Struct("<iiIII")
-_STEP_V1 = struct.Struct("<iiII")  # without the wait for a CPU
-_SAMPLE = struct.Struct("<HIiII")
-_P2P = struct.Struct("<HiBIiII")
-_FRAME_LEN = struct.Struct("<H")
-SAMPLE_DTYPE = np.dtype(
-    [("slot", "<u2"), ("back", "<u4"), ("rel_us", "<i4"), ("dur_us", "<u4"), ("bytes", "<u4")]
-)  # _SAMPLE's rows, packed
-P2P_DTYPE = np.dtype(
-    [
-        ("slot", "<u2"),
-        ("peer", "<i4"),
-        ("sends", "u1"),
-        ("seq", "<u4"),
-        ("rel_us", "<i4"),
-        ("dur_us", "<u4"),
-        ("bytes", "<u4"),
-    ]
-)  # _P2P's rows, packed
-# The other records as numpy rows, for decoding many summaries at once (summary_batch).
 HEAD_DTYPE = np.dtype(
     [
         ("version", "u1"),
@@ -227,24 +218,79 @@ FLIGHT_DTYPE = np.dtype(
         ("state", "u1"),
     ]
 )
-STEP_DTYPE = np.dtype(
+_STEP_V1_FIELDS = [("step", "<i4"), ("rel_us", "<i4"), ("step_us", "<u4"), ("compute_us", "<u4")]
+STEP_DTYPE = np.dtype([*_STEP_V1_FIELDS, ("cpu_wait_us", "<u4")])
+_STEP_V1_DTYPE = np.dtype(_STEP_V1_FIELDS)  # without the wait for a CPU
+SAMPLE_DTYPE = np.dtype(
+    [("slot", "<u2"), ("back", "<u4"), ("rel_us", "<i4"), ("dur_us", "<u4"), ("bytes", "<u4")]
+)
+P2P_DTYPE = np.dtype(
     [
-        ("step", "<i4"),
+        ("slot", "<u2"),
+        ("peer", "<i4"),
+        ("sends", "u1"),
+        ("seq", "<u4"),
         ("rel_us", "<i4"),
-        ("step_us", "<u4"),
-        ("compute_us", "<u4"),
-        ("cpu_wait_us", "<u4"),
+        ("dur_us", "<u4"),
+        ("bytes", "<u4"),
     ]
 )
-for _dtype, _struct in (
-    (SAMPLE_DTYPE, _SAMPLE),
-    (P2P_DTYPE, _P2P),
-    (HEAD_DTYPE, _HEAD),
-    (GROUP_DTYPE, _GROUP),
-    (FLIGHT_DTYPE, _FLIGHT),
-    (STEP_DTYPE, _STEP),
-):
-    assert _dtype.itemsize == _struct.size
+FRAME_LEN = struct.Struct("<H")  # before each stack frame's bytes
+_STRUCT_CODES = {"u1": "B", "u2": "H", "u4": "I", "u8": "Q", "i4": "i", "i8": "q"}
+
+
+def _struct(dtype: np.dtype) -> struct.Struct:
+    """The struct of one row of ``dtype`` (packed, little-endian)."""
+    assert dtype.fields is not None
+    codes = [_STRUCT_CODES[f"{t.kind}{t.itemsize}"] for t, *_ in dtype.fields.values()]
+    return struct.Struct("<" + "".join(codes))
+
+
+_HEAD_FIELDS = ("rank", "pid", "flags", "step", "heartbeat_ns", "last_progress_ns")
+_HEAD, _GROUP, _FLIGHT = _struct(HEAD_DTYPE), _struct(GROUP_DTYPE), _struct(FLIGHT_DTYPE)
+_STEP, _STEP_V1 = _struct(STEP_DTYPE), _struct(_STEP_V1_DTYPE)
+_SAMPLE, _P2P = _struct(SAMPLE_DTYPE), _struct(P2P_DTYPE)
+
+
+class Sections(NamedTuple):
+    """Where a value's sections start: host name, group progress, in-flight ops, steps,
+    arrival samples, stack frames. After the frames: the channel evidence
+    (``n_channels`` bytes), then point-to-point samples to the end."""
+
+    host: Any
+    groups: Any
+    flights: Any
+    steps: Any
+    samples: Any
+    frames: Any
+
+
+def sections(head_end: Any, counts: Sequence[Any], step_size: int = _STEP.size) -> Sections:
+    """The sections of values whose heads end at ``head_end``, from their heads' counts of
+    host bytes, groups, in-flight ops, steps and samples: ints for one value, numpy arrays
+    for many alike. ``step_size``: a step record's size in the values' version."""
+    n_host, n_groups, n_flights, n_steps, n_samples = counts
+    groups = head_end + n_host
+    flights = groups + _GROUP.size * n_groups
+    steps = flights + _FLIGHT.size * n_flights
+    samples = steps + step_size * n_steps
+    return Sections(head_end, groups, flights, steps, samples, samples + _SAMPLE.size * n_samples)
+
+
+def read_frames(value: bytes, at: int, count: int) -> tuple[list[str], int]:
+    """The ``count`` stack frames of ``value`` from ``at``, and where they end. Raises
+    :class:`SummaryError` on frames that are not what the encoder writes."""
+    frames = []
+    try:
+        for _ in range(count):
+            (n,) = FRAME_LEN.unpack_from(value, at)
+            if n > MAX_FRAME:
+                raise SummaryError("corrupt ccld summary (a stack frame longer than encoded)")
+            frames.append(value[at + 2 : at + 2 + n].decode())
+            at += 2 + n
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise SummaryError(f"corrupt ccld summary ({exc})") from None
+    return frames, at
 
 
 def _clip32(v: int) -> int:
@@ -314,7 +360,7 @@ def encode_summary(s: RankSummary) -> bytes:
     ]
     parts.append(encoded_samples(s))
     for f in stack:
-        parts += [_FRAME_LEN.pack(len(f)), f]
+        parts += [FRAME_LEN.pack(len(f)), f]
     parts += [s.channels, encoded_p2p(s)]
     return b"".join(parts)
 
@@ -322,12 +368,13 @@ def encode_summary(s: RankSummary) -> bytes:
 def decode_summary(data: bytes) -> RankSummary:
     """Inverse of :func:`encode_summary`. Raises :class:`SummaryError` (a ValueError) on a
     foreign or corrupt value: one that is not exactly what the encoder writes, or whose
-    fields fail their ranges (codes, flags, counts, times against the summary's own)."""
+    fields fail their ranges (:func:`problems`: codes, flags, counts, times against the
+    summary's own)."""
     try:
-        s = _decode(bytes(data))
+        s = read_summary(bytes(data))
     except (struct.error, UnicodeDecodeError) as exc:
         raise SummaryError(f"corrupt ccld summary ({exc})") from None
-    problem = _problem(s)
+    problem = problems(*_records_of(s)).get(0)
     if problem is not None:
         raise SummaryError(f"corrupt ccld summary of rank {s.rank}: {problem}")
     return s
@@ -345,67 +392,35 @@ def upgraded_summary(data: bytes) -> bytes:
         return data
 
 
-def _decode(data: bytes) -> RankSummary:
+def read_summary(data: bytes) -> RankSummary:
+    """The summary in ``data``, read as it lies, its fields unchecked: a value that passed
+    :func:`decode_summary` or ``SummaryTable.decode``, or one on its way through them.
+    Raises :class:`SummaryError`, struct.error or UnicodeDecodeError where the value's
+    shape is not the encoder's."""
     if len(data) < _HEAD.size or data[0] not in (1, 2, SUMMARY_VERSION):
-        raise SummaryError("not a ccld summary of this version")
+        raise SummaryError(NOT_THIS_VERSION)
     step_record = _STEP_V1 if data[0] == 1 else _STEP
-    (
-        _,
-        flags,
-        rank,
-        pid,
-        time_ns,
-        hb,
-        progress,
-        step,
-        gver,
-        errors,
-        ng,
-        nf,
-        nst,
-        nsa,
-        nstack,
-        nhost,
-        nchan,
-    ) = _HEAD.unpack_from(data)
-    if nhost > MAX_HOST or nstack > MAX_FRAMES:
-        raise SummaryError("corrupt ccld summary (host or stack longer than encoded)")
-    ends = list(
-        itertools.accumulate(
-            (
-                nhost,
-                _GROUP.size * ng,
-                _FLIGHT.size * nf,
-                step_record.size * nst,
-                _SAMPLE.size * nsa,
-            ),
-            initial=_HEAD.size,
-        )
+    (_, flags, rank, pid, time_ns, hb, progress, step, gver, errors, *counts) = _HEAD.unpack_from(
+        data
     )
-    if ends[-1] + 2 * nstack + nchan > len(data):
+    ng, nf, nst, nsa, nframes, nhost, nchan = counts
+    if nhost > MAX_HOST or nframes > MAX_FRAMES:
+        raise SummaryError("corrupt ccld summary (host or stack longer than encoded)")
+    at = sections(_HEAD.size, (nhost, ng, nf, nst, nsa), step_record.size)
+    if at.frames + 2 * nframes + nchan > len(data):
         raise SummaryError("corrupt ccld summary (shorter than its counts)")
-    host = data[ends[0] : ends[1]].decode()
-    groups = [GroupProgress(*r) for r in _GROUP.iter_unpack(data[ends[1] : ends[2]])]
-    flights = [InFlightOp(*r) for r in _FLIGHT.iter_unpack(data[ends[2] : ends[3]])]
     steps = [
         StepStat(step_, time_ns + rel * 1000, *times)
-        for step_, rel, *times in step_record.iter_unpack(data[ends[3] : ends[4]])
+        for step_, rel, *times in step_record.iter_unpack(data[at.steps : at.samples])
     ]
-    off = ends[5]
-    stack = []
-    for _ in range(nstack):
-        (n,) = _FRAME_LEN.unpack_from(data, off)
-        if n > MAX_FRAME:
-            raise SummaryError("corrupt ccld summary (a stack frame longer than encoded)")
-        stack.append(data[off + 2 : off + 2 + n].decode())
-        off += 2 + n
+    stack, off = read_frames(data, at.frames, nframes)
     p2p_bytes = len(data) - off - nchan
     if p2p_bytes < 0 or p2p_bytes % _P2P.size or (p2p_bytes and data[0] != SUMMARY_VERSION):
         raise SummaryError("corrupt ccld summary (length mismatch)")
     return RankSummary(
         rank=rank,
         pid=pid,
-        host=host,
+        host=data[at.host : at.groups].decode(),
         time_ns=time_ns,
         heartbeat_ns=hb,
         step=step,
@@ -413,34 +428,99 @@ def _decode(data: bytes) -> RankSummary:
         groups_version=gver,
         flags=flags,
         errors=errors,
-        groups=groups,
-        in_flight=flights,
+        groups=[GroupProgress(*r) for r in _GROUP.iter_unpack(data[at.groups : at.flights])],
+        in_flight=[InFlightOp(*r) for r in _FLIGHT.iter_unpack(data[at.flights : at.steps])],
         steps=steps,
         stack=stack,
         channels=data[off : off + nchan],
-        sample_rows=data[ends[4] : ends[5]],
+        sample_rows=data[at.samples : at.frames],
         p2p_rows=data[off + nchan :],
     )
 
 
-def _problem(s: RankSummary) -> str | None:
-    """What is impossible in a decoded summary (None: nothing found)."""
-    late = s.time_ns + LATE_NS
-    if s.rank < 0 or s.pid <= 0:
-        return f"rank {s.rank}, pid {s.pid}"
-    if s.flags & ~KNOWN_FLAGS or s.step < 0:
-        return f"flags {s.flags:#x}, step {s.step}"
-    if s.heartbeat_ns > late or s.last_progress_ns > late:
-        return "a time after the summary's own"
-    if len({g.slot for g in s.groups}) != len(s.groups):
-        return "a group reported twice"
-    if not all(_op_ok(o, late) for o in s.in_flight):
-        return "an in-flight op with impossible fields"
-    if not all(t.step >= 0 and t.compute_us + t.cpu_wait_us <= t.step_us for t in s.steps):
-        return "a step with more compute than time"
-    if not p2p_rows_ok(np.frombuffer(s.p2p_rows, P2P_DTYPE)).all():
-        return "a point-to-point sample with impossible fields"
-    return None
+# what problems() reads of a summary object's head and steps
+_HEAD_RULED = np.dtype([(f, "<i8") for f in (*_HEAD_FIELDS, "time_ns")])
+_STEP_RULED = np.dtype([(f, "<i8") for f in ("step", "step_us", "compute_us", "cpu_wait_us")])
+Records = tuple[np.ndarray, np.ndarray]  # a summary's records of one kind, and their rows
+
+
+def _records_of(s: RankSummary) -> tuple[np.ndarray, Records, Records, Records, Records]:
+    """One summary object's fields as :func:`problems` reads them: a row of one table."""
+    head = np.array([tuple(getattr(s, f) for f in _HEAD_RULED.names or ())], _HEAD_RULED)
+    flights = np.array([tuple(o) for o in s.in_flight], FLIGHT_DTYPE)
+    steps = np.array(
+        [(t.step, t.step_us, t.compute_us, t.cpu_wait_us) for t in s.steps], _STEP_RULED
+    )
+    p2p = np.frombuffer(encoded_p2p(s), P2P_DTYPE)
+    slots = np.array([g.slot for g in s.groups], np.int64)
+    return (
+        head,
+        (np.zeros(len(slots), np.int64), slots),
+        (flights, np.zeros(len(flights), np.int64)),
+        (steps, np.zeros(len(steps), np.int64)),
+        (p2p, np.zeros(len(p2p), np.int64)),
+    )
+
+
+def problems(
+    heads: np.ndarray, groups: Records, flights: Records, steps: Records, p2p: Records
+) -> dict[int, str]:
+    """The checks of both decoders: by summary (its index in ``heads``), the first thing
+    found impossible in it. ``heads``: a row per summary with its rank, pid, flags, step
+    and times; then the rows of its records, each with the index of its summary: ``groups``
+    as (rows, slots), ``flights``, ``steps`` and ``p2p`` as (records, rows), with the
+    fields of FLIGHT_DTYPE, STEP_DTYPE (its times absolute or not) and P2P_DTYPE."""
+    late = heads["time_ns"] + LATE_NS
+    found: dict[int, str] = {}
+
+    def flag(at: np.ndarray, why: Callable[[int], str]) -> None:
+        """Say ``why`` of the summaries ``at`` (indices, some perhaps repeated)."""
+        for i in np.unique(at).tolist():
+            found.setdefault(i, why(i))
+
+    def field(name: str, i: int) -> int:
+        return int(heads[name][i])
+
+    flag(
+        np.flatnonzero((heads["rank"] < 0) | (heads["pid"] <= 0)),
+        lambda i: f"rank {field('rank', i)}, pid {field('pid', i)}",
+    )
+    flag(
+        np.flatnonzero(((heads["flags"] & ~KNOWN_FLAGS) != 0) | (heads["step"] < 0)),
+        lambda i: f"flags {field('flags', i):#x}, step {field('step', i)}",
+    )
+    flag(
+        np.flatnonzero((heads["heartbeat_ns"] > late) | (heads["last_progress_ns"] > late)),
+        lambda i: "a time after the summary's own",
+    )
+    rows, slots = groups
+    ascending = (rows[1:] > rows[:-1]) | ((rows[1:] == rows[:-1]) & (slots[1:] > slots[:-1]))
+    if not ascending.all():  # agents write slots in order: sorted, no slot is twice
+        order = np.lexsort((slots, rows))
+        rows, slots = rows[order], slots[order]
+        twice = (rows[1:] == rows[:-1]) & (slots[1:] == slots[:-1])
+        flag(rows[1:][twice], lambda i: "a group reported twice")
+    f, rows = flights
+    op_flags = f["flags"].astype(np.int64)
+    p2p_op = (op_flags & FLAG_P2P) != 0
+    op_ok = (
+        np.isin(f["op"], _OP_CODES)
+        & ((op_flags & ~OP_FLAGS) == 0)
+        & (p2p_op | ((op_flags & FLAG_SEND) == 0))
+        & ((f["state"] == STATE_IN_FLIGHT) | (f["state"] == STATE_ERROR))
+        & np.where(p2p_op, f["peer"] >= -1, f["peer"] == -1)  # a recv from any source has none
+        & (f["seq"] >= 1)
+        & (f["enter_ns"] <= late[rows])
+    )
+    flag(rows[~op_ok], lambda i: "an in-flight op with impossible fields")
+    st, rows = steps
+    step_ok = (st["step"] >= 0) & (
+        st["compute_us"].astype(np.int64) + st["cpu_wait_us"] <= st["step_us"]
+    )
+    flag(rows[~step_ok], lambda i: "a step with more compute than time")
+    records, rows = p2p
+    flag(rows[~p2p_rows_ok(records)], lambda i: "a point-to-point sample with impossible fields")
+    return found
 
 
 def p2p_rows_ok(rows: np.ndarray) -> np.ndarray:
@@ -451,19 +531,6 @@ def p2p_rows_ok(rows: np.ndarray) -> np.ndarray:
         & (rows["sends"] <= 1)
         & (rows["seq"] >= 1)
         & (rows["rel_us"].astype(np.int64) * 1000 <= LATE_NS)
-    )
-
-
-def _op_ok(o: InFlightOp, late: int) -> bool:
-    p2p = bool(o.flags & FLAG_P2P)
-    return (
-        o.op in OP_NAMES
-        and o.flags & ~_OP_FLAGS == 0
-        and (p2p or not o.flags & FLAG_SEND)
-        and o.state in (STATE_IN_FLIGHT, STATE_ERROR)
-        and (o.peer >= -1 if p2p else o.peer == -1)  # a recv from any source has none
-        and o.seq >= 1
-        and o.enter_ns <= late
     )
 
 

@@ -15,39 +15,30 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from ccld_plugin.wire import peer_channels as pc
-from ccld_plugin.wire.codes import (
-    FLAG_P2P,
-    FLAG_SEND,
-    OP_NAMES,
-    STATE_ERROR,
-    STATE_IN_FLIGHT,
-)
 from ccld_plugin.wire.packed import PackedSummaries, gather, records
-from ccld_plugin.wire.peer_channels import ChannelRows, channel_rows
+from ccld_plugin.wire.peer_channels import ChannelRows, channel_rows, channel_rows_at
 from ccld_plugin.wire.summary import (
-    _FRAME_LEN,
-    _OP_FLAGS,
     FLAG_CRASHED,
     FLAG_ERRORED,
     FLAG_EXITED,
     FLIGHT_DTYPE,
     GROUP_DTYPE,
     HEAD_DTYPE,
-    KNOWN_FLAGS,
-    LATE_NS,
-    MAX_FRAME,
     MAX_FRAMES,
     MAX_HOST,
+    NOT_THIS_VERSION,
     P2P_DTYPE,
     SAMPLE_DTYPE,
     STEP_DTYPE,
     SUMMARY_VERSION,
     RankSummary,
-    _decode,
+    SummaryError,
     encoded_p2p,
     encoded_samples,
-    p2p_rows_ok,
+    problems,
+    read_frames,
+    read_summary,
+    sections,
 )
 
 __all__ = ["Summaries", "SummaryTable", "table_of"]
@@ -75,26 +66,6 @@ _STEPS = np.dtype(
         ("cpu_wait_us", "<i8"),
     ]
 )
-_OP_CODES = np.array(sorted(OP_NAMES), np.int64)
-# a channel evidence value's head and NCCL waits (wire.peer_channels)
-_CHANNEL_HEAD = np.dtype(
-    [("version", "u1"), ("n", "u1"), ("k", "u1"), ("interval_ms", "<u2"), ("conns", "<u2")]
-)
-_WAITS = np.dtype([(w, "<u4") for w in pc._WAIT_FIELDS])
-assert _CHANNEL_HEAD.itemsize == pc._HEAD.size and _WAITS.itemsize == pc._NCCL_WAITS.size
-
-
-def _offset_in_row(dtype: np.dtype) -> int:
-    """Where ``dtype``'s fields lie in a channel row, laid out as in ``dtype`` (checked)."""
-    fields, row = dtype.fields, pc.ROW_DTYPE.fields
-    assert dtype.names is not None and fields is not None and row is not None
-    at = row[dtype.names[0]][1]
-    for name in dtype.names:
-        assert row[name][:2] == (fields[name][0], at + fields[name][1]), name
-    return at
-
-
-_ENTRY_AT, _WAITS_AT = _offset_in_row(pc.ENTRY_DTYPE), _offset_in_row(_WAITS)
 
 
 class SummaryTable(Mapping[int, RankSummary]):
@@ -148,7 +119,7 @@ class SummaryTable(Mapping[int, RankSummary]):
         head = gather(blob, np.where(ok, starts, 0), HEAD_DTYPE)
         ok &= head["version"] == SUMMARY_VERSION
         for i in np.flatnonzero(~ok).tolist():
-            bad[ranks[i]] = "corrupt ccld summary: not a ccld summary of this version"
+            bad[ranks[i]] = NOT_THIS_VERSION
         ok &= _flagged(
             bad,
             ranks,
@@ -160,30 +131,31 @@ class SummaryTable(Mapping[int, RankSummary]):
             k: np.where(ok, head[k].astype(np.int64), 0)
             for k in ("n_groups", "n_flights", "n_steps", "n_samples", "n_frames", "n_host")
         }
-        host_at = starts + HEAD_DTYPE.itemsize
-        groups_at = host_at + counts["n_host"]
-        flights_at = groups_at + GROUP_DTYPE.itemsize * counts["n_groups"]
-        steps_at = flights_at + FLIGHT_DTYPE.itemsize * counts["n_flights"]
-        samples_at = steps_at + STEP_DTYPE.itemsize * counts["n_steps"]
-        frames_at = samples_at + SAMPLE_DTYPE.itemsize * counts["n_samples"]
+        at = sections(
+            starts + HEAD_DTYPE.itemsize,
+            [counts[k] for k in ("n_host", "n_groups", "n_flights", "n_steps", "n_samples")],
+        )
+        frames_at = at.frames
         n_channels = head["n_channels"].astype(np.int64)
         short = frames_at + 2 * counts["n_frames"] + n_channels > starts + lens
         ok &= _flagged(bad, ranks, short, ok, "corrupt ccld summary (shorter than its counts)")
         for k in counts:
             counts[k] = np.where(ok, counts[k], 0)
         channels_at = frames_at.copy()
-        names, host_ids, unreadable = _hosts(blob, host_at, counts["n_host"])
+        names, host_ids, unreadable = _hosts(blob, at.host, counts["n_host"])
         for i, why in unreadable.items():
             bad[ranks[i]] = f"corrupt ccld summary ({why})"
             ok[i] = False
         for i in np.flatnonzero(ok & (counts["n_frames"] > 0)).tolist():
             try:
-                channels_at[i] = starts[i] + _frames_end(
+                _, end = read_frames(
                     packed.at_row(i), int(frames_at[i] - starts[i]), int(counts["n_frames"][i])
                 )
-            except (ValueError, UnicodeDecodeError) as exc:
-                bad[ranks[i]] = f"corrupt ccld summary ({exc})"
+            except SummaryError as exc:
+                bad[ranks[i]] = str(exc)
                 ok[i] = False
+            else:
+                channels_at[i] = starts[i] + end
         # point-to-point samples fill the rest (of a value of this version)
         p2p_at = channels_at + n_channels
         rest = starts + lens - p2p_at
@@ -195,10 +167,10 @@ class SummaryTable(Mapping[int, RankSummary]):
         heads = np.zeros(n, _HEADS)
         for f in (*_HEAD_FIELDS, "groups_version"):
             heads[f] = head[f]
-        g_raw, g_row = records(blob, groups_at, counts["n_groups"], GROUP_DTYPE)
-        f_raw, f_row = records(blob, flights_at, counts["n_flights"], FLIGHT_DTYPE)
-        s_raw, s_row = records(blob, steps_at, counts["n_steps"], STEP_DTYPE)
-        samples, sample_rows = records(blob, samples_at, counts["n_samples"], SAMPLE_DTYPE)
+        g_raw, g_row = records(blob, at.groups, counts["n_groups"], GROUP_DTYPE)
+        f_raw, f_row = records(blob, at.flights, counts["n_flights"], FLIGHT_DTYPE)
+        s_raw, s_row = records(blob, at.steps, counts["n_steps"], STEP_DTYPE)
+        samples, sample_rows = records(blob, at.samples, counts["n_samples"], SAMPLE_DTYPE)
         p2p, p2p_rows = records(blob, p2p_at, n_p2p, P2P_DTYPE)
         groups = _columns(g_raw, g_row, _GROUPS)
         flights = _columns(f_raw, f_row, _FLIGHTS)
@@ -324,7 +296,7 @@ class SummaryTable(Mapping[int, RankSummary]):
         s = self._decoded.get(rank)
         if s is None:
             value = values.at_row(i)
-            s = self._decoded[rank] = _decode(value)
+            s = self._decoded[rank] = read_summary(value)
             start, end = self._channel_spans[i].tolist()
             s.channels = value[start:end]
         return s
@@ -389,98 +361,31 @@ class SummaryTable(Mapping[int, RankSummary]):
         """The channel evidence of every row (built once per table)."""
         if self._channel_rows is None:
             values = self._values
-            self._channel_rows = (
-                self._decoded_channel_rows(values)
-                if isinstance(values, PackedSummaries)
-                else channel_rows(values)
-            )
+            if isinstance(values, PackedSummaries):
+                spans = self._channel_spans
+                self._channel_rows = channel_rows_at(
+                    values.blob,
+                    values.starts + spans[:, 0],
+                    spans[:, 1] - spans[:, 0],
+                    self.ranks,
+                    self.heads["time_ns"],
+                )
+            else:
+                self._channel_rows = channel_rows(values)
         return self._channel_rows
-
-    def _decoded_channel_rows(self, packed: PackedSummaries) -> ChannelRows:
-        """``channel_rows`` of a decoded table's values, read from their buffer in a few
-        gathers (what ``channel_rows`` does value by value)."""
-        starts, blob = packed.starts, packed.blob
-        spans = self._channel_spans
-        at, size = starts + spans[:, 0], spans[:, 1] - spans[:, 0]
-        head = gather(blob, np.where(size >= _CHANNEL_HEAD.itemsize, at, 0), _CHANNEL_HEAD)
-        n, k = head["n"].astype(np.int64), head["k"].astype(np.int64)
-        ok = (
-            (size >= _CHANNEL_HEAD.itemsize)
-            & (head["version"] == pc.CHANNELS_VERSION)
-            & (k <= n)
-            & (n <= pc.MAX_ENTRIES)
-            & (size == _CHANNEL_HEAD.itemsize + n * pc.ENTRY_DTYPE.itemsize + k * _WAITS.itemsize)
-        )
-        n, k = np.where(ok, n, 0), np.where(ok, k, 0)
-        entries_at = at + _CHANNEL_HEAD.itemsize
-        raw, which = records(blob, entries_at, n, pc.ENTRY_DTYPE)
-        waits, _ = records(blob, entries_at + n * pc.ENTRY_DTYPE.itemsize, k, _WAITS)
-        nccl = raw["source"] == pc.SOURCE_NCCL
-        bad = np.bincount(which, weights=~pc._entries_ok(raw), minlength=len(ok))
-        ok &= (np.bincount(which, weights=nccl, minlength=len(ok)) == k) & (bad == 0)
-        keep = ok[which]
-        if not keep.all():  # (a copy of ~200,000 entries at 65,536 ranks: only when needed)
-            raw, which, nccl = raw[keep], which[keep], nccl[keep]
-            waits = waits[np.repeat(ok, k)]
-        interval_s = head["interval_ms"][ok] / 1000
-        reports = np.zeros(int(ok.sum()), pc._REPORT_DTYPE)
-        reports["rank"] = self.ranks[ok]
-        reports["mid_ns"] = self.heads["time_ns"][ok] - (interval_s * 5e8).astype(np.int64)
-        reports["interval_s"] = interval_s
-        which = (np.cumsum(ok) - 1)[which]  # renumbered among the reports kept
-        rows = np.zeros(len(raw), pc.ROW_DTYPE)
-        assert pc._REPORT_DTYPE.names is not None
-        cells = rows.view(np.uint8).reshape(len(rows), pc.ROW_DTYPE.itemsize)
-        # the entries' and waits' bytes as sent: one copy each, not one per field
-        cells[:, _ENTRY_AT : _ENTRY_AT + pc.ENTRY_DTYPE.itemsize] = _bytes_of(raw)
-        cells[nccl, _WAITS_AT : _WAITS_AT + _WAITS.itemsize] = _bytes_of(waits)
-        for name in pc._REPORT_DTYPE.names:
-            rows[name] = reports[name][which]
-        return ChannelRows(reports, rows)
 
     # ------------------------------------------------------------------ checks
     def _problems(self, ok: np.ndarray) -> dict[int, str]:
-        """Per row still ``ok``: what is impossible in it (as ``summary._problem`` says)."""
-        h = self.heads
-        late = h["time_ns"] + LATE_NS
-        found: dict[int, str] = {}
-
-        def flag(mask: np.ndarray, why: str) -> None:
-            for i in np.flatnonzero(mask & ok).tolist():
-                found.setdefault(i, why)
-
-        flag((h["rank"] < 0) | (h["pid"] <= 0), "rank or pid out of range")
-        flag(((h["flags"] & ~KNOWN_FLAGS) != 0) | (h["step"] < 0), "flags or step")
-        flag(
-            (h["heartbeat_ns"] > late) | (h["last_progress_ns"] > late),
-            "a time after the summary's own",
+        """Per row still ``ok``: what is impossible in it (``summary.problems``, the checks
+        of the per-rank decoder)."""
+        found = problems(
+            self.heads,
+            (self.groups["row"], self.groups["slot"]),
+            (self.flights, self.flights["row"]),
+            (self.steps, self.steps["row"]),
+            (self.p2p, self.p2p_rows),
         )
-        g = self.groups
-        rows, slots = g["row"], g["slot"]
-        ascending = (rows[1:] > rows[:-1]) | ((rows[1:] == rows[:-1]) & (slots[1:] > slots[:-1]))
-        if not ascending.all():  # agents write slots in order: sorted, no slot is twice
-            order = np.lexsort((slots, rows))
-            rows, slots = rows[order], slots[order]
-            twice = (rows[1:] == rows[:-1]) & (slots[1:] == slots[:-1])
-            flag(_any_per_row(rows[1:][twice], len(h)), "a group reported twice")
-        f = self.flights
-        p2p = (f["flags"] & FLAG_P2P) != 0
-        op_ok = (
-            np.isin(f["op"], _OP_CODES)
-            & ((f["flags"] & ~_OP_FLAGS) == 0)
-            & (p2p | ((f["flags"] & FLAG_SEND) == 0))
-            & ((f["state"] == STATE_IN_FLIGHT) | (f["state"] == STATE_ERROR))
-            & np.where(p2p, f["peer"] >= -1, f["peer"] == -1)
-            & (f["seq"] >= 1)
-            & (f["enter_ns"] <= late[f["row"]])
-        )
-        flag(_any_per_row(f["row"][~op_ok], len(h)), "an in-flight op with impossible fields")
-        st = self.steps
-        step_ok = (st["step"] >= 0) & (st["compute_us"] + st["cpu_wait_us"] <= st["step_us"])
-        flag(_any_per_row(st["row"][~step_ok], len(h)), "a step with more compute than time")
-        bad_p2p = self.p2p_rows[~p2p_rows_ok(self.p2p)]
-        flag(_any_per_row(bad_p2p, len(h)), "a point-to-point sample with impossible fields")
-        return found
+        return {i: why for i, why in found.items() if ok[i]}
 
 
 class Summaries(Sequence[RankSummary]):
@@ -574,23 +479,6 @@ def _names(raw: np.ndarray, length: np.ndarray) -> tuple[list[str], dict[int, st
     return names, failed
 
 
-def _frames_end(value: bytes, at: int, count: int) -> int:
-    """Where a value's stack frames, from ``at``, end (they are checked as decoded)."""
-    for _ in range(count):
-        (n,) = _FRAME_LEN.unpack_from(value, at)
-        if n > MAX_FRAME:
-            raise ValueError("a stack frame longer than encoded")
-        value[at + 2 : at + 2 + n].decode()
-        at += 2 + n
-    return at
-
-
-def _bytes_of(records: np.ndarray) -> np.ndarray:
-    """Packed records as a matrix of their bytes, one row each."""
-    size = records.dtype.itemsize
-    return np.ascontiguousarray(records).view(np.uint8).reshape(len(records), size)
-
-
 def _columns(raw: np.ndarray, rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
     out = np.zeros(len(raw), dtype)
     out["row"] = rows
@@ -603,9 +491,3 @@ def _columns(raw: np.ndarray, rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
 def _rows(dtype: np.dtype, values: Iterator[tuple]) -> np.ndarray:
     items = list(values)
     return np.array(items, dtype) if items else np.zeros(0, dtype)
-
-
-def _any_per_row(rows: np.ndarray, n: int) -> np.ndarray:
-    out = np.zeros(n, bool)
-    out[rows] = True
-    return out
