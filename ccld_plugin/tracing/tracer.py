@@ -28,6 +28,13 @@ from ccld_plugin.errors import report_error
 from ccld_plugin.topology import GroupInfo, Topology, group_id_of, more_specific, role_index
 from ccld_plugin.tracing.cpu_wait import ThreadCpuWait
 from ccld_plugin.tracing.functional_ops import FunctionalOps
+from ccld_plugin.tracing.work import (
+    CompletionPoller,
+    ThreadState,
+    TracedWork,
+    book_cpu_wait,
+    cpu_wait_now,
+)
 from ccld_plugin.wire.codes import (
     FLAG_ASYNC,
     FLAG_CUDA,
@@ -110,119 +117,6 @@ class GroupEntry:
     mixed: bool  # a group with several backends: the tensor's device decides
 
 
-class _Local(threading.local):
-    busy = False  # inside a traced call: nested calls are part of it, not new ops
-    coalesced_index = -1  # ring index of the open coalescing block, if any
-    # The thread's wait for a CPU, followed from its first step mark, and how much of it
-    # fell inside blocking communication (booked there, as communication); the time and
-    # the wait at its last mark; whether its blocking ops read the wait around them now.
-    cpu_wait: ThreadCpuWait | None = None
-    cpu_wait_in_ops_ns = 0
-    marked_ns = 0
-    marked_wait_ns = 0
-    watch_ops = False
-
-
-def _cpu_wait_now(local: _Local) -> int:
-    """The thread's wait for a CPU so far (-1: not read now), read before blocking."""
-    return local.cpu_wait.ns() if local.watch_ops and local.cpu_wait is not None else -1
-
-
-def _book_cpu_wait(local: _Local, before: int) -> None:
-    """Book the thread's wait for a CPU since ``before`` (_cpu_wait_now) to communication."""
-    if before >= 0 and local.cpu_wait is not None:
-        # (a read that failed says 0: never book less than nothing)
-        local.cpu_wait_in_ops_ns += max(0, local.cpu_wait.ns() - before)
-
-
-class TracedWork:
-    """Delegates to the real work object; stamps the op's exit when it completes."""
-
-    __slots__ = ("_work", "_indices", "_tracer", "_cuda", "_done")
-
-    def __init__(self, work: Any, indices: tuple[int, ...], tracer: Tracer, cuda: bool) -> None:
-        self._work = work
-        self._indices = indices
-        self._tracer = tracer
-        self._cuda = cuda
-        self._done = False
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.monotonic_ns()
-        local = self._tracer._local
-        queued = -1 if self._cuda else _cpu_wait_now(local)
-        try:
-            result = self._work.wait(*args, **kwargs)
-        except BaseException:
-            self._finish(STATE_ERROR)
-            raise
-        finally:
-            self._tracer.add_wait(time.monotonic_ns() - t0)
-            _book_cpu_wait(local, queued)
-        if not self._cuda:  # on GPU, wait() only orders streams: the poller stamps exit
-            self._finish(STATE_DONE)
-        return result
-
-    def is_completed(self) -> bool:
-        done = self._work.is_completed()
-        if done:
-            self._finish(STATE_DONE if _succeeded(self._work) else STATE_ERROR)
-        return done
-
-    def _finish(self, state: int) -> None:
-        if not self._done:
-            self._done = True
-            self._tracer.exit_many(self._indices, state)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
-
-
-class _CompletionPoller:
-    """A daemon thread that stamps the exit of async work when ``is_completed()`` turns true
-    (the only faithful completion time of a GPU collective)."""
-
-    def __init__(self, interval_s: float) -> None:
-        self._interval = interval_s
-        self._pending: list[Any] = []
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="ccld-poller", daemon=True)
-        self._thread.start()
-
-    def watch(self, work: Any) -> None:
-        with self._lock:
-            self._pending.append(work)
-        self._wake.set()
-
-    def stop(self) -> None:
-        self._stop = True
-        self._wake.set()
-        self._thread.join(timeout=2)
-
-    def _run(self) -> None:
-        while not self._stop:
-            with self._lock:
-                pending = self._pending
-                self._pending = []
-            if not pending:
-                self._wake.wait()
-                self._wake.clear()
-                continue
-            still = []
-            for w in pending:
-                try:
-                    if not w._done and not w.is_completed():
-                        still.append(w)
-                except Exception as exc:  # noqa: BLE001
-                    report_error("tracer.poller", exc)
-            with self._lock:
-                self._pending.extend(still)
-            self._wake.wait(self._interval)
-            self._wake.clear()
-
-
 class Tracer:
     """Wraps torch.distributed for one board. At most one is installed at a time."""
 
@@ -235,8 +129,8 @@ class Tracer:
         # Ops that raised (or whose work failed): a rank that saw one keeps its board at
         # exit, however it leaves (sys.exit after catching it is no clean end).
         self.failed_ops = 0
-        self._local = _Local()
-        self._poller = _CompletionPoller(poll_interval_s)
+        self._local = ThreadState()
+        self._poller = CompletionPoller(poll_interval_s)
         self._functional = FunctionalOps(self)  # DTensor's ops, which reach C++ directly
         self._originals: dict[str, Any] = {}
         self._wrappers: dict[str, Any] = {}
@@ -360,6 +254,24 @@ class Tracer:
         self._p2p_seq[key] = seq
         return seq
 
+    def _call(
+        self, orig: Callable, args: tuple, kwargs: dict, indices: tuple[int, ...], cpu: bool
+    ) -> Any:
+        """The call around every traced op, once its record is on the board: the original,
+        with the thread marked busy (what it calls is part of the op), its records failed
+        if it raises. ``cpu``: a blocking CPU op, whose wait for a CPU is booked to it."""
+        local = self._local
+        local.busy = True
+        queued = cpu_wait_now(local) if cpu else -1
+        try:
+            return orig(*args, **kwargs)
+        except BaseException:
+            self.exit_many(indices, STATE_ERROR)
+            raise
+        finally:
+            local.busy = False
+            book_cpu_wait(local, queued)
+
     # ----------------------------------------------------------------- wrappers
     def _wrap_collective(self, name: str, orig: Callable) -> Callable:
         code = OP_CODES[name]
@@ -397,16 +309,7 @@ class Tracer:
                 return orig(*args, **kwargs)
             if cuda and async_at is not None and not asked_async:
                 args, kwargs = _force_async(args, kwargs, async_at)
-            local.busy = True
-            queued = -1 if asked_async or cuda else _cpu_wait_now(local)
-            try:
-                result = orig(*args, **kwargs)
-            except BaseException:
-                self.exit_many((index,), STATE_ERROR)
-                raise
-            finally:
-                local.busy = False
-                _book_cpu_wait(local, queued)
+            result = self._call(orig, args, kwargs, (index,), not (asked_async or cuda))
             if cuda and async_at is not None:
                 tw = self._track(result, (index,), True)
                 if asked_async:
@@ -448,16 +351,7 @@ class Tracer:
             except Exception as exc:  # noqa: BLE001
                 report_error(f"tracer.{name}", exc)
                 return orig(*args, **kwargs)
-            local.busy = True
-            queued = -1 if always_async or cuda else _cpu_wait_now(local)
-            try:
-                result = orig(*args, **kwargs)
-            except BaseException:
-                self.exit_many((index,), STATE_ERROR)
-                raise
-            finally:
-                local.busy = False
-                _book_cpu_wait(local, queued)
+            result = self._call(orig, args, kwargs, (index,), not (always_async or cuda))
             if always_async and result is not None:
                 return self._track(result, (index,), cuda)
             board.exit(index, STATE_DONE)
@@ -501,14 +395,7 @@ class Tracer:
             except Exception as exc:  # noqa: BLE001
                 report_error("tracer.batch_isend_irecv", exc)
                 return orig(p2p_op_list)
-            local.busy = True
-            try:
-                works = orig(p2p_op_list)
-            except BaseException:
-                self.exit_many(tuple(indices), STATE_ERROR)
-                raise
-            finally:
-                local.busy = False
+            works = self._call(orig, (p2p_op_list,), {}, tuple(indices), False)
             if not works:
                 self.exit_many(tuple(indices), STATE_DONE)
                 return works
@@ -542,7 +429,7 @@ class Tracer:
                 report_error("tracer._coalescing_manager", exc)
                 index = -1
             local.busy, local.coalesced_index = True, index
-            queued = -1 if index < 0 or e is None or async_ops or e.cuda else _cpu_wait_now(local)
+            queued = -1 if index < 0 or e is None or async_ops or e.cuda else cpu_wait_now(local)
             try:
                 with orig(group, device, async_ops) as cm:
                     yield cm
@@ -552,7 +439,7 @@ class Tracer:
                 raise
             finally:
                 local.busy, local.coalesced_index = False, -1
-                _book_cpu_wait(local, queued)
+                book_cpu_wait(local, queued)
             if index < 0:
                 return
             assert e is not None  # the op was entered (index >= 0) on e's slot
@@ -597,13 +484,6 @@ class Tracer:
 
 
 # ---------------------------------------------------------------------- helpers
-def _succeeded(work: Any) -> bool:
-    try:
-        return bool(work.is_success())
-    except Exception:  # noqa: BLE001 - not every work type answers; completion is enough
-        return True
-
-
 def _device_of(pg: Any) -> str:
     try:
         backend = str(dist.get_backend(pg)).lower()
@@ -639,7 +519,7 @@ def _peer_rank(group: Any, peer: int | None, group_peer: int | None) -> int:
 
 def _add_coalesced_bytes(
     board: Any,
-    local: _Local,
+    local: ThreadState,
     args: tuple,
     kwargs: dict,
     tensor_at: int | None,
