@@ -46,8 +46,9 @@ from rich.console import Console
 from ccld_harness.demo import DemoOptions, run_demo
 from ccld_plugin.board.reader import BoardError, BoardReader, board_files
 from ccld_plugin.config import load_config
+from ccld_plugin.diagnose.compute.stragglers import BASELINE_QUANTILE, BASELINE_WINDOWS
 from ccld_plugin.diagnose.robust import RecentFloor
-from ccld_plugin.diagnose.slow import BASELINE_QUANTILE, BASELINE_WINDOWS, FIRST_STEP
+from ccld_plugin.diagnose.slow import FIRST_STEP
 from ccld_plugin.wire.codes import FLAG_ASYNC, STATE_DONE, STATE_IN_FLIGHT
 
 

@@ -25,7 +25,11 @@ from ccld_plugin.topology import GroupInfo
 from ccld_plugin.wire.summary import RankSummary
 from ccld_plugin.wire.summary_batch import SummaryTable, table_of
 
-__all__ = ["ArrivalJoin", "Joined", "JoinedTable", "RankJoined"]
+__all__ = ["MIN_ARRIVAL_SAMPLES", "ArrivalJoin", "Joined", "JoinedTable", "RankJoined"]
+
+# What is judged from joined collectives (a rank's arrival order, a group's bandwidth)
+# needs at least this many of them.
+MIN_ARRIVAL_SAMPLES = 4
 
 PENDING_TTL_NS = 60_000_000_000  # a sample whose group never completes is dropped after this
 

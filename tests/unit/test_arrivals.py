@@ -119,7 +119,7 @@ def test_waited_for_weighs_waits_by_time_not_by_count() -> None:
     import numpy as np
 
     from ccld_plugin.diagnose.arrivals import Joined, JoinedTable
-    from ccld_plugin.diagnose.slow import _wait_balance
+    from ccld_plugin.diagnose.compute.confirmation import wait_balance
 
     def joined(last: int, waits_ms: dict[int, float]) -> Joined:
         t = 1000 * MS
@@ -129,7 +129,7 @@ def test_waited_for_weighs_waits_by_time_not_by_count() -> None:
 
     def balance(rank: int, joined: list[Joined]):  # over all of them, as a window's
         table = JoinedTable.of(joined)
-        return _wait_balance(rank, table.of_rank(rank, np.ones(len(table), bool)))
+        return wait_balance(rank, table.of_rank(rank, np.ones(len(table), bool)))
 
     straggler = [joined(1, {0: 30, 1: 0, 2: 31}) for _ in range(2)] + [
         joined(2, {0: 0.3, 1: 0.1, 2: 0}) for _ in range(4)

@@ -710,16 +710,19 @@ def test_a_link_verdict_waits_a_window_in_which_a_port_can_show() -> None:
     windows = [(1 + 5 * i, 6 + 5 * i) for i in range(6)]
     det = SlowDetector(cfg)
     seq = [link, link, port, link]
-    got = [det._channel_slow(v, f, lo, hi) for f, (lo, hi) in zip(seq, windows[:4], strict=True)]
+    got = [
+        det.communication.channel_slow(v, f, lo, hi)
+        for f, (lo, hi) in zip(seq, windows[:4], strict=True)
+    ]
     assert [len(x) for x in got] == [0, 0, 1, 0]
     assert (got[2][0].ranks, got[2][0].link) == ([3], None)
     # A link alone is named, a window after a rank would have been.
     det = SlowDetector(cfg)
-    got = [det._channel_slow(v, link, lo, hi) for lo, hi in windows[:4]]
+    got = [det.communication.channel_slow(v, link, lo, hi) for lo, hi in windows[:4]]
     assert [len(x) for x in got] == [0] * cfg.confirm_windows + [1, 0]
     assert got[cfg.confirm_windows][0].link == [2, 3]
     det = SlowDetector(cfg)
-    got = [det._channel_slow(v, port, lo, hi) for lo, hi in windows[:3]]
+    got = [det.communication.channel_slow(v, port, lo, hi) for lo, hi in windows[:3]]
     assert [len(x) for x in got] == [0] * (cfg.confirm_windows - 1) + [1, 0]
 
 
@@ -742,7 +745,7 @@ def test_healthy_jitter_and_delayed_acks_are_not_slow() -> None:
     judged = h.slow_links(v, 10 * S, 16 * S)
     assert (judged.found, judged.fresh) == (None, True)
     # Each link that moved data was judged (healthy): a group's bandwidth drop over them
-    # is then not put on the network (SlowDetector._slow_links).
+    # is then not put on the network (SlowCommunication.judge).
     assert set(judged.measured) == {(0, 2), (0, 1), (1, 3), (1, 0), (2, 3), (3, 2)}
     h = ChannelHistory()
     v = feed(

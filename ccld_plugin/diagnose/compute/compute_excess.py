@@ -24,9 +24,15 @@ from typing import NamedTuple
 import numpy as np
 
 from ccld_plugin.diagnose.step_table import StepTable
+from ccld_plugin.errors import log
 
-__all__ = ["Excess", "compute_excess"]
+__all__ = ["WARMUP_STEPS", "Excess", "compute_excess", "not_a_straggler"]
 
+# Compute is judged from this step on: the first steps of a job also hold compilation,
+# the data loader's first fill and the other ranks' start-up, and on a shared host they
+# swing the most (healthy 8-rank jobs on 2 cores had ranks 1.6-2x their cohort over steps
+# 1-14); a straggler from the start is named once this many steps have gone by.
+WARMUP_STEPS = 10
 MAD_TO_SIGMA = 1.4826  # the MAD of normal noise times this is its standard deviation
 MEDIAN_SE = 1.2533  # the standard error of a median is this times the mean's
 SPREAD_FLOOR = 0.02  # log ratio: below 2% step-to-step spread, measurement resolution
@@ -211,3 +217,17 @@ def _nanmedian_rows(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
     med[known == 0] = np.nan
     out[rows] = med
     return out
+
+
+def not_a_straggler(e: Excess, cohort: list[int], why: str) -> None:
+    """Log a rank slower than its cohort that is no straggler (yet), and why."""
+    log.debug(
+        "ccld steps %d-%d: rank %d computes %.2fx its cohort %s (z %.1f), not a straggler: %s",
+        e.first,
+        e.last,
+        e.rank,
+        e.ratio,
+        cohort,
+        e.z,
+        why,
+    )
