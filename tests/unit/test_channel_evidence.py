@@ -799,13 +799,13 @@ def test_sibling_medians_match_the_direct_computation() -> None:
 
     import numpy as np
 
+    from ccld_plugin.diagnose.links.link_roles import SiblingMedians
     from ccld_plugin.diagnose.links.link_stats import (
         LinkStats,
         LinkTable,
         sibling_medians,
         spm_floors,
     )
-    from ccld_plugin.diagnose.links.slow_links import _SiblingMedians
 
     rng = random.Random(7)
     for n_ranks in (3, 4, 5, 8, 16, 40):
@@ -827,7 +827,7 @@ def test_sibling_medians_match_the_direct_computation() -> None:
             )
             for k in keys
         }
-        fast = _SiblingMedians(links)
+        fast = SiblingMedians(links)
         ordered = sorted(links)
         table = LinkTable(
             {f: np.array([getattr(links[k], f) for k in ordered]) for f in LinkStats._fields}

@@ -13,12 +13,10 @@ from builders import MS, group, job_view, rank_summary
 from ccld_plugin.diagnose.links.p2p_transfers import (
     PAIRED_MAX_RANKS,
     PENDING_TTL_NS,
-    LoneConnection,
     P2PJoin,
     Transfers,
-    p2p_cleared,
-    slow_p2p_port,
 )
+from ccld_plugin.diagnose.links.slow_messages import LoneConnection, p2p_cleared, slow_p2p_port
 from ccld_plugin.diagnose.records import Cause, Kind
 from ccld_plugin.diagnose.view import GroupIndex, JobView
 from ccld_plugin.postmortem.replay import replay

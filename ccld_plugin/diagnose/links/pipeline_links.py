@@ -16,19 +16,18 @@ from dataclasses import replace
 
 import numpy as np
 
-from ccld_plugin.diagnose.links.p2p_transfers import (
-    LoneConnection,
-    P2PJoin,
-    Transfers,
-    described_connections,
-    p2p_cleared,
-    slow_p2p_port,
-)
+from ccld_plugin.diagnose.links.p2p_transfers import P2PJoin, Transfers
 from ccld_plugin.diagnose.links.slow_links import (
     ChannelHistory,
     LinkFinding,
     LinkJudgement,
     common_rank,
+)
+from ccld_plugin.diagnose.links.slow_messages import (
+    LoneConnection,
+    described_connections,
+    p2p_cleared,
+    slow_p2p_port,
 )
 from ccld_plugin.diagnose.view import GroupIndex, JobView
 from ccld_plugin.errors import log
