@@ -21,7 +21,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ccld_harness.demo import DEEPSPEED_EXAMPLE, DemoOptions, run_demo
+from ccld_harness.demo import DemoOptions, run_demo
+from ccld_harness.frameworks import example_script
 from ccld_harness.launch import LocalJob
 
 FAULT = "compute-slow@1:factor=2,step=3"
@@ -31,7 +32,7 @@ def run_comms_logger(out: Path, steps: int, every: int) -> dict:
     job = LocalJob(
         world=4,
         argv=[
-            str(DEEPSPEED_EXAMPLE),
+            str(example_script("deepspeed")),
             "--zero-stage",
             "2",
             "--steps",

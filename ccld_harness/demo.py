@@ -33,7 +33,9 @@ from types import FrameType
 from rich.console import Console
 from rich.markup import escape
 
+from ccld_harness.expectations import expected_verdict, match_faults
 from ccld_harness.faults.spec import FaultSpec, parse_faults
+from ccld_harness.frameworks import rank_argv
 from ccld_harness.launch import LocalJob, free_port
 from ccld_harness.netjob import NetJob, available
 from ccld_plugin.board.reader import BoardError, BoardReader, board_files
@@ -43,30 +45,12 @@ from ccld_plugin.postmortem.inspect_boards import collective_table, print_collec
 from ccld_plugin.sinks.console import render_verdict
 from ccld_plugin.sinks.jsonl import read_verdicts
 
-__all__ = [
-    "DemoError",
-    "DemoOptions",
-    "expected_verdict",
-    "fit_layout",
-    "match_faults",
-    "run_demo",
-]
+__all__ = ["DemoError", "DemoOptions", "fit_layout", "run_demo"]
 
 GRACE_S = 3.0  # after a verdict that means the job will not recover, before ending it
 DIAGNOSER_GRACE_S = 5.0  # for ``ccld diagnoser``'s last round once the job is over
 MARKER = ".ccld-demo"  # in DIR: a demo's output, which the next demo may replace
 OUTPUTS = ("boards", "logs", "verdicts.jsonl", "faults.jsonl", "summary.json", "trace.json")
-_EXPECTED = {
-    "compute-hang": ("hang", "compute"),
-    "compute-slow": ("slow", "compute"),
-    "mismatch": ("mismatch", "software"),
-    "comm-slow": ("slow", "communication"),
-    "comm-hang": ("hang", "communication"),
-    "kill": ("unresponsive", "unknown"),
-    "crash": ("crash", "software"),
-    "freeze": ("unresponsive", "unknown"),
-    "cpu-contention": ("slow", "compute"),
-}
 _TERMINAL = {"hang", "deadlock", "mismatch", "unresponsive", "crash"}
 
 
@@ -110,41 +94,6 @@ class Outcome:
     codes: list[int | None]
     steps: int  # completed by every rank
     ended: str  # Followed.ended
-
-
-def expected_verdict(fault: FaultSpec | dict) -> tuple[str, str]:
-    kind = fault.kind if isinstance(fault, FaultSpec) else fault["kind"]
-    return _EXPECTED[kind]
-
-
-def match_faults(faults: list[dict], verdicts: list[dict]) -> list[dict]:
-    """For each injected fault, the first verdict that names its rank with the expected
-    kind and cause, and the latency from the fault's onset."""
-    out = []
-    for f in faults:
-        kind, cause = expected_verdict(f)
-        hit = next(
-            (
-                v
-                for v in verdicts
-                if v["kind"] == kind and v["cause"] == cause and f["rank"] in v["ranks"]
-            ),
-            None,
-        )
-        latency = None
-        if hit is not None and f.get("onset_s") is not None:
-            latency = round(hit["detected_s"] - f["onset_s"], 2)
-        out.append(
-            {
-                "fault": f["fault"],
-                "verdict": hit is not None,
-                "latency_s": latency,
-                "steps_to_verdict": (hit["step"] - f["step"])
-                if hit and hit.get("step") is not None and kind == "slow"
-                else None,
-            }
-        )
-    return out
 
 
 def run_demo(opts: DemoOptions, console: Console | None = None) -> int:
@@ -430,72 +379,14 @@ def _termination_as_exit() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-EXAMPLE_SCRIPTS = {"megatron": "megatron/pretrain_gpt.py", "deepspeed": "deepspeed/train.py"}
-
-
-def example_script(framework: str) -> Path:
-    """A framework's example training script: shipped in the wheel (``ccld_harness/examples``,
-    installed by CMakeLists.txt) or, in a source checkout, ``examples/``."""
-    package = Path(__file__).resolve().parent
-    rel = EXAMPLE_SCRIPTS[framework]
-    for root in (package / "examples", package.parent / "examples"):
-        if (root / rel).is_file():
-            return root / rel
-    raise FileNotFoundError(
-        f"the {framework} example ({rel}) is neither in the installed "
-        "package nor in a source checkout"
-    )
-
-
-def _example(framework: str) -> Path:
-    try:
-        return example_script(framework)
-    except FileNotFoundError as exc:
-        raise DemoError(f"{exc}: reinstall ccld-plugin, or use --framework torch") from None
-
-
 def _framework_argv(opts: DemoOptions) -> list[str]:
     """The command of one rank for the chosen framework."""
-    if opts.framework == "torch":
-        return [
-            "-m",
-            "ccld_harness.workload",
-            "--tp",
-            str(opts.tp),
-            "--pp",
-            str(opts.pp),
-            "--steps",
-            str(opts.steps),
-        ]
-    if opts.framework == "megatron":
-        # A model big enough that compute, not Python overhead, dominates a step.
-        return [
-            str(_example(opts.framework)),
-            "--tensor-model-parallel-size",
-            str(opts.tp),
-            "--pipeline-model-parallel-size",
-            str(opts.pp),
-            "--train-iters",
-            str(opts.steps),
-            "--hidden-size",
-            "128",
-            "--seq-length",
-            "64",
-            "--micro-batch-size",
-            "4",
-            "--ccld",
-        ]
-    if opts.framework == "deepspeed":
-        return [
-            str(_example(opts.framework)),
-            "--zero-stage",
-            str(opts.zero_stage),
-            "--steps",
-            str(opts.steps),
-            "--hidden",
-            "512",
-        ]
-    raise DemoError(f"unknown framework {opts.framework!r}; choose megatron, deepspeed or torch")
+    try:
+        return rank_argv(opts.framework, opts.tp, opts.pp, opts.steps, opts.zero_stage)
+    except FileNotFoundError as exc:
+        raise DemoError(f"{exc}: reinstall ccld-plugin, or use --framework torch") from None
+    except ValueError as exc:
+        raise DemoError(str(exc)) from None
 
 
 def _wandb_overrides(out: Path) -> list[str]:
