@@ -33,7 +33,12 @@ from ccld_plugin.recording import RecordedRound, RoundRecorder
 from ccld_plugin.sinks import Sink
 from ccld_plugin.topology import GroupInfo, Topology, role_index
 from ccld_plugin.wire.packed import PackedSummaries
-from ccld_plugin.wire.summary import FLAG_EXITED, FLAG_LAST_WORDS, HEAD_DTYPE, encode_summary
+from ccld_plugin.wire.summary import (
+    FLAG_EXITED,
+    FLAG_LAST_WORDS,
+    encode_summary,
+    without_channels,
+)
 from ccld_plugin.wire.summary_batch import SummaryTable
 
 __all__ = ["Diagnoser"]
@@ -492,7 +497,7 @@ class Diagnoser:
                 "diagnoser.decode", ValueError(f"rank {rank}: a channel peer not in the job")
             )
         if outside:
-            values = values.merged({r: _without_channels(values[r]) for r in outside})
+            values = values.merged({r: without_channels(values[r]) for r in outside})
             table.without_channels(outside)
         self._last_good, self._good_table = values, table
         return table
@@ -571,14 +576,6 @@ def _not_of_job(table: SummaryTable, world: int) -> dict[int, str]:
         key = keys[row]
         out.setdefault(key, f"rank {key}: an in-flight op with a peer outside the job")
     return out
-
-
-def _without_channels(value: bytes) -> bytes:
-    """A summary's value with its channel evidence left out (the last field: its length,
-    the header's last four bytes, and its bytes, the value's last)."""
-    n = int.from_bytes(value[HEAD_DTYPE.itemsize - 4 : HEAD_DTYPE.itemsize], "little")
-    head = value[: HEAD_DTYPE.itemsize - 4] + bytes(4)
-    return head + value[HEAD_DTYPE.itemsize : len(value) - n]
 
 
 def _fits_group(g: GroupInfo, rank: int, world: int) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -57,6 +57,7 @@ __all__ = [
     "read_summary",
     "sections",
     "upgraded_summary",
+    "without_channels",
 ]
 
 # 2: a step's wait for a CPU (StepStat.cpu_wait_us). 3: point-to-point samples, after the
@@ -392,6 +393,11 @@ def upgraded_summary(data: bytes) -> bytes:
         return data
 
 
+def without_channels(value: bytes) -> bytes:
+    """A summary value with its channel evidence left out, the rest as it was."""
+    return encode_summary(replace(read_summary(value), channels=b""))
+
+
 def read_summary(data: bytes) -> RankSummary:
     """The summary in ``data``, read as it lies, its fields unchecked: a value that passed
     :func:`decode_summary` or ``SummaryTable.decode``, or one on its way through them.
@@ -478,16 +484,13 @@ def problems(
         for i in np.unique(at).tolist():
             found.setdefault(i, why(i))
 
-    def field(name: str, i: int) -> int:
-        return int(heads[name][i])
-
     flag(
         np.flatnonzero((heads["rank"] < 0) | (heads["pid"] <= 0)),
-        lambda i: f"rank {field('rank', i)}, pid {field('pid', i)}",
+        lambda i: f"rank {heads['rank'][i]}, pid {heads['pid'][i]}",
     )
     flag(
         np.flatnonzero(((heads["flags"] & ~KNOWN_FLAGS) != 0) | (heads["step"] < 0)),
-        lambda i: f"flags {field('flags', i):#x}, step {field('step', i)}",
+        lambda i: f"flags {heads['flags'][i]:#x}, step {heads['step'][i]}",
     )
     flag(
         np.flatnonzero((heads["heartbeat_ns"] > late) | (heads["last_progress_ns"] > late)),

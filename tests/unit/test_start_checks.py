@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from builders import rank_summary
+from builders import NOW, peer_channel, rank_summary
 
 import ccld_plugin
 from ccld_harness.demo import DemoOptions, Outcome, fit_layout, logged_errors, why_failed
@@ -25,7 +25,8 @@ from ccld_plugin.services import session
 from ccld_plugin.services.diagnoser import Diagnoser
 from ccld_plugin.sinks import ConsoleSink, build_sinks
 from ccld_plugin.topology import GroupInfo
-from ccld_plugin.wire.summary import InFlightOp, encode_summary
+from ccld_plugin.wire.peer_channels import encode_channels
+from ccld_plugin.wire.summary import InFlightOp, P2PSample, encode_summary, p2p_samples
 
 
 def _ccld_config(*args: str) -> subprocess.CompletedProcess:
@@ -202,6 +203,18 @@ def test_corrupt_summaries_and_group_tables_are_counted_and_left_out():
     assert again == decoded  # the last good summaries stand in: their heartbeats age
     assert svc._read_table(2) is None and svc._read_table(3) is None
     assert svc._read_table(0) == (1, [good])
+
+
+def test_channel_evidence_naming_a_rank_outside_the_job_is_left_out_alone():
+    # The rank's channels go, its point-to-point samples (encoded after them) stay, and
+    # the value kept for it decodes in the rounds after.
+    svc = Diagnoser(CcldConfig(), _Store({}), 2, 0, [])  # type: ignore[arg-type]
+    p2p = [P2PSample(0, 1, True, 7, NOW - 5_000_000, 5, 4096)]
+    s = rank_summary(0, p2p=p2p, channels=encode_channels([peer_channel(5)], 1.0, 1))
+    table = svc._summaries({0: encode_summary(s)})
+    assert table[0].channels == b"" and p2p_samples(table[0]) == p2p
+    later = svc._summaries({1: encode_summary(rank_summary(1))})
+    assert sorted(later) == [0, 1] and p2p_samples(later[0]) == p2p
 
 
 def _outcome(**fields: object) -> Outcome:
