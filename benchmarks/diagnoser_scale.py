@@ -46,7 +46,7 @@ from ccld_plugin.config import ControlConfig, DiagnoserConfig
 from ccld_plugin.control import ControlPlane
 from ccld_plugin.diagnose import Analyzer, JobView
 from ccld_plugin.diagnose.view import topology_of
-from ccld_plugin.services.diagnoser import gc_paused
+from ccld_plugin.services.diagnosis_load import gc_paused
 from ccld_plugin.topology import GroupInfo, group_id_of
 from ccld_plugin.wire.node_summary import encode_node, node_count, node_ranks
 from ccld_plugin.wire.packed import PackedSummaries

@@ -6,7 +6,7 @@ simulated clock: every rank publishes a summary each 1 s agent tick, and the rea
 the diagnoser lives sets when its rounds come:
 
 - ``rank``: a thread on a training rank, which keeps its rounds to 20% of that rank's time
-  (``services.diagnoser.MAX_ROUND_SHARE``): after a round of cost c it waits
+  (``services.diagnosis_load.MAX_ROUND_SHARE``): after a round of cost c it waits
   max(interval / 2, 4c);
 - ``process``: ``ccld diagnoser``, a process of its own: rounds back to back, at most one
   per half interval.
@@ -32,7 +32,7 @@ from diagnoser_scale import OPS_PER_STEP, STEP_NS, TP, layout, rank_summary
 from ccld_plugin.config import DiagnoserConfig
 from ccld_plugin.diagnose import Analyzer, JobView
 from ccld_plugin.diagnose.view import topology_of
-from ccld_plugin.services.diagnoser import MAX_ROUND_SHARE, gc_paused
+from ccld_plugin.services.diagnosis_load import MAX_ROUND_SHARE, gc_paused
 from ccld_plugin.wire.codes import OP_CODES
 from ccld_plugin.wire.summary import (
     ArrivalSample,

@@ -4,14 +4,11 @@ the diagnosis lease while it runs and emits verdicts only while it is the one in
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
 import socket
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,6 +27,7 @@ from ccld_plugin.diagnose.links.tcp_evidence import SILENT_INTERVALS
 from ccld_plugin.diagnose.view import topology_of
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.recording import RecordedRound, RoundRecorder
+from ccld_plugin.services.diagnosis_load import MAX_ROUND_SHARE, DiagnosisLoad, gc_paused
 from ccld_plugin.sinks import Sink
 from ccld_plugin.topology import GroupInfo, Topology, role_index
 from ccld_plugin.wire.packed import PackedSummaries
@@ -46,11 +44,6 @@ __all__ = ["Diagnoser"]
 # Ranks whose reach ports are looked up ahead (spread over the job), to try when this
 # diagnoser hears from nobody.
 LANDMARKS = 8
-MAX_ROUND_SHARE = 0.2  # of the diagnoser rank's time spent in diagnoser rounds
-LOAD_WINDOW_S = 10.0  # the diagnosis' load on its rank is measured over this long
-# Threads that only the diagnoser's rank runs (its rounds, its lease, the W&B sink): their
-# CPU time holds that rank's GIL, so its training is slower by up to as much.
-DIAGNOSIS_THREADS = ("ccld-diagnoser", "ccld-lease", "ccld-wandb")
 # Renewals a standby waits for before it takes the lease over (a loaded host can delay one
 # or two); the diagnoser in charge counts its lease lost one interval earlier.
 LEASE_INTERVALS = 4
@@ -60,22 +53,6 @@ LEASE_INTERVALS = 4
 # every FAILING_RETRY_S, for up to FAILING_GRACE_S.
 FAILING_GRACE_S = 1.5
 FAILING_RETRY_S = 0.1
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection during a diagnoser round. A round builds tens of
-    objects per rank; at thousands of ranks the collections they trigger (each a pass over
-    the detector's long-lived state) cost more than the round itself (3-4x at 2,048 ranks).
-    Collection only waits until the round ends, and the collector stays off if it was off
-    (frameworks that collect by hand, such as Megatron's --manual-gc)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 class Diagnoser:
@@ -140,8 +117,7 @@ class Diagnoser:
         self._owner = owner_record(self.rank, self._host, os.getpid())
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        # (when, CPU seconds) of the diagnosis' own threads, at the recent rounds
-        self._cpu: deque[tuple[float, float]] = deque()
+        self._load = DiagnosisLoad()  # of its threads on this rank
         # Handshakes to silent ranks' hosts: a cut link from a wedged process (control.reach).
         # The landmarks, spread over the job (so on other hosts where there are several),
         # have their ports looked up while the store answers: they are the hosts this
@@ -279,16 +255,6 @@ class Diagnoser:
             cost = time.thread_time() - t0
             if self.rank >= 0:
                 pause = max(interval / 2, cost * (1 - MAX_ROUND_SHARE) / MAX_ROUND_SHARE)
-
-    def load(self) -> float:
-        """The share of the last LOAD_WINDOW_S (or less, early on) that the threads only
-        the diagnoser's rank runs spent on the CPU."""
-        now = time.monotonic()
-        self._cpu.append((now, _diagnosis_cpu_s()))
-        while len(self._cpu) > 2 and self._cpu[1][0] <= now - LOAD_WINDOW_S:
-            self._cpu.popleft()
-        (t0, c0), (t1, c1) = self._cpu[0], self._cpu[-1]
-        return min(1.0, max(0.0, (c1 - c0) / (t1 - t0))) if t1 - t0 >= 1.0 else 0.0
 
     def _until_clock_epoch(self) -> float:
         """Seconds to the next clock re-sync (the agents wait for its timestamps)."""
@@ -436,7 +402,7 @@ class Diagnoser:
             observer=self.rank if self.rank >= 0 else None,
             store_local=self.control.store_local,
             store_failed=store_failed,
-            observer_load=self.load() if self.rank >= 0 else 0.0,
+            observer_load=self._load.share() if self.rank >= 0 else 0.0,
             observer_round_ns=self._last_round_ns if self.rank >= 0 else None,
             final=last,
         )
@@ -587,13 +553,3 @@ def _fits_group(g: GroupInfo, rank: int, world: int) -> None:
         or rank not in ranks
     ):
         raise ValueError(f"group {g.group_id:016x} has ranks {list(g.ranks)[:8]}")
-
-
-def _diagnosis_cpu_s() -> float:
-    """CPU seconds so far of this process's DIAGNOSIS_THREADS (those still running)."""
-    total = 0.0
-    for t in threading.enumerate():
-        if t.name.startswith(DIAGNOSIS_THREADS) and t.ident is not None:
-            with contextlib.suppress(OSError, ValueError):  # a thread that just ended
-                total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
-    return total
