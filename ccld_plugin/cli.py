@@ -157,8 +157,6 @@ def _verdict_options(p: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console()
-    from ccld_harness.demo import DemoError
-    from ccld_harness.faults.spec import FaultSpecError
     from ccld_plugin.board.reader import BoardError
     from ccld_plugin.config import ConfigError
     from ccld_plugin.postmortem.boards import PostmortemError
@@ -175,26 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print_status(found.statuses, console)
             return _inspect_verdict(found)
         if args.command == "demo":
-            from ccld_harness.demo import DemoOptions, fit_layout, run_demo
-
-            tp, pp = fit_layout(args.world, args.tp, args.pp)
-            return run_demo(
-                DemoOptions(
-                    framework=args.framework,
-                    world=args.world,
-                    tp=tp,
-                    pp=pp,
-                    steps=args.steps,
-                    faults=args.fault,
-                    out=args.out,
-                    overrides=args.overrides,
-                    netns=args.netns,
-                    zero_stage=args.zero_stage,
-                    force=args.force,
-                    diagnoser_process=args.diagnoser_process,
-                ),
-                console,
-            )
+            return _demo(args, console)
         if args.command == "diagnoser":
             from ccld_plugin.config import load_config
             from ccld_plugin.services.diagnoser_process import run_diagnoser
@@ -247,17 +226,40 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(to_yaml(load_config(args.config, args.overrides)), end="")
             return 0
-    except (
-        ConfigError,
-        DemoError,
-        FaultSpecError,
-        BoardError,
-        RunFileError,
-        PostmortemError,
-    ) as exc:
+    except (ConfigError, BoardError, RunFileError, PostmortemError) as exc:
         print(f"ccld: error: {exc}", file=sys.stderr)
         return 2
     return 1
+
+
+def _demo(args: argparse.Namespace, console: Console) -> int:
+    """``ccld demo``: the one place the product runs the harness (ccld_harness), imported
+    here, when asked for, so that no other command loads it."""
+    from ccld_harness.demo import DemoError, DemoOptions, fit_layout, run_demo
+    from ccld_harness.faults.spec import FaultSpecError
+
+    try:
+        tp, pp = fit_layout(args.world, args.tp, args.pp)
+        return run_demo(
+            DemoOptions(
+                framework=args.framework,
+                world=args.world,
+                tp=tp,
+                pp=pp,
+                steps=args.steps,
+                faults=args.fault,
+                out=args.out,
+                overrides=args.overrides,
+                netns=args.netns,
+                zero_stage=args.zero_stage,
+                force=args.force,
+                diagnoser_process=args.diagnoser_process,
+            ),
+            console,
+        )
+    except (DemoError, FaultSpecError) as exc:
+        print(f"ccld: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _inspect_verdict(found: Inspection) -> int:
