@@ -8,12 +8,11 @@ thread-local trace id in the process.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from collections.abc import MutableMapping
 from pathlib import Path
-
-import ccld_plugin
 
 __all__ = ["LIBRARY_NAME", "enable_nccl_profiler_env", "nccl_plugin_path"]
 
@@ -33,8 +32,10 @@ def nccl_plugin_path() -> str:
     Raises:
         FileNotFoundError: the package was installed without its native part.
     """
+    spec = importlib.util.find_spec("ccld_plugin")  # where the package lies, not its names
+    dirs = list(spec.submodule_search_locations or []) if spec is not None else []
     found: list[Path] = []
-    for entry in ccld_plugin.__path__:
+    for entry in dirs:
         d = Path(entry)
         lib = d / LIBRARY_NAME
         if lib.is_file():
@@ -43,9 +44,8 @@ def nccl_plugin_path() -> str:
             found.append(lib)
     if found:
         return str(found[0].resolve())
-    dirs = ", ".join(ccld_plugin.__path__)
     raise FileNotFoundError(
-        f"{LIBRARY_NAME} not found in the ccld_plugin package ({dirs}); "
+        f"{LIBRARY_NAME} not found in the ccld_plugin package ({', '.join(dirs)}); "
         "reinstall ccld-plugin with its native part"
     )
 
