@@ -54,7 +54,7 @@ native: $(NATIVE)
 jobs: $(NATIVE)
 	$(VPY) -m pytest -q tests/jobs
 
-LINTED := ccld_plugin ccld_harness tests benchmarks examples
+LINTED := ccld_plugin ccld_harness tests benchmarks examples tools
 
 # Lint, format and types.
 check: $(NATIVE)
