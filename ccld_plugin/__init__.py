@@ -1,9 +1,11 @@
 """ccld_plugin: real-time diagnosis of slow and hung ranks in distributed training.
 
-The package is laid out like the data flow: ``runtime`` (session, tracer) writes the
-``board``; the ``agent`` summarizes it into ``wire`` records sent over the ``control``
-plane; ``diagnose`` turns them into verdicts for the ``sinks``. ``integrations`` hook
-Megatron and DeepSpeed in; ``harness`` launches and breaks jobs for tests and the demo.
+The package is laid out like the data flow: ``tracing`` (inside the training thread)
+writes the ``board``; the ``agent`` summarizes it, with its link ``probes``, into ``wire``
+records sent over the ``control`` plane; ``diagnose`` turns them into verdicts for the
+``sinks``. ``services`` start and wire them in a rank, ``postmortem`` reads what a job
+left, ``integrations`` hook Megatron and DeepSpeed in. Launching and breaking jobs (the
+tests, the demo) is ``ccld_harness``, a package beside this one.
 
 Names here load lazily, so ``import ccld_plugin.diagnose`` (pure analysis) does not load
 torch or the native module.

@@ -1,9 +1,11 @@
 """Diagnosis: pure functions and state over rank summaries; no torch, no native code.
 
-view (one round's picture) -> hang (wait-for graph, mismatch, unresponsive; located by
-channels' TCP evidence or nccl_waits' NCCL wait states) and slow (arrivals: samples joined
-per collective; stragglers, slow groups; slow_links: slow TCP and NCCL links) ->
-analyzer (rounds, dedup) -> records (the Verdict). robust: medians at scale.
+One round's picture (``view``) -> ``stalls`` (hangs from the wait-for graph, deadlocks,
+mismatches, crashes, the observer's isolation; located by ``links``' TCP and NCCL
+evidence) and the slow detector's windows (``slow``: ``compute``'s stragglers, ``links``'
+slow links and ports) -> the ``analyzer``'s round (which finding explains which, each told
+once) -> ``records`` (the Verdict). Read by all: ``arrivals`` (samples joined per
+collective), ``step_table`` (steps as arrays), ``robust`` (medians at scale).
 """
 
 from ccld_plugin.diagnose.analyzer import Analyzer

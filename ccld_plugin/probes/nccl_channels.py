@@ -6,7 +6,7 @@ wait state of the oldest unfinished step and when anything last happened on it; 
 persistent totals record per (communicator, peer, direction) with the bytes and the time
 steps spent in each wait (``csrc/nccl_links.c``). Every agent tick
 :meth:`NcclChannels.sample` folds the records of one peer and direction into one summary
-entry of source "nccl" (``peer_channels.PeerChannel``): ``diagnose.nccl_waits`` reads
+entry of source "nccl" (``peer_channels.PeerChannel``): ``diagnose.links.nccl_evidence`` reads
 the wait states when a collective hangs, ``diagnose.links.slow_links`` the wait times per byte
 over a window. Records of kernel channels (no peer) are left out: they say a kernel runs,
 not what it waits for.

@@ -1,4 +1,4 @@
-"""The NCCL wait-state reading (diagnose/nccl_waits.py) on views built by hand: layouts the
+"""The NCCL wait-state reading (diagnose/links/nccl_evidence.py) on views built by hand: layouts the
 harness's ring does not produce (a broadcast tree, two ranks, lost credit, two faults, a
 silent culprit). The ring faults themselves are tested from the plugin's own board
 records in test_nccl_profiler.py. Last, the diagnoser reports such a hang once while its

@@ -7,7 +7,7 @@ share of the interval the sender was stalled by the peer's receive window or its
 buffer, the wait class of ``probes.tcp_wait.classify_wait`` and how long queued data has not
 moved. Entries of source "nccl" come from the NCCL profiler plugin's channel records
 instead (``ccld_plugin.probes.nccl_channels``); their wait states are read by
-``diagnose.nccl_waits``.
+``diagnose.links.nccl_evidence``.
 
 This module is pure (no torch, no native code). It answers,
 for a hang (:func:`channel_evidence`, :func:`cut_off_rank`), which connections are
