@@ -17,7 +17,10 @@ PACKAGE = REPO / "ccld_plugin"
 # What each part of the package may import from the package (beyond itself). Parts not
 # listed (cli, the harness) may import anything; nothing but cli may import the harness.
 ALLOWED: dict[str, set[str]] = {
-    "config": set(),
+    # the config's schema, over how its input is read: values by type, a file's text
+    "config": {"config_values", "config_file"},
+    "config_values": set(),
+    "config_file": {"config_values"},
     "errors": set(),
     "wire": set(),
     "board": {"_native", "wire", "errors"},
@@ -41,7 +44,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     # after the job: the agent's board summary and the diagnoser, over boards left behind
     "postmortem": {"agent", "board", "config", "diagnose", "sinks", "wire"},
-    "integrations": {"", "config", "errors", "runtime"},
+    "integrations": {"", "config", "config_values", "errors", "runtime"},
     "megatron": {"integrations"},
     "deepspeed": {"integrations"},
     "": {"config", "runtime"},  # ccld_plugin/__init__.py: the public names, lazily
