@@ -196,21 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 console,
             )
         if args.command == "diagnoser":
-            from ccld_plugin.config import load_config
-            from ccld_plugin.runtime.external import run_diagnoser
-            from ccld_plugin.runtime.session import job_name
-
-            host, sep, port = args.store.rpartition(":")
-            if not sep or not host or not port.isdigit() or args.world < 1:
-                console.print(
-                    f"[red]ccld diagnoser: --store {args.store!r} --world {args.world}: "
-                    "expected HOST:PORT and a world of at least 1[/]"
-                )
-                return 2
-            cfg = load_config(args.config, args.overrides)
-            # as the ranks name their job when neither config nor launcher does: by port
-            os.environ.setdefault("MASTER_PORT", port)
-            return run_diagnoser(cfg, host, int(port), args.job or job_name(cfg), args.world)
+            return _diagnoser(args)
         if args.command == "wandb-summary":
             from ccld_plugin.sinks.wandb.run_file import print_summary, wait_for_run
 
@@ -258,6 +244,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ccld: error: {exc}", file=sys.stderr)
         return 2
     return 1
+
+
+def _diagnoser(args: argparse.Namespace) -> int:
+    """``ccld diagnoser``: every option checked before the store is waited for; one line
+    and exit status 2 for a bad one or a store that does not answer."""
+    import reprlib
+
+    # Before torch loads: c10d's warnings, each with a C++ stack trace, for a listener that
+    # is not a store; this command tells what went wrong in one line.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    from ccld_plugin.config import JOB_NAME_RULE, is_job_name, load_config
+    from ccld_plugin.runtime.external import (
+        DiagnoserError,
+        check_world,
+        parse_store,
+        run_diagnoser,
+    )
+    from ccld_plugin.runtime.session import job_name
+
+    try:
+        host, port = parse_store(args.store)
+        check_world(args.world)
+        if args.job is not None and not (args.job and is_job_name(args.job)):
+            shown = reprlib.Repr()
+            shown.maxstring = 80  # a long name is cut, not echoed whole
+            raise DiagnoserError(
+                f"ccld diagnoser: --job {shown.repr(args.job)} is not allowed; expected "
+                f"{JOB_NAME_RULE}"
+            )
+        cfg = load_config(args.config, args.overrides)
+        # as the ranks name their job when neither config nor launcher does: by port
+        os.environ.setdefault("MASTER_PORT", str(port))
+        return run_diagnoser(cfg, host, port, args.job or job_name(cfg), args.world)
+    except DiagnoserError as exc:
+        print(f"ccld: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _inspect_verdict(found: Inspection) -> int:
