@@ -177,6 +177,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             from ccld_plugin.harness.demo import DemoOptions, fit_layout, run_demo
 
+            given = [f for f, v in (("--tp", args.tp), ("--pp", args.pp)) if v is not None]
+            if args.framework == "deepspeed" and given:
+                raise DemoError(
+                    f"ccld demo: {given[0]} {getattr(args, given[0][2:])} does not apply to "
+                    "--framework deepspeed (its example is data parallel only); drop it"
+                )
             tp, pp = fit_layout(args.world, args.tp, args.pp)
             return run_demo(
                 DemoOptions(
