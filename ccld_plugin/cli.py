@@ -38,7 +38,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--zero-stage", type=int, default=2, choices=[1, 2, 3], help="ZeRO stage (deepspeed only)"
     )
-    demo.add_argument("--world", type=int, default=4)
+    demo.add_argument(
+        "--world",
+        type=int,
+        default=4,
+        help="ranks; more than this host's free memory and process limit hold is refused",
+    )
     demo.add_argument(
         "--tp", type=int, help="megatron / torch only (default: 2 where the world allows it)"
     )
@@ -61,7 +66,12 @@ def _parser() -> argparse.ArgumentParser:
         help="run each rank in its own network namespace (needs root and "
         "iproute2; implied by a comm-slow or comm-hang fault)",
     )
-    demo.add_argument("--out", type=Path, default=Path("demo-out"))
+    demo.add_argument(
+        "--out",
+        type=Path,
+        default=Path("demo-out"),
+        help="the run's folder (its parent must exist); a running demo holds it against others",
+    )
     demo.add_argument(
         "--force",
         action="store_true",
@@ -122,8 +132,16 @@ def _parser() -> argparse.ArgumentParser:
         "diagnoser",
         help="run the diagnoser as a process of its own, beside a job with diagnoser.rank=-1",
     )
-    dg.add_argument("--store", required=True, metavar="HOST:PORT", help="the job's TCPStore")
-    dg.add_argument("--world", type=int, required=True, help="the job's number of ranks")
+    dg.add_argument(
+        "--store",
+        required=True,
+        metavar="HOST:PORT",
+        help="the job's TCPStore (MASTER_ADDR:MASTER_PORT; [ADDR]:PORT for IPv6); waited for "
+        "up to control.connect_timeout_s",
+    )
+    dg.add_argument(
+        "--world", type=int, required=True, help="the job's number of ranks (at most 1,048,576)"
+    )
     dg.add_argument(
         "--job",
         help="the job's name (default: the config's job, else the launcher's run id, else "
