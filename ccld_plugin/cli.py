@@ -38,7 +38,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--zero-stage", type=int, default=2, choices=[1, 2, 3], help="ZeRO stage (deepspeed only)"
     )
-    demo.add_argument("--world", type=int, default=4)
+    demo.add_argument(
+        "--world",
+        type=int,
+        default=4,
+        help="ranks; more than this host's free memory and process limit hold is refused",
+    )
     demo.add_argument(
         "--tp", type=int, help="megatron / torch only (default: 2 where the world allows it)"
     )
@@ -61,7 +66,12 @@ def _parser() -> argparse.ArgumentParser:
         help="run each rank in its own network namespace (needs root and "
         "iproute2; implied by a comm-slow or comm-hang fault)",
     )
-    demo.add_argument("--out", type=Path, default=Path("demo-out"))
+    demo.add_argument(
+        "--out",
+        type=Path,
+        default=Path("demo-out"),
+        help="the run's folder (its parent must exist); a running demo holds it against others",
+    )
     demo.add_argument(
         "--force",
         action="store_true",
@@ -122,8 +132,16 @@ def _parser() -> argparse.ArgumentParser:
         "diagnoser",
         help="run the diagnoser as a process of its own, beside a job with diagnoser.rank=-1",
     )
-    dg.add_argument("--store", required=True, metavar="HOST:PORT", help="the job's TCPStore")
-    dg.add_argument("--world", type=int, required=True, help="the job's number of ranks")
+    dg.add_argument(
+        "--store",
+        required=True,
+        metavar="HOST:PORT",
+        help="the job's TCPStore (MASTER_ADDR:MASTER_PORT; [ADDR]:PORT for IPv6); waited for "
+        "up to control.connect_timeout_s",
+    )
+    dg.add_argument(
+        "--world", type=int, required=True, help="the job's number of ranks (at most 1,048,576)"
+    )
     dg.add_argument(
         "--job",
         help="the job's name (default: the config's job, else the launcher's run id, else "
@@ -177,6 +195,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             from ccld_plugin.harness.demo import DemoOptions, fit_layout, run_demo
 
+            given = [f for f, v in (("--tp", args.tp), ("--pp", args.pp)) if v is not None]
+            if args.framework == "deepspeed" and given:
+                raise DemoError(
+                    f"ccld demo: {given[0]} {getattr(args, given[0][2:])} does not apply to "
+                    "--framework deepspeed (its example is data parallel only); drop it"
+                )
             tp, pp = fit_layout(args.world, args.tp, args.pp)
             return run_demo(
                 DemoOptions(
@@ -196,21 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 console,
             )
         if args.command == "diagnoser":
-            from ccld_plugin.config import load_config
-            from ccld_plugin.runtime.external import run_diagnoser
-            from ccld_plugin.runtime.session import job_name
-
-            host, sep, port = args.store.rpartition(":")
-            if not sep or not host or not port.isdigit() or args.world < 1:
-                console.print(
-                    f"[red]ccld diagnoser: --store {args.store!r} --world {args.world}: "
-                    "expected HOST:PORT and a world of at least 1[/]"
-                )
-                return 2
-            cfg = load_config(args.config, args.overrides)
-            # as the ranks name their job when neither config nor launcher does: by port
-            os.environ.setdefault("MASTER_PORT", port)
-            return run_diagnoser(cfg, host, int(port), args.job or job_name(cfg), args.world)
+            return _diagnoser(args)
         if args.command == "wandb-summary":
             from ccld_plugin.sinks.wandb.run_file import print_summary, wait_for_run
 
@@ -258,6 +268,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ccld: error: {exc}", file=sys.stderr)
         return 2
     return 1
+
+
+def _diagnoser(args: argparse.Namespace) -> int:
+    """``ccld diagnoser``: every option checked before the store is waited for; one line
+    and exit status 2 for a bad one or a store that does not answer."""
+    import reprlib
+
+    # Before torch loads: c10d's warnings, each with a C++ stack trace, for a listener that
+    # is not a store; this command tells what went wrong in one line.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    from ccld_plugin.config import JOB_NAME_RULE, is_job_name, load_config
+    from ccld_plugin.runtime.external import (
+        DiagnoserError,
+        check_world,
+        parse_store,
+        run_diagnoser,
+    )
+    from ccld_plugin.runtime.session import job_name
+
+    try:
+        host, port = parse_store(args.store)
+        check_world(args.world)
+        if args.job is not None and not (args.job and is_job_name(args.job)):
+            shown = reprlib.Repr()
+            shown.maxstring = 80  # a long name is cut, not echoed whole
+            raise DiagnoserError(
+                f"ccld diagnoser: --job {shown.repr(args.job)} is not allowed; expected "
+                f"{JOB_NAME_RULE}"
+            )
+        cfg = load_config(args.config, args.overrides)
+        # as the ranks name their job when neither config nor launcher does: by port
+        os.environ.setdefault("MASTER_PORT", str(port))
+        return run_diagnoser(cfg, host, port, args.job or job_name(cfg), args.world)
+    except DiagnoserError as exc:
+        print(f"ccld: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _inspect_verdict(found: Inspection) -> int:

@@ -465,3 +465,13 @@ def make_private_dirs(path: Path) -> None:
 def to_yaml(cfg: CcldConfig) -> str:
     """The resolved config as YAML (what ``ccld config`` prints)."""
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def is_job_name(name: str) -> bool:
+    """Whether ``name`` passes the config's job-name rule (JOB_NAME_RULE), for a command
+    that takes a job name outside the config (``ccld diagnoser --job``)."""
+    try:
+        _check_job_name(name)
+    except ConfigError:
+        return False
+    return True
