@@ -19,12 +19,13 @@ PACKAGE = REPO / "ccld_plugin"
 ALLOWED: dict[str, set[str]] = {
     "config": set(),
     "errors": set(),
-    "wire": set(),
-    "board": {"_native", "wire", "errors"},
+    "private_files": set(),
+    "wire": {"private_files"},
+    "board": {"_native", "wire", "errors", "private_files"},
     "control": {"config", "wire", "errors"},
     "agent": {"_native", "board", "control", "config", "wire", "errors"},
     "diagnose": {"config", "wire", "errors"},
-    "sinks": {"config", "diagnose", "wire", "errors"},
+    "sinks": {"config", "diagnose", "wire", "errors", "private_files"},
     # the session starts the services: the only place that wires agent, control plane,
     # diagnoser and sinks together
     "runtime": {
@@ -36,6 +37,7 @@ ALLOWED: dict[str, set[str]] = {
         "control",
         "diagnose",
         "errors",
+        "private_files",
         "sinks",
         "wire",
     },
