@@ -2,7 +2,7 @@
 a link, another user's or another live job's turns the plugin off in the ranks concerned,
 one line each, and training runs to its end; nothing is written through a link planted in
 the job folder; another job's live boards are left as they are; and a config whose ranks
-the job does not have stops every rank at start-up, with one line."""
+the job does not have stops before training, once."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,10 +21,11 @@ from job_runner import FAST, SCRIPTS, JobResult, run_job
 
 from ccld_plugin.board.reader import BoardReader
 from ccld_plugin.config import load_config
-from ccld_plugin.harness.launch import LocalJob
+from ccld_plugin.harness.launch import LocalJob, free_port
 from ccld_plugin.integrations.autostart import run_env
 from ccld_plugin.sinks.jsonl import read_verdicts
 
+CCLD = [sys.executable, "-m", "ccld_plugin.cli"]
 OFF = "the plugin is off in this rank, training goes on"
 TEARDOWN_ABORT = "terminate called without an active exception"
 
@@ -310,6 +312,55 @@ def test_a_folder_held_by_a_live_job_is_refused_and_its_boards_left_alone(tmp_pa
 
 
 # ------------------------------------------------------------------ ranks the job lacks
+# (deepspeed's launcher passes --local_rank=N first: the marker's path is in the environment)
+MARKER_SCRIPT = "import os, pathlib\npathlib.Path(os.environ['MARKER']).write_text('ran')\n"
+
+
+def _torchrun(*options: str) -> list[str]:
+    port = free_port()  # (the code before this check launched the job)
+    where = ["--rdzv-endpoint", f"127.0.0.1:{port}", "--master-port", str(port)]
+    return [sys.executable, "-m", "torch.distributed.run", *options, *where]
+
+
+@pytest.mark.parametrize(
+    "sets, launcher, said",
+    [
+        (
+            ["diagnoser.rank=5"],
+            _torchrun("--nproc-per-node", "2"),
+            "diagnoser.rank=5 is not a rank of this job of 2 ranks (python -m "
+            "torch.distributed.run --nproc-per-node 2 --nnodes 1); expected 0..1",
+        ),
+        (
+            ["diagnoser.rank=3"],
+            _torchrun("--nproc_per_node=2", "--nnodes", "1:2", "--rdzv-backend", "c10d"),
+            "diagnoser.rank=3 is not a rank of this job of 2 ranks (python -m "
+            "torch.distributed.run --nproc-per-node 2 --nnodes 1:2 at its fewest)",
+        ),
+        (
+            ["diagnoser.standby_rank=4"],
+            _torchrun("--nproc-per-node", "4"),
+            "diagnoser.standby_rank=4 is not a rank of this job of 4 ranks",
+        ),
+        (
+            ["diagnoser.rank=2"],
+            [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2"],
+            "diagnoser.rank=2 is not a rank of this job of 2 ranks (deepspeed --num_gpus 2 on "
+            "this machine)",
+        ),
+    ],
+)
+def test_ccld_run_refuses_ranks_the_launch_lacks_before_launching(tmp_path, sets, launcher, said):
+    script, marker = tmp_path / "script.py", tmp_path / "ran"
+    script.write_text(MARKER_SCRIPT)
+    cmd = [*CCLD, "run", *sum((["--set", s] for s in sets), []), "--", *launcher]
+    env = {**os.environ, "MARKER": str(marker)}
+    out = subprocess.run([*cmd, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2 and out.stdout == "" and not marker.exists(), out
+    (line,) = out.stderr.splitlines()
+    assert line.startswith(f"ccld: error: ccld config: {said}"), line
+
+
 @pytest.mark.parametrize(
     "how, world, rank_key",
     [
