@@ -142,9 +142,15 @@ def _write_job_config(cfg: CcldConfig, board_dir: Path) -> Path | None:
     path = board_dir / JOB_CONFIG
     try:
         # not replaced by a rename: a link planted there is refused, and said, not removed
-        with os.fdopen(open_private(path), "w", encoding="utf-8") as fh:
-            fh.write(to_yaml(cfg))
+        fd = open_private(path)
     except OSError as exc:
+        report_error("services.job_config", exc)
+        return None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(to_yaml(cfg))
+    except OSError as exc:  # no room: a config cut short would mislead the post-mortem
+        path.unlink(missing_ok=True)
         report_error("services.job_config", exc)
         return None
     return path

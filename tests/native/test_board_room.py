@@ -1,19 +1,24 @@
 """A board's pages are reserved when it is created: a folder without room for them is an
-error there (ENOSPC), never a SIGBUS in the writer later; and a board is never created
-through a symbolic link."""
+error there (ENOSPC), never a SIGBUS in the writer later; a board is never created
+through a symbolic link; and the job's config, cut short by a full folder, is removed."""
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from ccld_plugin import _native
+from ccld_plugin import _native, errors
+from ccld_plugin.board.job_files import JOB_CONFIG
+from ccld_plugin.config import CcldConfig
+from ccld_plugin.runtime.services import _write_job_config
 
 RING, GROUPS, CHANNELS, POOL = 4096, 16, 64, 4096
 
@@ -70,3 +75,13 @@ def test_a_board_is_not_created_through_a_link(tmp_path):
         _native.Board(str(tmp_path / "rank0.board"), 0, 1, "j", "h", 16, 4, 4, 16)
     assert info.value.errno == errno.ELOOP and info.value.filename == str(tmp_path / "rank0.board")
     assert target.read_text() == "keep"
+
+
+def test_a_job_config_without_room_is_removed_not_left_cut_short(small_tmpfs, caplog, monkeypatch):
+    monkeypatch.setattr(errors, "_counts", Counter())  # this place's first error is logged
+    (small_tmpfs / "filler").write_bytes(b"\0" * 64 * 1024)
+    with caplog.at_level(logging.WARNING, logger=errors.log.name):
+        assert _write_job_config(CcldConfig(), small_tmpfs) is None
+    assert not (small_tmpfs / JOB_CONFIG).exists()
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "contained error in services.job_config" in line and "No space left" in line

@@ -8,10 +8,12 @@ from __future__ import annotations
 import logging
 import os
 import stat
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from ccld_plugin import errors
 from ccld_plugin.board.job_files import JOB_CONFIG, read_stack, write_crash, write_stack
 from ccld_plugin.config import CcldConfig, SinksConfig
 from ccld_plugin.errors import log as ccld_log
@@ -19,6 +21,12 @@ from ccld_plugin.private_files import open_private
 from ccld_plugin.runtime.services import _write_job_config
 from ccld_plugin.sinks import JsonlSink, build_sinks
 from ccld_plugin.wire.round_record import RoundRecorder
+
+
+@pytest.fixture
+def first_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Errors counted from zero, so that each place's first one is logged in this test."""
+    monkeypatch.setattr(errors, "_counts", Counter())
 
 
 @pytest.fixture
@@ -66,7 +74,7 @@ def test_stack_and_crash_files_replace_a_link_and_use_no_guessable_temporary(tmp
     assert leftovers == {"rank0.stack.tmp", "rank0.crash.tmp"}  # the planted links, unused
 
 
-def test_the_job_config_is_not_written_through_a_link(tmp_path, target, caplog):
+def test_the_job_config_is_not_written_through_a_link(tmp_path, target, caplog, first_errors):
     (tmp_path / JOB_CONFIG).symlink_to(target)
     with caplog.at_level(logging.WARNING, logger=ccld_log.name):
         assert _write_job_config(CcldConfig(), tmp_path) is None
