@@ -73,18 +73,18 @@ def claim(
     in it, create what is missing, and claim the job folder for the job ``token``.
     FolderRefused when a folder is not fit or another live job holds it."""
     _check_root(root, per_user)
-    for _ in range(3):  # the folder can be removed by the last rank of a job just ending
+    for _ in range(3):
         dir_fd = _open_job_dir(job_dir)
         try:
             with _folder_locked(dir_fd, job_dir):
-                if os.fstat(dir_fd).st_nlink == 0:
-                    os.close(dir_fd)
-                    continue
-                return JobFolder(job_dir, dir_fd, _take_lock(dir_fd, job_dir, token, world, rank))
+                # (else the last rank of a job just ending removed it meanwhile: again)
+                if os.fstat(dir_fd).st_nlink > 0:
+                    lock_fd = _take_lock(dir_fd, job_dir, token, world, rank)
+                    return JobFolder(job_dir, dir_fd, lock_fd)
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.close(dir_fd)
+            os.close(dir_fd)
             raise
+        os.close(dir_fd)
     raise FolderRefused(
         f"the board folder {job_dir} keeps being removed", "give this job its own name (job=...)"
     )
