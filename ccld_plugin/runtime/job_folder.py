@@ -207,7 +207,8 @@ def _take_lock(dir_fd: int, job_dir: Path, token: str, world: int, rank: int) ->
 
 def _holder(fd: int) -> dict:
     """What the lock file says of the job that holds it: its first line, and the ranks
-    of the lines after it that were read."""
+    of the lines after it that were read, in rank order (they are in the order the ranks
+    came)."""
     lines = os.pread(fd, HOLDER_READ, 0).decode(errors="replace").splitlines()
     try:
         head = json.loads(lines[0]) if lines else {}
@@ -216,7 +217,8 @@ def _holder(fd: int) -> dict:
         return {}
     if not isinstance(head, dict):
         return {}
-    return {**head, "ranks": [r for r in ranks if isinstance(r, dict)]}
+    ranks = [r for r in ranks if isinstance(r, dict) and isinstance(r.get("rank"), int)]
+    return {**head, "ranks": sorted(ranks, key=lambda r: r["rank"])}
 
 
 def _described(holder: dict) -> str:

@@ -5,6 +5,7 @@ ranks (and closing one's descriptors as its process dying)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -34,7 +35,7 @@ def test_ranks_of_one_job_share_the_folder_and_the_last_out_removes_it(tmp_path)
 
 def test_a_folder_held_by_a_live_job_is_refused_naming_it(tmp_path):
     root = tmp_path / "ccld-u"
-    held = [_claim(root, rank=0), _claim(root, rank=1)]
+    held = [_claim(root, rank=1), _claim(root, rank=0)]  # pids are named in rank order
     before = (root / "j" / LOCK_FILE).read_bytes()
     for world in (2, 3):  # the same size, or another: its other ranks are refused too
         with pytest.raises(FolderRefused) as info:
@@ -126,3 +127,17 @@ def test_a_lock_file_that_is_a_link_is_refused(tmp_path):
     with pytest.raises(FolderRefused, match="lock file .* cannot be opened \\(a symbolic link\\)"):
         _claim(root)
     assert target.read_text() == "keep"
+
+
+def test_the_holder_is_named_with_its_pids_in_rank_order(tmp_path):
+    root = tmp_path / "ccld-u"
+    (root / "j").mkdir(parents=True)
+    lock = root / "j" / LOCK_FILE
+    lines = [{"token": "x", "world": 3, "started": 0}]
+    lines += [{"rank": r, "host": f"h{r % 2}", "pid": 100 + r} for r in (2, 0, 1)]
+    lock.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with open(lock) as held:  # a live rank of job x
+        fcntl.flock(held, fcntl.LOCK_SH)
+        with pytest.raises(FolderRefused) as info:
+            _claim(root, token="y")
+    assert "another live job (3 ranks, pids 100, 101, 102 on h0, h1 since 19" in str(info.value)
