@@ -325,14 +325,16 @@ def _inspect_verdict(found: Inspection) -> int:
 
 
 def _run(config: Path | None, overrides: list[str], launch: list[str]) -> int:
-    """Validate the config, then become the launcher (its signals and exit code are the
+    """Validate the config (against the number of ranks the launcher's arguments say it
+    starts, where they say), then become the launcher (its signals and exit code are the
     job's), with the plugin on when the config enables it and the environment as it is
     when it does not."""
     import os
     import shutil
 
-    from ccld_plugin.config import load_config
+    from ccld_plugin.config import check_world, load_config
     from ccld_plugin.integrations.autostart import run_env
+    from ccld_plugin.integrations.launch_world import launch_world
 
     cmd = launch[1:] if launch[:1] == ["--"] else launch
     if not cmd:
@@ -346,6 +348,9 @@ def _run(config: Path | None, overrides: list[str], launch: list[str]) -> int:
     if shutil.which(cmd[0]) is None:
         print(f"ccld: error: command not found: {cmd[0]}", file=sys.stderr)
         return 2
+    world = launch_world(cmd) if cfg.enabled else None
+    if world is not None:
+        check_world(cfg, world.ranks, world.how)
     env = run_env(cfg, os.environ) if cfg.enabled else dict(os.environ)
     os.execvpe(cmd[0], cmd, env)
 

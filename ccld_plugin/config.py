@@ -44,6 +44,8 @@ __all__ = [
     "TracerConfig",
     "WandbConfig",
     "check_paths",
+    "check_world",
+    "is_job_name",
     "load_config",
     "make_private_dirs",
     "to_yaml",
@@ -475,3 +477,21 @@ def is_job_name(name: str) -> bool:
     except ConfigError:
         return False
     return True
+
+
+# ---------------------------------------------------------------- ranks of the job
+def check_world(cfg: CcldConfig, world: int, how: str = "") -> None:
+    """Refuse a rank the config names that a job of ``world`` ranks does not have: known
+    once the job's size is, at launch (``how``: where the size comes from) or at start."""
+    size = f"{world} rank{'' if world == 1 else 's'}" + (f" ({how})" if how else "")
+    d = cfg.diagnoser
+    if d.rank >= world:
+        raise ConfigError(
+            f"ccld config: diagnoser.rank={d.rank} is not a rank of this job of {size}; "
+            f"expected 0..{world - 1}, or -1 for a diagnoser process of its own (ccld diagnoser)"
+        )
+    if d.standby and d.standby_rank >= world:
+        raise ConfigError(
+            f"ccld config: diagnoser.standby_rank={d.standby_rank} is not a rank of this job "
+            f"of {size}; expected 0..{world - 1}, or -1 for the one it picks"
+        )

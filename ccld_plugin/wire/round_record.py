@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ccld_plugin.private_files import open_private
 from ccld_plugin.wire.summary import upgraded_summary
 from ccld_plugin.wire.topology import GroupInfo
 
@@ -42,7 +43,7 @@ class RoundRecorder:
 
     def __init__(self, path: Path, config_yaml: str) -> None:
         # Appended to: a standby that takes diagnosis over goes on in the same file.
-        self._file: BinaryIO = open(path, "ab")  # noqa: SIM115 - open for the job's life
+        self._file: BinaryIO = open(open_private(path, append=True), "ab")  # noqa: SIM115 - open for the job's life
         pickle.dump({"format": FORMAT, "config": config_yaml}, self._file)
         self._values: dict[int, bytes] = {}
         self._tables: dict[int, list[GroupInfo]] | None = None

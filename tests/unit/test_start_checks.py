@@ -21,8 +21,9 @@ from ccld_plugin.errors import log as ccld_log
 from ccld_plugin.errors import report_error
 from ccld_plugin.harness.demo import DemoOptions, Outcome, fit_layout, logged_errors, why_failed
 from ccld_plugin.harness.faults.spec import parse_fault
-from ccld_plugin.runtime import session
+from ccld_plugin.runtime import job_folder, session
 from ccld_plugin.runtime.diagnoser import DiagnoserService
+from ccld_plugin.runtime.job_folder import FolderRefused
 from ccld_plugin.sinks import ConsoleSink, build_sinks
 from ccld_plugin.wire.summary import InFlightOp, encode_summary
 from ccld_plugin.wire.topology import GroupInfo
@@ -144,18 +145,23 @@ def test_a_job_folder_of_another_user_is_refused(tmp_path):
     job.mkdir(parents=True)
     os.chown(job, 12345, 12345)
     cfg = load_config(None, [f"board.dir={tmp_path}/ccld-{{uid}}", "job=j"])
-    with pytest.raises(ConfigError, match="owned by uid 12345"):
-        session._private_board_dir(cfg, job)
+    with pytest.raises(FolderRefused, match="owned by uid 12345"):
+        job_folder.claim(cfg.board_root(), True, job, "token", 1, 0)
 
 
 def test_board_folders_are_made_private(tmp_path):
     cfg = load_config(None, [f"board.dir={tmp_path}/ccld-{{uid}}", "job=j"])
     job = cfg.board_root() / "j"
-    session._private_board_dir(cfg, job)
-    session._private_file(job / "rank0.board")
-    for folder in (job.parent, job):
-        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
-    assert stat.S_IMODE((job / "rank0.board").stat().st_mode) == 0o600
+    folder = job_folder.claim(cfg.board_root(), True, job, "token", 1, 0)
+    board = session._create_board(cfg, job / "rank0.board", 0, 1, "j")
+    try:
+        for path in (job.parent, job):
+            assert stat.S_IMODE(path.stat().st_mode) == 0o700
+        assert stat.S_IMODE((job / "rank0.board").stat().st_mode) == 0o600
+    finally:
+        board.close(unlink=True)
+        folder.release(cleanup=True)
+    assert not job.exists()  # the last rank out leaves nothing behind
 
 
 def test_a_sink_that_cannot_be_opened_is_left_out_alone(tmp_path):
