@@ -9,7 +9,7 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["FileError", "kind_of", "open_regular", "os_problem"]
+__all__ = ["FileError", "OneLineError", "kind_of", "one_line", "open_regular", "os_problem"]
 
 _KINDS = (
     (stat.S_ISDIR, "a folder"),
@@ -21,7 +21,24 @@ _KINDS = (
 )
 
 
-class FileError(ValueError):
+# control characters as Python writes them in a string's repr
+_ESCAPES = {c: repr(chr(c))[1:-1] for c in (*range(32), 127)}
+
+
+def one_line(text: str) -> str:
+    """``text`` with its control characters escaped (a path may hold a newline): one
+    line, whatever it quotes."""
+    return text.translate(_ESCAPES)
+
+
+class OneLineError(ValueError):
+    """An error whose message is one line, whatever it quotes (see :func:`one_line`)."""
+
+    def __str__(self) -> str:
+        return one_line(super().__str__())
+
+
+class FileError(OneLineError):
     """A path that cannot be used as the regular file expected; the message is one line
     that names the path and what is wrong."""
 

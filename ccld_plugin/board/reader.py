@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 import ccld_plugin._native as _native
-from ccld_plugin.regular_files import FileError, open_regular, os_problem
+from ccld_plugin.regular_files import FileError, OneLineError, open_regular, os_problem
 from ccld_plugin.wire.codes import (
     DIRECTION_NAMES,
     FLAG_ASYNC,
@@ -103,7 +103,7 @@ def _align64(v: int) -> int:
     return (v + 63) & ~63
 
 
-class BoardError(ValueError):
+class BoardError(OneLineError):
     """A file that is not a readable board; the message says what is wrong."""
 
 

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ccld_plugin.board.reader import BoardError, BoardReader, board_files
+from ccld_plugin.regular_files import one_line
 from ccld_plugin.wire.codes import (
     FLAG_P2P,
     OP_NAMES,
@@ -208,7 +209,7 @@ def corrupt_warning(path: str, corrupt: dict[str, int]) -> str:
     """The line that says a board had records left out as corrupt (``corrupt``: how many
     per table), in every command that reads boards."""
     counts = ", ".join(f"{n} {table}" for table, n in corrupt.items())
-    return (
+    return one_line(
         f"{path}: corrupt records left out ({counts}); the board is damaged, what is shown "
         "passed its checks"
     )

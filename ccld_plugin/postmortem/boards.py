@@ -16,7 +16,7 @@ import numpy as np
 from ccld_plugin.agent.board_summary import BoardSnapshot, last_seen_ns
 from ccld_plugin.board.job_files import read_crash, read_stack, stack_path
 from ccld_plugin.board.reader import BoardError, BoardReader, board_files
-from ccld_plugin.regular_files import kind_of
+from ccld_plugin.regular_files import OneLineError, kind_of
 from ccld_plugin.wire.codes import FLAG_P2P, STATE_DONE, STATE_ERROR, STATE_IN_FLIGHT
 from ccld_plugin.wire.topology import GroupInfo
 
@@ -28,7 +28,7 @@ __all__ = ["JobBoards", "PostmortemError", "RankBoard", "load_boards"]
 STALE_START_S = 120.0
 
 
-class PostmortemError(ValueError):
+class PostmortemError(OneLineError):
     """Boards that cannot be diagnosed together; the message is one line with the fix."""
 
 

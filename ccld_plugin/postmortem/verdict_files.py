@@ -4,6 +4,7 @@ refused in one line that names the path and the line, never half-read or mixed w
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -17,7 +18,7 @@ from ccld_plugin.board.reader import MAX_TIME_NS
 from ccld_plugin.diagnose.records import Cause, Kind
 from ccld_plugin.postmortem.boards import PostmortemError
 from ccld_plugin.postmortem.outputs import check_folder, existing, open_append
-from ccld_plugin.regular_files import FileError, open_regular, os_problem
+from ccld_plugin.regular_files import FileError, one_line, open_regular, os_problem
 
 __all__ = ["append_verdicts", "check_verdicts_out", "read_verdict_file", "verdict_problem"]
 
@@ -85,7 +86,7 @@ def read_verdict_file(path: Path) -> tuple[list[dict], str | None]:
         raise PostmortemError(os_problem(path, exc)) from None
     if not left_out:
         return records, None
-    return records, (
+    return records, one_line(
         f"{path}: {len(left_out)} line(s) left out as no verdict records (the first, "
         f"{left_out[0]}); the others are read"
     )
@@ -138,7 +139,8 @@ def append_verdicts(path: Path, records: Iterable[dict], force: bool) -> None:
     """Append ``records`` to the verdicts file ``path`` (created if missing, in a folder
     that exists), one JSON line each, flushed to disk. An existing file must be a regular
     file whose first line is a verdict record (or empty), unless ``force``."""
-    torn = not force and existing(path) is not None and _torn_at_end(path)
+    new = existing(path) is None
+    torn = not force and not new and _torn_at_end(path)
     fd = open_append(path, force)
     lines = [json.dumps(r).encode() + b"\n" for r in records]
     try:
@@ -148,6 +150,9 @@ def append_verdicts(path: Path, records: Iterable[dict], force: bool) -> None:
             f.flush()
             os.fsync(f.fileno())
     except OSError as exc:
+        if new:  # not left behind empty (a full disk)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         raise PostmortemError(os_problem(path, exc, "written")) from None
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ccld_plugin.regular_files import FileError, open_regular, os_problem
+from ccld_plugin.regular_files import FileError, OneLineError, open_regular, os_problem
 from ccld_plugin.wire.summary import upgraded_summary
 from ccld_plugin.wire.topology import GROUP_ROLES, GroupInfo
 
@@ -69,7 +69,7 @@ class RoundRecorder:
         self._file.close()
 
 
-class RecordingError(ValueError):
+class RecordingError(OneLineError):
     """A file that is not a round recording, or a round of one that is not as recorded;
     the message is one line that names the file."""
 
@@ -84,45 +84,75 @@ def read_recording(path: Path) -> tuple[str, Iterator[RecordedRound]]:
     rank's summary and the tables. A round that is not as recorded raises
     :class:`RecordingError` when it is reached; a last round cut short (the diagnoser
     ended while writing it) ends the rounds."""
-    try:
-        fd = open_regular(path, "a round recording (diagnoser.record)")
-    except FileError as exc:
-        raise RecordingError(str(exc)) from None
-    f = os.fdopen(fd, "rb")
-    try:
-        head = _load(f)
-    except (pickle.UnpicklingError, EOFError, ValueError) as exc:
-        f.close()
-        raise RecordingError(f"{path}: not a ccld round recording ({exc})") from None
-    except OSError as exc:
-        f.close()
-        raise RecordingError(os_problem(path, exc)) from None
+    with _open(path) as f:
+        try:
+            head = _load(_ToTheEnd(f))
+        except OSError as exc:
+            raise RecordingError(os_problem(path, exc)) from None
+        except Exception as exc:  # noqa: BLE001 - whatever the unpickler makes of bad bytes
+            why = str(exc) or type(exc).__name__
+            raise RecordingError(f"{path}: not a ccld round recording ({why})") from None
+        start = f.tell()
     if (
         not isinstance(head, dict)
         or head.get("format") != FORMAT
         or not isinstance(head.get("config"), str)
     ):
-        f.close()
         raise RecordingError(f"{path}: not a ccld round recording ({FORMAT})")
-    return head["config"], _rounds(path, f)
+    # the rounds open the file again when first read: a caller that never reads them
+    # (its config refused) holds no open file
+    return head["config"], _rounds(path, start)
 
 
-def _load(f: BinaryIO) -> Any:
+def _open(path: Path) -> BinaryIO:
+    try:
+        fd = open_regular(path, "a round recording (diagnoser.record)")
+    except FileError as exc:
+        raise RecordingError(str(exc)) from None
+    return os.fdopen(fd, "rb")
+
+
+class _ToTheEnd:
+    """``f`` as an unpickler reads it, never asked for more than is left in the file: a
+    length that no recorder writes (a flipped bit) is a frame cut short, not a read of
+    exabytes. (No ``readinto``: the unpickler then reads with ``read``.)"""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self._left = os.fstat(f.fileno()).st_size - f.tell()
+
+    def read(self, n: int = -1) -> bytes:
+        return self._took(self._f.read(self._left if n < 0 else min(n, self._left)))
+
+    def readline(self, n: int = -1) -> bytes:
+        return self._took(self._f.readline(self._left if n < 0 else min(n, self._left)))
+
+    def _took(self, data: bytes) -> bytes:
+        self._left -= len(data)
+        return data
+
+
+def _load(f: _ToTheEnd) -> Any:
     """The next frame (an unpickler per frame: each was pickled on its own)."""
     return _PlainUnpickler(f).load()
 
 
-def _rounds(path: Path, f: BinaryIO) -> Iterator[RecordedRound]:
+def _rounds(path: Path, start: int) -> Iterator[RecordedRound]:
     values: dict[int, bytes] = {}
     tables: dict[int, list[GroupInfo]] = {}
-    with f:
+    with _open(path) as f:
+        f.seek(start)
+        frames = _ToTheEnd(f)
         for n in itertools.count(1):
             try:
-                frame = _load(f)
+                frame = _load(frames)
             except (EOFError, pickle.UnpicklingError, ValueError):  # the end, or cut short
                 return
-            except (OSError, RecursionError, MemoryError) as exc:
-                raise RecordingError(f"{path}: round {n} cannot be read ({exc})") from None
+            except OSError as exc:
+                raise RecordingError(os_problem(path, exc)) from None
+            except Exception as exc:  # noqa: BLE001 - whatever the unpickler makes of bad bytes
+                why = str(exc) or type(exc).__name__
+                raise RecordingError(f"{path}: round {n} cannot be read ({why})") from None
             if isinstance(frame, dict) and "format" in frame:
                 continue  # a diagnoser that took over goes on from here
             problem = _frame_problem(frame)
@@ -131,7 +161,7 @@ def _rounds(path: Path, f: BinaryIO) -> Iterator[RecordedRound]:
             if "tables" in frame:
                 known: dict[tuple, GroupInfo] = {}
                 tables = {
-                    rank: [known.setdefault(tuple(t), GroupInfo(*t)) for t in groups]
+                    rank: [known.setdefault(t, GroupInfo(*t)) for t in groups]
                     for rank, groups in frame.pop("tables").items()
                 }
             # (recorded by an earlier version: in this one's encoding)

@@ -521,3 +521,41 @@ def test_a_round_that_is_not_as_recorded_is_one_line(recording, tmp_path, capsys
         f"ccld: error: {bad}: round 12 is not as recorded (now_ns, world out of range or of "
         "another type)"
     )
+
+
+@pytest.mark.parametrize("command", ["inspect", "diagnose", "trace"])
+def test_a_path_with_a_newline_in_it_is_still_one_line(tmp_path, capsys, command):
+    job = _write_job(tmp_path / "a\nb")
+    (job / "rank1.board").write_bytes(b"not a board")
+    code, _, err = _run(capsys, *_command(command, job, tmp_path))
+    assert code == 1
+    shown = str(job / "rank1.board").replace("\n", "\\n")
+    assert _one_line(err) == (
+        f"ccld: error: {shown}: 11 bytes is too small for a board (header alone is "
+        f"{HEADER_DTYPE.itemsize}); the file is truncated or foreign"
+    )
+
+
+def test_time_blocked_over_a_whole_ring_of_long_ops_does_not_wrap(tmp_path):
+    """A board of another host (its times bounded by MAX_TIME_NS only) whose every op
+    lasted ~2**60 ns: each record is possible, their sum is past 64 bits."""
+    from ccld_plugin.board.reader import MAX_TIME_NS
+    from ccld_plugin.postmortem.boards import load_boards
+    from ccld_plugin.postmortem.diagnose_boards import job_view
+
+    folder = tmp_path / "j"
+    folder.mkdir()
+    b = _native.Board(str(folder / "rank0.board"), 0, 1, "j", "elsewhere", 16, 4, 4, 16)
+    g = b.register_group(group_id_of((0,)), role_index("dp"), [0], 0)
+    for _ in range(16):
+        b.exit(b.enter(g, OP_CODES["all_reduce"], 0, 64), 2)
+    b.close(unlink=False)
+    data = bytearray((folder / "rank0.board").read_bytes())
+    header = np.frombuffer(bytes(data), HEADER_DTYPE, 1)[0]
+    ring = np.frombuffer(data, OP_DTYPE, 16, int(header["ring_off"]))
+    ring["exit_ns"] = MAX_TIME_NS
+    (folder / "rank0.board").write_bytes(bytes(data))
+    boards = load_boards(folder)
+    (progress,) = job_view(boards, load_config(None, writing=False)).summaries[0].groups
+    expected = sum(MAX_TIME_NS - int(t) for t in ring["enter_ns"]) // 1000
+    assert progress.blocked_us == pytest.approx(expected, rel=1e-9)
