@@ -19,8 +19,9 @@ PACKAGE = REPO / "ccld_plugin"
 ALLOWED: dict[str, set[str]] = {
     "config": set(),
     "errors": set(),
-    "wire": set(),
-    "board": {"_native", "wire", "errors"},
+    "regular_files": set(),  # opening what must be a regular file: the readers' one way
+    "wire": {"regular_files"},
+    "board": {"_native", "wire", "errors", "regular_files"},
     "control": {"config", "wire", "errors"},
     "agent": {"_native", "board", "control", "config", "wire", "errors"},
     "diagnose": {"config", "wire", "errors"},
@@ -40,7 +41,7 @@ ALLOWED: dict[str, set[str]] = {
         "wire",
     },
     # after the job: the agent's board summary and the diagnoser, over boards left behind
-    "postmortem": {"agent", "board", "config", "diagnose", "sinks", "wire"},
+    "postmortem": {"agent", "board", "config", "diagnose", "regular_files", "sinks", "wire"},
     "integrations": {"", "config", "errors", "runtime"},
     "megatron": {"integrations"},
     "deepspeed": {"integrations"},
