@@ -20,6 +20,8 @@ from ccld_plugin.board.job_files import JOB_CONFIG
 from ccld_plugin.board.reader import GROUP_DTYPE, HEADER_DTYPE, OP_DTYPE
 from ccld_plugin.cli import main
 from ccld_plugin.config import load_config, to_yaml
+from ccld_plugin.postmortem.boards import load_boards
+from ccld_plugin.postmortem.diagnose_boards import job_view
 from ccld_plugin.wire.codes import OP_CODES
 from ccld_plugin.wire.round_record import RecordedRound, RoundRecorder
 from ccld_plugin.wire.summary import GroupProgress, InFlightOp, encode_summary
@@ -537,12 +539,8 @@ def test_a_path_with_a_newline_in_it_is_still_one_line(tmp_path, capsys, command
 
 
 def test_time_blocked_over_a_whole_ring_of_long_ops_does_not_wrap(tmp_path):
-    """A board of another host (its times bounded by MAX_TIME_NS only) whose every op
-    lasted ~2**60 ns: each record is possible, their sum is past 64 bits."""
-    from ccld_plugin.board.reader import MAX_TIME_NS
-    from ccld_plugin.postmortem.boards import load_boards
-    from ccld_plugin.postmortem.diagnose_boards import job_view
-
+    """A board of another host (its times bounded by MAX_TIME_NS, 2**60, only) whose
+    every op lasted ~2**60 ns: each record is possible, their sum is past 64 bits."""
     folder = tmp_path / "j"
     folder.mkdir()
     b = _native.Board(str(folder / "rank0.board"), 0, 1, "j", "elsewhere", 16, 4, 4, 16)
@@ -553,9 +551,9 @@ def test_time_blocked_over_a_whole_ring_of_long_ops_does_not_wrap(tmp_path):
     data = bytearray((folder / "rank0.board").read_bytes())
     header = np.frombuffer(bytes(data), HEADER_DTYPE, 1)[0]
     ring = np.frombuffer(data, OP_DTYPE, 16, int(header["ring_off"]))
-    ring["exit_ns"] = MAX_TIME_NS
+    ring["exit_ns"] = 2**60
     (folder / "rank0.board").write_bytes(bytes(data))
     boards = load_boards(folder)
     (progress,) = job_view(boards, load_config(None, writing=False)).summaries[0].groups
-    expected = sum(MAX_TIME_NS - int(t) for t in ring["enter_ns"]) // 1000
+    expected = sum(2**60 - int(t) for t in ring["enter_ns"]) // 1000
     assert progress.blocked_us == pytest.approx(expected, rel=1e-9)
