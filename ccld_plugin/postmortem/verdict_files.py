@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import os
+import stat
 from collections.abc import Iterable, Iterator
 from numbers import Real
 from pathlib import Path
@@ -148,7 +149,8 @@ def append_verdicts(path: Path, records: Iterable[dict], force: bool) -> None:
             # after a torn last line (its writer died), the records start a line of their own
             f.write(b"".join([b"\n"] * torn + lines))
             f.flush()
-            os.fsync(f.fileno())
+            if stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # (a pipe or device has no disk)
+                os.fsync(f.fileno())
     except OSError as exc:
         if new:  # not left behind empty (a full disk)
             with contextlib.suppress(OSError):
