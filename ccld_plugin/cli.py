@@ -285,10 +285,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _inspect_verdict(found: Inspection) -> int:
     """Say on stderr which boards could not be read and which had corrupt records (left
     out of the output); 0 when none, 1 when some, 2 when no board could be read."""
-    for why in found.unreadable:
-        print(f"ccld: error: {why}", file=sys.stderr)
     from ccld_plugin.board.report import corrupt_warning
 
+    for why in found.unreadable:
+        print(f"ccld: error: {why}", file=sys.stderr)
     damaged = [s for s in found.statuses if s.corrupt_records]
     for s in damaged:
         print(f"ccld: warning: {corrupt_warning(s.path, s.corrupt_records)}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """Opening a file that must be a regular file, for reading, without ever blocking: a FIFO
 opened for reading waits for a writer, a device can be endless (/dev/zero), a socket
-cannot be opened at all. Each is refused with one line that names the path and what it is.
+cannot be opened at all. Each is refused with one line that names the path and what it is,
+as is every OS error; the lines stay one line whatever path they quote.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ _KINDS = (
     (stat.S_ISSOCK, "a socket"),
     (stat.S_ISLNK, "a symbolic link"),
 )
-
 
 # control characters as Python writes them in a string's repr
 _ESCAPES = {c: repr(chr(c))[1:-1] for c in (*range(32), 127)}

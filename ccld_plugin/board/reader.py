@@ -78,7 +78,7 @@ CHANNEL_DTYPE = _dtype("channel")
 # Bounds of what a writer can give; a value beyond is a corrupt record (or header). They
 # also keep every sum the readers make within 64 bits: a ring of MAX_RING ops of
 # MAX_OP_BYTES each, differences of two times each shifted by a clock offset.
-MAX_COUNT = 1 << 48  # seqs, steps, counters, microseconds
+MAX_COUNT = 1 << 48  # seqs, counters, microseconds
 MAX_OP_BYTES = 1 << 40  # one op's bytes: more than any device holds
 MAX_RING = 1 << 20  # ops (board.ring_size's largest)
 MAX_CHANNELS = 1 << 16  # channel records (board.max_channels' largest)

@@ -22,6 +22,8 @@ from ccld_plugin.wire.topology import GroupInfo
 
 __all__ = ["JobBoards", "PostmortemError", "RankBoard", "load_boards"]
 
+MISSING_LISTED = 16  # ranks without a board named in a note; more are counted
+
 # Ranks of one run create their boards right after the rendezvous; a board that started
 # this much earlier than the job's others is left over from an earlier run of a job of the
 # same name.
@@ -123,17 +125,14 @@ class JobBoards:
     # one line each: the boards (and folders) at the path that could not be read
     unreadable: list[str] = field(default_factory=list)
 
-    def missing(self, limit: int | None = None) -> list[int]:
-        """The ranks of the job without a board here, the first ``limit`` of them (a
-        corrupt world can be 2**31 ranks: never listed whole)."""
+    def missing(self, limit: int = MISSING_LISTED) -> list[int]:
+        """The first ``limit`` ranks of the job without a board here (a corrupt world can
+        be 2**31 ranks: never listed whole)."""
         return list(itertools.islice((r for r in range(self.world) if r not in self.ranks), limit))
 
     def damaged(self) -> list[RankBoard]:
         """The boards read with corrupt records left out."""
         return [b for _, b in sorted(self.ranks.items()) if b.corrupt]
-
-
-MISSING_LISTED = 16  # ranks without a board named in the note; more are counted
 
 
 def load_boards(path: Path) -> JobBoards:
@@ -180,7 +179,7 @@ def load_boards(path: Path) -> JobBoards:
     boards = JobBoards(job, world, ranks, notes, unreadable)
     absent = world - len(ranks)
     if absent:
-        first = boards.missing(MISSING_LISTED)
+        first = boards.missing()
         which = f"rank(s) {first}" if absent <= MISSING_LISTED else f"{absent} ranks ({first}...)"
         notes.append(
             f"no board for {which} of {world}: they are left out of the "

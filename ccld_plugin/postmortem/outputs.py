@@ -14,7 +14,7 @@ from pathlib import Path
 from ccld_plugin.postmortem.boards import PostmortemError
 from ccld_plugin.regular_files import kind_of, os_problem
 
-__all__ = ["check_folder", "existing", "open_append", "replace_file"]
+__all__ = ["check_folder", "check_new", "existing", "open_append", "replace_file"]
 
 
 def check_folder(path: Path) -> None:

@@ -35,8 +35,9 @@ def verdict_problem(v: Any) -> str | None:
     fields the readers use, of their types and ranges (other fields are let through)."""
     if not isinstance(v, dict):
         return f"a JSON {type(v).__name__}, not an object"
-    if v.get("kind") not in _KINDS or v.get("cause") not in _CAUSES:
-        return f"kind {_short(v.get('kind'))}, cause {_short(v.get('cause'))}"
+    kind, cause = v.get("kind"), v.get("cause")
+    if not (_name_in(kind, _KINDS) and _name_in(cause, _CAUSES)):
+        return f"kind {_short(kind)}, cause {_short(cause)}"
     ranks = v.get("ranks")
     if not isinstance(ranks, list) or not all(_int_in(r, 0, 2**31 - 1) for r in ranks):
         return f"ranks {_short(ranks)}"
@@ -180,6 +181,10 @@ def _torn_at_end(path: Path) -> bool:
             "append to it"
         )
     return last != b"\n"
+
+
+def _name_in(x: Any, names: set[str]) -> bool:
+    return isinstance(x, str) and x in names  # (a list is no set member: it is unhashable)
 
 
 def _int_in(x: Any, low: int, high: int) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from builders import S, group, rank_summary
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ccld_plugin import _native
@@ -31,11 +31,11 @@ from ccld_plugin.board.reader import (
 from ccld_plugin.board.report import collective_table, inspect_all
 from ccld_plugin.cli import main
 from ccld_plugin.config import ConfigError, load_config, to_yaml
-from ccld_plugin.postmortem.boards import PostmortemError, load_boards
+from ccld_plugin.postmortem.boards import JobBoards, PostmortemError, load_boards
 from ccld_plugin.postmortem.diagnose_boards import diagnose_boards
 from ccld_plugin.postmortem.replay import replay
 from ccld_plugin.postmortem.timeline import trace_events
-from ccld_plugin.postmortem.verdict_files import verdict_problem
+from ccld_plugin.postmortem.verdict_files import read_verdict_file, verdict_problem
 from ccld_plugin.wire.codes import FLAG_P2P, FLAG_SEND, OP_CODES, SOURCE_NCCL, SOURCE_TCP
 from ccld_plugin.wire.round_record import RecordedRound, RecordingError, RoundRecorder
 from ccld_plugin.wire.summary import GroupProgress, InFlightOp, encode_summary
@@ -304,3 +304,47 @@ def test_a_mutated_recording_is_replayed_or_refused_in_one_line(
         assert "\n" not in str(exc)
     assert main(["replay", str(path)]) in (0, 1, 2)
     _no_traceback(capsys.readouterr().err)
+
+
+# ------------------------------------------------------------------ verdicts files
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=10,
+)
+RECORD_KEYS = ["kind", "cause", "ranks", "group", "onset_s", "detected_s", "op", "trace_id"]
+RECORD = st.fixed_dictionaries(
+    {},
+    optional={
+        k: JSON | st.sampled_from(["hang", "compute", [1], {"group_id": "ff"}, 1.5])
+        for k in [*RECORD_KEYS, "evidence", "schema"]
+    },
+)
+
+
+@pytest.fixture(scope="module")
+def job_boards(tmp_path_factory: pytest.TempPathFactory) -> JobBoards:
+    return load_boards(_write_job(tmp_path_factory.mktemp("boards") / "j"))
+
+
+@FUZZ
+@given(
+    st.lists(
+        st.one_of(RECORD.map(json.dumps), JSON.map(json.dumps), st.text(max_size=20)),
+        max_size=5,
+    ),
+    st.booleans(),
+)
+@example(['{"kind": [], "cause": {}}'], False)  # a set lookup of a list raised TypeError
+def test_a_verdicts_file_is_read_or_refused_in_one_line(tmp_path_factory, job_boards, lines, torn):
+    path = tmp_path_factory.mktemp("verdicts") / "v.jsonl"
+    path.write_text("\n".join(lines) + ("" if torn else "\n"))
+    try:
+        records, left_out = read_verdict_file(path)
+    except PostmortemError as exc:
+        assert "\n" not in str(exc)
+        return
+    assert all(verdict_problem(v) is None for v in records)
+    assert left_out is None or "\n" not in left_out
+    json.dumps(trace_events(job_boards, records), allow_nan=False)  # what trace does
