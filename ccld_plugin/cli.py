@@ -121,6 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("path", type=Path, help="the job's board directory (live or dead)")
     tr.add_argument("-o", "--output", type=Path, default=Path("trace.json"))
     tr.add_argument(
+        "--force", action="store_true", help="replace the -o file when it exists (a regular file)"
+    )
+    tr.add_argument(
         "--verdicts",
         type=Path,
         help="mark the verdicts of this verdicts.jsonl (default: a post-mortem diagnosis)",
@@ -167,7 +170,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def _verdict_options(p: argparse.ArgumentParser) -> None:
     """The options of the commands that diagnose a job after the fact."""
-    p.add_argument("--jsonl", type=Path, help="also write the verdict records to this file")
+    p.add_argument(
+        "--jsonl",
+        type=Path,
+        help="also append the verdict records to this verdicts file (created if missing, "
+        "in a folder that exists)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="append to the --jsonl file even when it is no verdicts file, or not a regular "
+        "file (e.g. /dev/stdout)",
+    )
     p.add_argument("--config", type=Path, help="a YAML config (default: the job's own)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
 
@@ -239,16 +253,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "diagnose":
             from ccld_plugin.postmortem.commands import diagnose
 
-            return diagnose(args.path, args.config, args.overrides, args.jsonl, console)
+            return diagnose(args.path, args.config, args.overrides, args.jsonl, args.force, console)
         if args.command == "replay":
             from ccld_plugin.postmortem.commands import replay_recording
 
-            return replay_recording(args.path, args.config, args.overrides, args.jsonl, console)
+            return replay_recording(
+                args.path, args.config, args.overrides, args.jsonl, args.force, console
+            )
         if args.command == "trace":
             from ccld_plugin.postmortem.commands import trace
 
             return trace(
-                args.path, args.output, args.verdicts, args.config, args.overrides, console
+                args.path,
+                args.output,
+                args.verdicts,
+                args.config,
+                args.overrides,
+                args.force,
+                console,
             )
         if args.command == "run":
             return _run(args.config, args.overrides, args.launch)
@@ -309,16 +331,13 @@ def _diagnoser(args: argparse.Namespace) -> int:
 def _inspect_verdict(found: Inspection) -> int:
     """Say on stderr which boards could not be read and which had corrupt records (left
     out of the output); 0 when none, 1 when some, 2 when no board could be read."""
+    from ccld_plugin.board.report import corrupt_warning
+
     for why in found.unreadable:
         print(f"ccld: error: {why}", file=sys.stderr)
     damaged = [s for s in found.statuses if s.corrupt_records]
     for s in damaged:
-        counts = ", ".join(f"{n} {table}" for table, n in s.corrupt_records.items())
-        print(
-            f"ccld: warning: {s.path}: corrupt records left out ({counts}); the board is "
-            "damaged, what is shown passed its checks",
-            file=sys.stderr,
-        )
+        print(f"ccld: warning: {corrupt_warning(s.path, s.corrupt_records)}", file=sys.stderr)
     if not found.statuses:
         return 2
     return 1 if found.unreadable or damaged else 0

@@ -23,8 +23,9 @@ ALLOWED: dict[str, set[str]] = {
     "config_file": {"config_values"},
     "errors": set(),
     "private_files": set(),
-    "wire": {"private_files"},
-    "board": {"_native", "wire", "errors", "private_files"},
+    "regular_files": set(),  # opening what must be a regular file: the readers' one way
+    "wire": {"private_files", "regular_files"},
+    "board": {"_native", "wire", "errors", "private_files", "regular_files"},
     "control": {"config", "wire", "errors"},
     "agent": {"_native", "board", "control", "config", "wire", "errors"},
     "diagnose": {"config", "wire", "errors"},
@@ -45,7 +46,7 @@ ALLOWED: dict[str, set[str]] = {
         "wire",
     },
     # after the job: the agent's board summary and the diagnoser, over boards left behind
-    "postmortem": {"agent", "board", "config", "diagnose", "sinks", "wire"},
+    "postmortem": {"agent", "board", "config", "diagnose", "regular_files", "sinks", "wire"},
     "integrations": {"", "config", "config_values", "errors", "runtime"},
     "megatron": {"integrations"},
     "deepspeed": {"integrations"},
