@@ -24,7 +24,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ccld_harness.expectations import match_faults
+from ccld_harness.outcome import match_faults
 from ccld_plugin.postmortem.replay import replay
 
 sys.path.insert(0, str(Path(__file__).parent))

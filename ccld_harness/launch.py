@@ -64,10 +64,15 @@ class LocalJob:
     # Host the job's store here, as torchrun's agent does, instead of in rank 0: the store
     # then outlives any rank (a rank that crashes or is killed takes nothing else with it).
     agent_store: bool = False
+    # Asked between the ranks it starts: once true, ``start`` starts no more (the launcher
+    # got a stop signal; ``stop`` ends those already started).
+    stop_requested: Callable[[], bool] = lambda: False
     procs: list[subprocess.Popen] = field(default_factory=list)
     _store: Any = field(default=None, repr=False)
 
     def start(self) -> None:
+        if self.stop_requested():
+            return
         self.log_dir.mkdir(parents=True, exist_ok=True)
         port = self.master_port or free_port()
         extra: dict[str, str] = {}
@@ -79,6 +84,8 @@ class LocalJob:
             )
             extra["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # env:// then joins it
         for rank in range(self.world):
+            if self.stop_requested():
+                return
             env = {
                 **os.environ,
                 **self.env,

@@ -79,6 +79,8 @@ class NetJob:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> NetJob:
+        if self.job.stop_requested():  # a stop signal came first: build nothing
+            return self
         ok, why = available()
         if not ok:
             raise NetnsError(f"communication faults need a closed network: {why}")

@@ -38,7 +38,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--zero-stage", type=int, default=2, choices=[1, 2, 3], help="ZeRO stage (deepspeed only)"
     )
-    demo.add_argument("--world", type=int, default=4)
+    demo.add_argument(
+        "--world",
+        type=int,
+        default=4,
+        help="ranks; more than this host's free memory and process limit hold is refused",
+    )
     demo.add_argument(
         "--tp", type=int, help="megatron / torch only (default: 2 where the world allows it)"
     )
@@ -61,7 +66,12 @@ def _parser() -> argparse.ArgumentParser:
         help="run each rank in its own network namespace (needs root and "
         "iproute2; implied by a comm-slow or comm-hang fault)",
     )
-    demo.add_argument("--out", type=Path, default=Path("demo-out"))
+    demo.add_argument(
+        "--out",
+        type=Path,
+        default=Path("demo-out"),
+        help="the run's folder (its parent must exist); a running demo holds it against others",
+    )
     demo.add_argument(
         "--force",
         action="store_true",
@@ -111,6 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("path", type=Path, help="the job's board directory (live or dead)")
     tr.add_argument("-o", "--output", type=Path, default=Path("trace.json"))
     tr.add_argument(
+        "--force", action="store_true", help="replace the -o file when it exists (a regular file)"
+    )
+    tr.add_argument(
         "--verdicts",
         type=Path,
         help="mark the verdicts of this verdicts.jsonl (default: a post-mortem diagnosis)",
@@ -122,8 +135,16 @@ def _parser() -> argparse.ArgumentParser:
         "diagnoser",
         help="run the diagnoser as a process of its own, beside a job with diagnoser.rank=-1",
     )
-    dg.add_argument("--store", required=True, metavar="HOST:PORT", help="the job's TCPStore")
-    dg.add_argument("--world", type=int, required=True, help="the job's number of ranks")
+    dg.add_argument(
+        "--store",
+        required=True,
+        metavar="HOST:PORT",
+        help="the job's TCPStore (MASTER_ADDR:MASTER_PORT; [ADDR]:PORT for IPv6); waited for "
+        "up to control.connect_timeout_s",
+    )
+    dg.add_argument(
+        "--world", type=int, required=True, help="the job's number of ranks (at most 1,048,576)"
+    )
     dg.add_argument(
         "--job",
         help="the job's name (default: the config's job, else the launcher's run id, else "
@@ -149,7 +170,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def _verdict_options(p: argparse.ArgumentParser) -> None:
     """The options of the commands that diagnose a job after the fact."""
-    p.add_argument("--jsonl", type=Path, help="also write the verdict records to this file")
+    p.add_argument(
+        "--jsonl",
+        type=Path,
+        help="also append the verdict records to this verdicts file (created if missing, "
+        "in a folder that exists)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="append to the --jsonl file even when it is no verdicts file, or not a regular "
+        "file (e.g. /dev/stdout)",
+    )
     p.add_argument("--config", type=Path, help="a YAML config (default: the job's own)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
 
@@ -175,21 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             return _demo(args, console)
         if args.command == "diagnoser":
-            from ccld_plugin.config import load_config
-            from ccld_plugin.services.diagnoser_process import run_diagnoser
-            from ccld_plugin.services.session import job_name
-
-            host, sep, port = args.store.rpartition(":")
-            if not sep or not host or not port.isdigit() or args.world < 1:
-                console.print(
-                    f"[red]ccld diagnoser: --store {args.store!r} --world {args.world}: "
-                    "expected HOST:PORT and a world of at least 1[/]"
-                )
-                return 2
-            cfg = load_config(args.config, args.overrides)
-            # as the ranks name their job when neither config nor launcher does: by port
-            os.environ.setdefault("MASTER_PORT", port)
-            return run_diagnoser(cfg, host, int(port), args.job or job_name(cfg), args.world)
+            return _diagnoser(args)
         if args.command == "wandb-summary":
             from ccld_plugin.sinks.wandb.run_file import print_summary, wait_for_run
 
@@ -208,16 +226,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "diagnose":
             from ccld_plugin.postmortem.commands import diagnose
 
-            return diagnose(args.path, args.config, args.overrides, args.jsonl, console)
+            return diagnose(args.path, args.config, args.overrides, args.jsonl, args.force, console)
         if args.command == "replay":
             from ccld_plugin.postmortem.commands import replay_recording
 
-            return replay_recording(args.path, args.config, args.overrides, args.jsonl, console)
+            return replay_recording(
+                args.path, args.config, args.overrides, args.jsonl, args.force, console
+            )
         if args.command == "trace":
             from ccld_plugin.postmortem.commands import trace
 
             return trace(
-                args.path, args.output, args.verdicts, args.config, args.overrides, console
+                args.path,
+                args.output,
+                args.verdicts,
+                args.config,
+                args.overrides,
+                args.force,
+                console,
             )
         if args.command == "run":
             return _run(args.config, args.overrides, args.launch)
@@ -239,6 +265,12 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     from ccld_harness.faults.spec import FaultSpecError
 
     try:
+        given = [f for f, v in (("--tp", args.tp), ("--pp", args.pp)) if v is not None]
+        if args.framework == "deepspeed" and given:
+            raise DemoError(
+                f"ccld demo: {given[0]} {getattr(args, given[0][2:])} does not apply to "
+                "--framework deepspeed (its example is data parallel only); drop it"
+            )
         tp, pp = fit_layout(args.world, args.tp, args.pp)
         return run_demo(
             DemoOptions(
@@ -262,33 +294,68 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
         return 2
 
 
+def _diagnoser(args: argparse.Namespace) -> int:
+    """``ccld diagnoser``: every option checked before the store is waited for; one line
+    and exit status 2 for a bad one or a store that does not answer."""
+    import reprlib
+
+    # Before torch loads: c10d's warnings, each with a C++ stack trace, for a listener that
+    # is not a store; this command tells what went wrong in one line.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    from ccld_plugin.config import JOB_NAME_RULE, is_job_name, load_config
+    from ccld_plugin.services.diagnoser_process import (
+        DiagnoserError,
+        check_world,
+        parse_store,
+        run_diagnoser,
+    )
+    from ccld_plugin.services.session import job_name
+
+    try:
+        host, port = parse_store(args.store)
+        check_world(args.world)
+        if args.job is not None and not (args.job and is_job_name(args.job)):
+            shown = reprlib.Repr()
+            shown.maxstring = 80  # a long name is cut, not echoed whole
+            raise DiagnoserError(
+                f"ccld diagnoser: --job {shown.repr(args.job)} is not allowed; expected "
+                f"{JOB_NAME_RULE}"
+            )
+        cfg = load_config(args.config, args.overrides)
+        # as the ranks name their job when neither config nor launcher does: by port
+        os.environ.setdefault("MASTER_PORT", str(port))
+        return run_diagnoser(cfg, host, port, args.job or job_name(cfg), args.world)
+    except DiagnoserError as exc:
+        print(f"ccld: error: {exc}", file=sys.stderr)
+        return 2
+
+
 def _inspect_verdict(found: Inspection) -> int:
     """Say on stderr which boards could not be read and which had corrupt records (left
     out of the output); 0 when none, 1 when some, 2 when no board could be read."""
+    from ccld_plugin.postmortem.inspect_boards import corrupt_warning
+
     for why in found.unreadable:
         print(f"ccld: error: {why}", file=sys.stderr)
     damaged = [s for s in found.statuses if s.corrupt_records]
     for s in damaged:
-        counts = ", ".join(f"{n} {table}" for table, n in s.corrupt_records.items())
-        print(
-            f"ccld: warning: {s.path}: corrupt records left out ({counts}); the board is "
-            "damaged, what is shown passed its checks",
-            file=sys.stderr,
-        )
+        print(f"ccld: warning: {corrupt_warning(s.path, s.corrupt_records)}", file=sys.stderr)
     if not found.statuses:
         return 2
     return 1 if found.unreadable or damaged else 0
 
 
 def _run(config: Path | None, overrides: list[str], launch: list[str]) -> int:
-    """Validate the config, then become the launcher (its signals and exit code are the
+    """Validate the config (against the number of ranks the launcher's arguments say it
+    starts, where they say), then become the launcher (its signals and exit code are the
     job's), with the plugin on when the config enables it and the environment as it is
     when it does not."""
     import os
     import shutil
 
-    from ccld_plugin.config import load_config
+    from ccld_plugin.config import check_world, load_config
     from ccld_plugin.integrations.autostart import run_env
+    from ccld_plugin.integrations.launch_world import launch_world
 
     cmd = launch[1:] if launch[:1] == ["--"] else launch
     if not cmd:
@@ -302,6 +369,9 @@ def _run(config: Path | None, overrides: list[str], launch: list[str]) -> int:
     if shutil.which(cmd[0]) is None:
         print(f"ccld: error: command not found: {cmd[0]}", file=sys.stderr)
         return 2
+    world = launch_world(cmd) if cfg.enabled else None
+    if world is not None:
+        check_world(cfg, world.ranks, world.how)
     env = run_env(cfg, os.environ) if cfg.enabled else dict(os.environ)
     os.execvpe(cmd[0], cmd, env)
 

@@ -1,9 +1,10 @@
-"""The plugin's configuration: one tree of dataclasses, validated by omegaconf at load.
+"""The plugin's configuration: one tree of dataclasses, an omegaconf structured config.
 
 Each component receives only its own sub-config. Defaults live here (and are mirrored in
-``configs/default.yaml``, which a test keeps in sync). Any unknown key or bad value stops
-at start-up with a one-line :class:`ConfigError` that names the key, the value and what is
-allowed.
+``configs/default.yaml``, which a test keeps in sync). Each source is read strictly as the
+schema's types (:mod:`ccld_plugin.config_values`), then merged by omegaconf over the
+defaults. Any unknown key or bad value stops at start-up with a one-line
+:class:`ConfigError` that names the key, the value (cut when long) and what is allowed.
 """
 
 from __future__ import annotations
@@ -16,11 +17,21 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from ccld_plugin.config_file import read_config_file
+from ccld_plugin.config_values import (
+    ConfigError,
+    cut,
+    problem,
+    read_mapping,
+    read_override,
+    read_yaml,
+    shown,
+)
 
 __all__ = [
     "AgentConfig",
@@ -33,6 +44,8 @@ __all__ = [
     "TracerConfig",
     "WandbConfig",
     "check_paths",
+    "check_world",
+    "is_job_name",
     "load_config",
     "make_private_dirs",
     "to_yaml",
@@ -41,15 +54,12 @@ __all__ = [
 DAY_S = 86400.0  # the upper bound of every duration: longer ones are typos
 JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", re.ASCII)
 JOB_NAME_RULE = "1-63 of A-Z a-z 0-9 . _ - (starting with a letter or digit, no '..')"
-
-
-class ConfigError(ValueError):
-    """A bad configuration key or value; the message is one line and names the fix."""
+MAX_RANK = 2**31 - 1  # a rank is an int32 on the board and in torch.distributed
 
 
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
-        raise ConfigError(f"ccld config: {key}={value!r} is not allowed; expected {allowed}")
+        raise ConfigError(f"ccld config: {key}={shown(value)} is not allowed; expected {allowed}")
 
 
 def _seconds(key: str, value: float, low: float, allowed: str, strict: bool = False) -> None:
@@ -204,8 +214,18 @@ class DiagnoserConfig:
     ``ccld replay``: the same diagnosis again, later, with another config or version."""
 
     def __post_init__(self) -> None:
-        _check(self.rank >= -1, "diagnoser.rank", self.rank, ">= 0, or -1 (ccld diagnoser)")
-        _check(self.standby_rank >= -1, "diagnoser.standby_rank", self.standby_rank, ">= -1")
+        _check(
+            -1 <= self.rank <= MAX_RANK,
+            "diagnoser.rank",
+            self.rank,
+            f"a rank 0..{MAX_RANK}, or -1 (ccld diagnoser)",
+        )
+        _check(
+            -1 <= self.standby_rank <= MAX_RANK,
+            "diagnoser.standby_rank",
+            self.standby_rank,
+            f"a rank 0..{MAX_RANK}, or -1 (the next node's)",
+        )
         _seconds("diagnoser.hang_min_s", self.hang_min_s, 0, "> 0", strict=True)
         _check(
             math.isfinite(self.hang_k) and 1 <= self.hang_k <= 1000,
@@ -275,10 +295,10 @@ class WandbConfig:
             "a directory path or null",
         )
         _check(
-            self.log_interval_steps >= 1,
+            1 <= self.log_interval_steps <= 1_000_000,
             "sinks.wandb.log_interval_steps",
             self.log_interval_steps,
-            ">= 1",
+            "1..1000000",
         )
         _seconds("sinks.wandb.finish_timeout_s", self.finish_timeout_s, 0, ">= 0")
 
@@ -305,7 +325,8 @@ class SinksConfig:
         if not self.jsonl:
             return None
         path = Path(self.jsonl)
-        return path / "verdicts.jsonl" if path.is_dir() or not path.suffix else path
+        # os.path.isdir: False, not an OSError, for a name too long to be a folder
+        return path / "verdicts.jsonl" if os.path.isdir(path) or not path.suffix else path
 
 
 @dataclass(kw_only=True)
@@ -333,28 +354,6 @@ class CcldConfig:
 ConfigSource = CcldConfig | Mapping[str, Any] | DictConfig | str | Path | None
 
 
-def _one_line(exc: OmegaConfBaseException) -> str:
-    key = str(getattr(exc, "full_key", None) or "")
-    text = str(exc)
-    if "not in struct" in text or "Key '" in text and "not" in text:
-        parent = key.rsplit(".", 1)[0] if "." in key else ""
-        allowed = _allowed_keys(parent)
-        return f"ccld config: unknown key {key!r}; allowed keys here: {', '.join(allowed)}"
-    shown = key if key.isprintable() else repr(key)
-    return f"ccld config: {shown or 'value'}: {_first_line(exc)}"
-
-
-def _allowed_keys(dotted_parent: str) -> list[str]:
-    node: Any = CcldConfig
-    for part in filter(None, dotted_parent.split(".")):
-        fields = {f.name: f for f in dataclasses.fields(node)}
-        f = fields.get(part)
-        if f is None or not isinstance(f.default_factory, type):
-            return sorted(fields)
-        node = f.default_factory
-    return sorted(f.name for f in dataclasses.fields(node))
-
-
 def load_config(
     source: ConfigSource = None, overrides: Iterable[str] = (), *, writing: bool = True
 ) -> CcldConfig:
@@ -366,121 +365,36 @@ def load_config(
     (:func:`check_paths`); a post-mortem reads a finished job's config for its thresholds
     only, possibly on another machine where those paths do not exist.
     """
-    schema = OmegaConf.structured(CcldConfig)
+    layers = [_source_values(source)]
+    layers += [read_override(item, CcldConfig) for item in list(overrides)]
     try:
-        node = _source_node(source)
-        _refuse_flags_as_text(node)
-        merged = OmegaConf.merge(schema, node)
-        for item in list(overrides):
-            node = _override(item)
-            _refuse_flags_as_text(node)
-            merged = OmegaConf.merge(merged, node)
-        cfg = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as exc:
-        raise ConfigError(_one_line(exc)) from None
+        # every value is of its key's type already: omegaconf merges, it converts nothing
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(CcldConfig), *layers))
+    except OmegaConfBaseException as exc:  # none known; contained as one line all the same
+        raise ConfigError(f"ccld config: {problem(exc)}") from None
     assert isinstance(cfg, CcldConfig)
     if writing:
         check_paths(cfg)
     return cfg
 
 
-def _source_node(source: ConfigSource) -> Any:
+def _source_values(source: ConfigSource) -> dict[str, Any]:
     if isinstance(source, CcldConfig):
-        return OmegaConf.structured(source)
+        return read_mapping(dataclasses.asdict(source), CcldConfig)
     if isinstance(source, (str, Path)):
-        return _load_file(Path(source))
+        where = f"file {shown(str(source))}"
+        return read_yaml(read_config_file(Path(source), where), CcldConfig, where)
     if source is None:
         return {}
-    if isinstance(source, DictConfig):
-        return source
+    if isinstance(source, DictConfig):  # its text as given: ${...} left for read_mapping
+        values = OmegaConf.to_container(source, resolve=False)
+        return read_mapping(cast(Mapping[str, Any], values), CcldConfig)
     if isinstance(source, Mapping):
-        return OmegaConf.create(dict(source))
+        return read_mapping(source, CcldConfig)
     raise ConfigError(
         f"ccld config: a config of type {type(source).__name__} is not allowed; expected a "
         "CcldConfig, a mapping, an omegaconf DictConfig or the path of a YAML file"
     )
-
-
-def _load_file(path: Path) -> DictConfig:
-    if not path.is_file():
-        raise ConfigError(f"ccld config: file {str(path)!r} does not exist")
-    try:
-        node = OmegaConf.load(path)
-    except yaml.YAMLError as exc:
-        raise _yaml_error(f"file {str(path)!r}", exc) from None
-    except (OSError, UnicodeDecodeError) as exc:  # unreadable, or YAML that is one scalar
-        raise ConfigError(
-            f"ccld config: file {str(path)!r} cannot be read as a config ({_first_line(exc)}); "
-            "expected YAML keys like configs/default.yaml"
-        ) from None
-    if not isinstance(node, DictConfig):
-        raise ConfigError(
-            f"ccld config: file {str(path)!r} holds a list; expected YAML keys like "
-            "configs/default.yaml"
-        )
-    return node
-
-
-def _refuse_flags_as_text(node: Any) -> None:
-    """A yes/no where the config takes text (a path, a name): omegaconf would turn
-    ``diagnoser.record=true`` into a file named ``True`` in the working folder."""
-    raw = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else {}
-    if isinstance(raw, Mapping):
-        _refuse_flags_in(raw, CcldConfig, "")
-
-
-def _refuse_flags_in(values: Mapping[Any, Any], schema: type, prefix: str) -> None:
-    fields = {f.name: f for f in dataclasses.fields(schema)}
-    for key, value in values.items():
-        f = fields.get(key)
-        if f is None:  # an unknown key: the merge names it
-            continue
-        if isinstance(value, Mapping) and isinstance(f.default_factory, type):
-            _refuse_flags_in(value, f.default_factory, f"{prefix}{key}.")
-        elif isinstance(value, bool) and f.type in ("str", "str | None"):
-            off = " or null (off)" if "None" in f.type else ""
-            what = f"a path{off}, e.g. /tmp/ccld/{key}" if key in _PATH_KEYS else f"text{off}"
-            raise ConfigError(
-                f"ccld config: {prefix}{key}={value!r} reads as yes/no; expected {what} "
-                "(quote text that looks like yes/no)"
-            )
-
-
-_PATH_KEYS = {"dir", "jsonl", "record"}
-
-
-def _override(item: Any) -> DictConfig:
-    """One ``KEY=VALUE`` override as a node (one at a time, so that an error names it)."""
-    if not isinstance(item, str) or "=" not in item:
-        raise ConfigError(f"ccld config: override {item!r} must look like KEY=VALUE")
-    try:
-        return OmegaConf.from_dotlist([item])
-    except yaml.YAMLError as exc:
-        raise ConfigError(
-            f"ccld config: override {item!r}: the value is not valid YAML ({_problem(exc)}); "
-            "quote it"
-        ) from None
-    except IndexError:  # omegaconf's key parser on keys such as '[' (found by fuzzing)
-        key = item.split("=", 1)[0]
-        raise ConfigError(
-            f"ccld config: override {item!r}: {key!r} is not a key; give one like "
-            "diagnoser.hang_min_s=30"
-        ) from None
-
-
-def _yaml_error(where: str, exc: yaml.YAMLError) -> ConfigError:
-    mark = getattr(exc, "problem_mark", None)
-    at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    return ConfigError(f"ccld config: {where} is not valid YAML{at}: {_problem(exc)}")
-
-
-def _problem(exc: yaml.YAMLError) -> str:
-    """What the YAML parser found wrong, on one line."""
-    return " ".join(str(getattr(exc, "problem", None) or _first_line(exc)).split())
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 # ---------------------------------------------------------------- paths the plugin writes
@@ -505,7 +419,7 @@ def _check_writable(key: str, value: Any, path: Path, directory: bool) -> None:
     why = _unwritable(path, directory)
     if why is not None:
         raise ConfigError(
-            f"ccld config: {key}={value!r} cannot be written ({why}); expected a path in a "
+            f"ccld config: {key}={shown(value)} cannot be written ({why}); expected a path in a "
             "folder this user can write"
         )
 
@@ -519,20 +433,20 @@ def _unwritable(path: Path, directory: bool) -> str | None:
             existing = existing.parent
         if existing == path and not directory:
             if not path.is_file():
-                return f"{path} is not a regular file"
+                return f"{cut(str(path))} is not a regular file"
             os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC))
             return None
         if not existing.is_dir():
-            return f"{existing} is not a folder"
+            return f"{cut(str(existing))} is not a folder"
     except OSError as exc:
-        return f"{exc.filename or path}: {exc.strerror or _first_line(exc)}"
+        return f"{cut(str(exc.filename or path))}: {exc.strerror or problem(exc)}"
     except ValueError as exc:  # a NUL byte
-        return _first_line(exc)
+        return problem(exc)
     try:
         with tempfile.TemporaryFile(dir=existing):
             return None
     except OSError as exc:
-        return f"no file can be created in {existing}: {exc.strerror or _first_line(exc)}"
+        return f"no file can be created in {cut(str(existing))}: {exc.strerror or problem(exc)}"
 
 
 def make_private_dirs(path: Path) -> None:
@@ -553,3 +467,31 @@ def make_private_dirs(path: Path) -> None:
 def to_yaml(cfg: CcldConfig) -> str:
     """The resolved config as YAML (what ``ccld config`` prints)."""
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def is_job_name(name: str) -> bool:
+    """Whether ``name`` passes the config's job-name rule (JOB_NAME_RULE), for a command
+    that takes a job name outside the config (``ccld diagnoser --job``)."""
+    try:
+        _check_job_name(name)
+    except ConfigError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- ranks of the job
+def check_world(cfg: CcldConfig, world: int, how: str = "") -> None:
+    """Refuse a rank the config names that a job of ``world`` ranks does not have: known
+    once the job's size is, at launch (``how``: where the size comes from) or at start."""
+    size = f"{world} rank{'' if world == 1 else 's'}" + (f" ({how})" if how else "")
+    d = cfg.diagnoser
+    if d.rank >= world:
+        raise ConfigError(
+            f"ccld config: diagnoser.rank={d.rank} is not a rank of this job of {size}; "
+            f"expected 0..{world - 1}, or -1 for a diagnoser process of its own (ccld diagnoser)"
+        )
+    if d.standby and d.standby_rank >= world:
+        raise ConfigError(
+            f"ccld config: diagnoser.standby_rank={d.standby_rank} is not a rank of this job "
+            f"of {size}; expected 0..{world - 1}, or -1 for the one it picks"
+        )

@@ -106,7 +106,9 @@ def summarize_board(
                 entered_seq=int(rec["entered_seq"]),
                 completed_seq=int(rec["completed_seq"]),
                 ops=int(mine.sum()),
-                blocked_us=int(dur_ns[mine & sync].sum() // 1000),
+                # summed in floats: a ring of ops each as long as a corrupt (or remote)
+                # board's times allow passes 64 bits
+                blocked_us=int(dur_ns[mine & sync].sum(dtype=np.float64) // 1000),
                 bytes=int(done["bytes"][mine].sum()),
                 max_dur_us=int(dur_ns[mine].max() // 1000) if mine.any() else 0,
             )

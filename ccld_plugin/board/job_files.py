@@ -7,9 +7,10 @@ analysis)."""
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
+
+from ccld_plugin.files import replace_private
 
 __all__ = [
     "JOB_CONFIG",
@@ -58,9 +59,7 @@ def read_crash(board: Path) -> list[str]:
 
 def _write_frames(path: Path, frames: Sequence[str]) -> None:
     """Replace the file atomically: a reader sees the old frames or the new, never half."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(list(frames)))
-    os.replace(tmp, path)
+    replace_private(path, json.dumps(list(frames)).encode())
 
 
 def _read_frames(path: Path) -> list[str]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import mmap
 import os
 import socket
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 import ccld_plugin._native as _native
+from ccld_plugin.files import FileError, OneLineError, open_regular, os_problem
 from ccld_plugin.topology import GROUP_ROLES, GroupInfo, role_name
 from ccld_plugin.wire.codes import (
     DIRECTION_NAMES,
@@ -73,10 +75,18 @@ GROUP_DTYPE = _dtype("group")
 OP_DTYPE = _dtype("op")
 CHANNEL_DTYPE = _dtype("channel")
 
-MAX_COUNT = 1 << 48  # bytes, steps, microseconds: a larger count is a corrupt record
+# Bounds of what a writer can give; a value beyond is a corrupt record (or header). They
+# also keep every sum the readers make within 64 bits: a ring of MAX_RING ops of
+# MAX_OP_BYTES each, differences of two times each shifted by a clock offset.
+MAX_COUNT = 1 << 48  # seqs, counters, microseconds
+MAX_OP_BYTES = 1 << 40  # one op's bytes: more than any device holds
+MAX_RING = 1 << 20  # ops (board.ring_size's largest)
+MAX_CHANNELS = 1 << 16  # channel records (board.max_channels' largest)
+MAX_STEP = 2**31 - 1  # an op record keeps its step in 32 bits
+MAX_TIME_NS = 1 << 60  # 36 years of a monotonic clock; also the largest clock offset
+MAX_WALL_NS = 1 << 62  # the year 2116
 LATE_NS = 1_000_000_000  # a local board's times may pass the reader's clock by this much
 _OP_FLAGS = FLAG_ASYNC | FLAG_P2P | FLAG_SEND | FLAG_CUDA
-_NO_LIMIT = np.iinfo(np.int64).max
 _COUNTS = (
     "steps_posted",
     "steps_done",
@@ -93,7 +103,7 @@ def _align64(v: int) -> int:
     return (v + 63) & ~63
 
 
-class BoardError(ValueError):
+class BoardError(OneLineError):
     """A file that is not a readable board; the message says what is wrong."""
 
 
@@ -121,9 +131,9 @@ class BoardReader:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except OSError as exc:
-            raise BoardError(f"{self.path}: cannot open board ({exc.strerror})") from None
+            fd = open_regular(self.path, "a board file")
+        except FileError as exc:
+            raise BoardError(str(exc)) from None
         try:
             size = os.fstat(fd).st_size
             if size < HEADER_DTYPE.itemsize:
@@ -132,6 +142,8 @@ class BoardReader:
                     f"(header alone is {HEADER_DTYPE.itemsize}); the file is truncated or foreign"
                 )
             self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        except OSError as exc:
+            raise BoardError(os_problem(self.path, exc)) from None
         finally:
             os.close(fd)
         self._buf = np.frombuffer(self._map, dtype=np.uint8)
@@ -150,7 +162,8 @@ class BoardReader:
             )
         self._hdr = self._buf[: HEADER_DTYPE.itemsize].view(HEADER_DTYPE)
         h = self._hdr[0]
-        problem = _header_problem(h, size)
+        self._local = bytes(h["host"]).split(b"\0")[0] == socket.gethostname().encode()
+        problem = _header_problem(h, size, self._latest())
         if problem is not None:
             raise BoardError(
                 f"{self.path}: corrupt header ({problem}); the board cannot be trusted, "
@@ -158,7 +171,6 @@ class BoardReader:
             )
         # records left out of the last read of each table, as failing their checks
         self.corrupt: dict[str, int] = {"groups": 0, "ops": 0, "channels": 0}
-        self._local = bytes(h["host"]).split(b"\0")[0] == socket.gethostname().encode()
         self.ring_size = int(h["ring_size"])
         self.max_groups = int(h["max_groups"])
         self.max_channels = int(h["max_channels"])
@@ -257,11 +269,15 @@ class BoardReader:
         return recs[keep]
 
     # ------------------------------------------------------------------ record checks
+    def _latest(self) -> int:
+        """The latest time this board's clock can show: the reader's now for a board of
+        this host (the same clock), else MAX_TIME_NS."""
+        return time.monotonic_ns() + LATE_NS if self._local else MAX_TIME_NS
+
     def _when_ok(self, t: np.ndarray, unset_ok: bool = False) -> np.ndarray:
-        """Times on this board's clock: after its start and, for a board of this host, not
-        after the reader's now (0 means unset where ``unset_ok``)."""
-        limit = time.monotonic_ns() + LATE_NS if self._local else _NO_LIMIT
-        ok = (t >= int(self._hdr[0]["start_mono_ns"])) & (t <= limit)
+        """Times on this board's clock: after its start, not after :meth:`_latest` (0
+        means unset where ``unset_ok``)."""
+        ok = (t >= int(self._hdr[0]["start_mono_ns"])) & (t <= self._latest())
         return ok | (t == 0) if unset_ok else ok
 
     def _groups_ok(self, table: np.ndarray) -> np.ndarray:
@@ -280,6 +296,8 @@ class BoardReader:
             & (padded[np.where(fits, off + me, len(pool))] == rank)
             & (table["role"] >= 0)
             & (table["role"] < len(GROUP_ROLES))
+            & (table["entered_seq"] < MAX_COUNT)
+            & (table["completed_seq"] < MAX_COUNT)
             & self._when_ok(table["last_enter_ns"], unset_ok=True)
             & self._when_ok(table["last_exit_ns"], unset_ok=True)
         )
@@ -303,9 +321,10 @@ class BoardReader:
             & ((recs["index_lo"] & np.uint32(self.ring_size - 1)) == position)
             & np.where(p2p, (peer >= -1) & (peer < int(self._hdr[0]["world"])), peer == -1)
             & (recs["seq"] >= 1)
+            & (recs["seq"] < MAX_COUNT)
             & (p2p | (recs["seq"] <= entered))  # a collective's seq was entered first
             & (recs["step"] >= 0)
-            & (recs["bytes"] < MAX_COUNT)
+            & (recs["bytes"] < MAX_OP_BYTES)
             & self._when_ok(recs["enter_ns"])
             & np.where(
                 state == STATE_IN_FLIGHT,
@@ -324,18 +343,21 @@ class BoardReader:
             & self._when_ok(recs["first_ns"], unset_ok=True)
             & self._when_ok(recs["last_progress_ns"], unset_ok=True)
         )
-        for name in _COUNTS:
+        for name in (*_COUNTS, "seq"):
             ok &= recs[name] < MAX_COUNT
         return ok
 
 
-def _header_problem(h: np.void, size: int) -> str | None:
+def _header_problem(h: np.void, size: int, latest: int) -> str | None:
     """What is impossible in a header whose magic, version and size are right (None:
-    nothing found): a layout other than the writer's, or values no writer gives."""
+    nothing found): a layout other than the writer's, or values no writer gives (times
+    after ``latest``, the latest its clock can show)."""
     ring, groups = int(h["ring_size"]), int(h["max_groups"])
     channels, pool = int(h["max_channels"]), int(h["rank_pool_size"])
-    if int(h["header_size"]) != HEADER_DTYPE.itemsize or ring < 1 or ring & (ring - 1):
+    if int(h["header_size"]) != HEADER_DTYPE.itemsize or not _power_of_two(ring, MAX_RING):
         return f"header size {int(h['header_size'])}, ring of {ring} records"
+    if channels > MAX_CHANNELS:
+        return f"{channels} channel records"
     if not (1 <= groups <= 65535 and pool >= 1):
         return f"{groups} groups, a rank pool of {pool}"
     offsets = [_align64(HEADER_DTYPE.itemsize)]
@@ -349,16 +371,49 @@ def _header_problem(h: np.void, size: int) -> str | None:
         return f"rank {rank} of {world}, pid {int(h['pid'])}"
     if int(h["num_groups"]) > groups or int(h["rank_pool_used"]) > pool:
         return f"{int(h['num_groups'])} groups registered, {int(h['rank_pool_used'])} ranks"
-    start = int(h["start_mono_ns"])
+    start, step = int(h["start_mono_ns"]), int(h["step"])
     times = (int(h["heartbeat_ns"]), int(h["step_start_ns"]) or start)
-    if start <= 0 or min(times) < start or int(h["step"]) < 0 or int(h["closed"]) > 1:
-        return f"step {int(h['step'])}, times before the board's start"
+    if start <= 0 or min(times) < start or max(times) > latest:
+        return f"start {start} ns, heartbeat {times[0]} ns, step start {times[1]} ns"
+    counts, closed = (int(h["ops_written"]), int(h["errors"])), int(h["closed"])
+    if not (0 <= step <= MAX_STEP and max(counts) < MAX_COUNT and closed <= 1):
+        return f"step {step}, {counts[0]} ops written, {counts[1]} errors, closed {closed}"
+    offset, wall = int(h["clock_offset_ns"]), int(h["start_wall_ns"])
+    if abs(offset) > MAX_TIME_NS or not 0 < wall <= MAX_WALL_NS:
+        return f"clock offset {offset} ns, started at {wall} ns (wall clock)"
     return None
 
 
-def board_files(path: str | os.PathLike[str]) -> list[Path]:
-    """The board files at ``path``: the file itself, or every ``*.board`` below a directory."""
+def _power_of_two(n: int, most: int) -> bool:
+    return 1 <= n <= most and not n & (n - 1)
+
+
+def board_files(path: str | os.PathLike[str], skipped: list[str] | None = None) -> list[Path]:
+    """The board files at ``path``: the path itself when it is not a folder, else every
+    entry named ``*.board`` in it and in its sub-folders (of any kind: the reader refuses
+    what is not a board). A folder that cannot be listed raises BoardError; a sub-folder,
+    when ``skipped`` is given, is left out with a line appended there."""
     p = Path(path)
-    if p.is_dir():
-        return sorted(p.rglob("*.board"), key=lambda f: (len(f.name), f.name))
-    return [p]
+    try:
+        is_dir = stat.S_ISDIR(os.stat(p).st_mode)
+    except OSError:
+        is_dir = False  # the reader says why it cannot be opened
+    if not is_dir:
+        return [p]
+    found: list[Path] = []
+    folders = [p]
+    while folders:
+        folder = folders.pop()
+        try:
+            with os.scandir(folder) as entries:
+                for e in entries:
+                    if e.name.endswith(".board"):
+                        found.append(Path(e.path))
+                    elif e.is_dir(follow_symlinks=False):
+                        folders.append(Path(e.path))
+        except OSError as exc:
+            problem = os_problem(folder, exc, "listed")
+            if folder == p or skipped is None:
+                raise BoardError(problem) from None
+            skipped.append(f"{problem}; the boards in it are left out")
+    return sorted(found, key=lambda f: (len(f.name), f.name))

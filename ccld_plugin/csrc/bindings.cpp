@@ -6,7 +6,6 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
-#include <cerrno>
 #include <cstddef>
 #include <cstring>
 #include <limits>
@@ -63,7 +62,9 @@ class Board {
     b_ = ccld_board_create(path.c_str(), rank, world, job.c_str(), host.c_str(), ring_size,
                            max_groups, max_channels, rank_pool_size);
     if (!b_) {
-      throw std::runtime_error("cannot create board file " + path + ": " + std::strerror(errno));
+      // An OSError with its errno: the session tells a full folder (ENOSPC) from the rest.
+      PyErr_SetFromErrnoWithFilename(PyExc_OSError, path.c_str());
+      throw nb::python_error();
     }
   }
   ~Board() { close(false); }

@@ -65,6 +65,23 @@ size_t ccld_board_size(uint32_t ring_size, uint32_t max_groups, uint32_t max_cha
   return s;
 }
 
+/* Empty the file and give it `size` bytes of zeros whose pages exist now: the board is a
+ * shared mapping, and a write to a page that a full filesystem cannot give is a SIGBUS in
+ * the training process. A folder without room is told here, as ENOSPC. Returns 0 or an
+ * errno value. */
+static int reserve(int fd, size_t size) {
+  struct stat st;
+  if (fstat(fd, &st) != 0) return errno;
+  if (!S_ISREG(st.st_mode)) return EINVAL;
+  if (ftruncate(fd, 0) != 0) return errno;
+  int err;
+  /* posix_fallocate returns its error (errno is left alone); a signal can interrupt it */
+  do {
+    err = posix_fallocate(fd, 0, (off_t)size);
+  } while (err == EINTR);
+  return err;
+}
+
 ccld_board* ccld_board_create(const char* path, int32_t rank, int32_t world, const char* job,
                               const char* host, uint32_t ring_size, uint32_t max_groups,
                               uint32_t max_channels, uint32_t rank_pool_size) {
@@ -74,12 +91,13 @@ ccld_board* ccld_board_create(const char* path, int32_t rank, int32_t world, con
   }
   ring_size = round_pow2(ring_size);
   size_t size = ccld_board_size(ring_size, max_groups, max_channels, rank_pool_size);
-  int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  /* Never through a link; mode 0600 for a new file (the board is the user's own). */
+  int fd = open(path, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) return NULL;
-  if (ftruncate(fd, (off_t)size) != 0) {
-    int e = errno;
+  int err = reserve(fd, size);
+  if (err != 0) {
     close(fd);
-    errno = e;
+    errno = err;
     return NULL;
   }
   void* mem = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);

@@ -181,8 +181,10 @@ typedef struct ccld_board ccld_board; /* opaque handle of a mapped board */
 size_t ccld_board_size(uint32_t ring_size, uint32_t max_groups, uint32_t max_channels,
                        uint32_t rank_pool_size);
 
-/* Create (truncate) and map a board file. Returns NULL and sets errno on failure.
- * The first board created in a process becomes the process board (ccld_process_board). */
+/* Create (or empty) and map a board file, never through a symbolic link, with its pages
+ * reserved (ENOSPC when the folder has no room for them). Returns NULL and sets errno on
+ * failure. The first board created in a process becomes the process board
+ * (ccld_process_board). */
 ccld_board* ccld_board_create(const char* path, int32_t rank, int32_t world, const char* job,
                               const char* host, uint32_t ring_size, uint32_t max_groups,
                               uint32_t max_channels, uint32_t rank_pool_size);

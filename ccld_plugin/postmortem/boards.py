@@ -4,18 +4,25 @@ board's clock offset)."""
 
 from __future__ import annotations
 
+import itertools
+import os
+import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from ccld_plugin.agent.board_summary import BoardSnapshot, last_seen_ns
-from ccld_plugin.board.job_files import read_crash, read_stack
+from ccld_plugin.board.job_files import read_crash, read_stack, stack_path
 from ccld_plugin.board.reader import BoardError, BoardReader, board_files
+from ccld_plugin.files import OneLineError, kind_of
 from ccld_plugin.topology import GroupInfo
 from ccld_plugin.wire.codes import FLAG_P2P, STATE_DONE, STATE_ERROR, STATE_IN_FLIGHT
 
 __all__ = ["JobBoards", "PostmortemError", "RankBoard", "load_boards"]
+
+MISSING_LISTED = 16  # ranks without a board named in a note; more are counted
 
 # Ranks of one run create their boards right after the rendezvous; a board that started
 # this much earlier than the job's others is left over from an earlier run of a job of the
@@ -23,7 +30,7 @@ __all__ = ["JobBoards", "PostmortemError", "RankBoard", "load_boards"]
 STALE_START_S = 120.0
 
 
-class PostmortemError(ValueError):
+class PostmortemError(OneLineError):
     """Boards that cannot be diagnosed together; the message is one line with the fix."""
 
 
@@ -35,6 +42,8 @@ class RankBoard:
     channels: np.ndarray
     stack: list[str]  # the main-thread stack the rank wrote while stuck, if any
     crash: list[str]  # the uncaught exception it left on, if it did (job_files.write_crash)
+    # records left out per table as failing their checks (BoardReader.corrupt), if any
+    corrupt: dict[str, int] = field(default_factory=dict)
 
     @property
     def offset_ns(self) -> int:
@@ -113,26 +122,44 @@ class JobBoards:
     world: int
     ranks: dict[int, RankBoard]
     notes: list[str] = field(default_factory=list)  # one line each: what is missing or skipped
+    # one line each: the boards (and folders) at the path that could not be read
+    unreadable: list[str] = field(default_factory=list)
 
-    @property
-    def missing(self) -> list[int]:
-        return sorted(set(range(self.world)) - set(self.ranks))
+    def missing(self, limit: int = MISSING_LISTED) -> list[int]:
+        """The first ``limit`` ranks of the job without a board here (a corrupt world can
+        be 2**31 ranks: never listed whole)."""
+        return list(itertools.islice((r for r in range(self.world) if r not in self.ranks), limit))
+
+    def damaged(self) -> list[RankBoard]:
+        """The boards read with corrupt records left out."""
+        return [b for _, b in sorted(self.ranks.items()) if b.corrupt]
 
 
 def load_boards(path: Path) -> JobBoards:
     """Read every board at ``path`` (a board file or a directory of them)."""
-    if not path.exists():
-        raise PostmortemError(f"{path} does not exist; pass a job's board directory")
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        raise PostmortemError(f"{path} does not exist; pass a job's board directory") from None
+    except OSError:
+        pass  # the reader says why it cannot be read
     read: list[RankBoard] = []
-    notes = []
-    for f in board_files(path):
+    unreadable: list[str] = []
+    try:
+        files = board_files(path, unreadable)
+    except BoardError as exc:
+        raise PostmortemError(str(exc)) from None
+    for f in files:
         try:
-            read.append(_read(f))
+            read.append(_read(f, unreadable))
         except BoardError as exc:
-            notes.append(f"skipped: {exc}")
+            unreadable.append(str(exc))
+    if files == [path] and unreadable:
+        raise PostmortemError(unreadable[0])  # one board, not a folder: why it is unreadable
     if not read:
+        why = f" ({len(unreadable)} unreadable, the first: {unreadable[0]})" if unreadable else ""
         raise PostmortemError(
-            f"no readable board (*.board) at {path}; boards are in <board.dir>/<job>/ "
+            f"no readable board (*.board) at {path}{why}; boards are in <board.dir>/<job>/ "
             "(default /dev/shm/ccld-<uid>/<job>/)"
         )
     jobs: dict[tuple[str, int], list[RankBoard]] = {}
@@ -147,20 +174,44 @@ def load_boards(path: Path) -> JobBoards:
             "pass the directory of one job"
         )
     ((job, world),) = jobs
+    notes: list[str] = []
     ranks = _one_run(read, notes)
-    boards = JobBoards(job, world, ranks, notes)
-    if boards.missing:
+    boards = JobBoards(job, world, ranks, notes, unreadable)
+    absent = world - len(ranks)
+    if absent:
+        first = boards.missing()
+        which = f"rank(s) {first}" if absent <= MISSING_LISTED else f"{absent} ranks ({first}...)"
         notes.append(
-            f"no board for rank(s) {boards.missing} of {world}: they are left out of the "
+            f"no board for {which} of {world}: they are left out of the "
             "analysis (never started, or their boards were removed)"
         )
     return boards
 
 
-def _read(path: Path) -> RankBoard:
+def _read(path: Path, unreadable: list[str]) -> RankBoard:
     with BoardReader(path) as r:
         snap = BoardSnapshot.read(r)
-        return RankBoard(path, snap, r.groups(), r.channels(), read_stack(path), read_crash(path))
+        groups, channels = r.groups(), r.channels()  # after the snapshot: counts its tables
+        corrupt = {table: n for table, n in r.corrupt.items() if n}
+    stack = _frames(path, stack_path(path), read_stack, unreadable)
+    crash = _frames(path, path.with_suffix(".crash"), read_crash, unreadable)
+    return RankBoard(path, snap, groups, channels, stack, crash, corrupt)
+
+
+def _frames(
+    board: Path, side: Path, read: Callable[[Path], list[str]], unreadable: list[str]
+) -> list[str]:
+    """``read(board)``: the frames of the file ``side`` beside the board, when it is a
+    regular file (or absent); anything else there is left out with a line (reading a
+    FIFO would block)."""
+    try:
+        mode = os.stat(side).st_mode
+    except OSError:
+        return read(board)  # absent, or unreadable: it reads as no frames
+    if stat.S_ISREG(mode):
+        return read(board)
+    unreadable.append(f"{side}: {kind_of(mode)}, not a regular file; left out")
+    return []
 
 
 def _one_run(boards: list[RankBoard], notes: list[str]) -> dict[int, RankBoard]:

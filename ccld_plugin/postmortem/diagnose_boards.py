@@ -9,6 +9,8 @@ the same :class:`Analyzer` gives the same verdict records.
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 from ccld_plugin.agent.board_summary import arrival_samples, samples_per_group, summarize_board
@@ -18,13 +20,14 @@ from ccld_plugin.config import CcldConfig, load_config
 from ccld_plugin.diagnose import Analyzer, JobView, Verdict
 from ccld_plugin.diagnose.analyzer import located_by_channels
 from ccld_plugin.diagnose.stalls.crash import peer_failure
-from ccld_plugin.postmortem.boards import JobBoards, RankBoard
+from ccld_plugin.files import kind_of, os_problem
+from ccld_plugin.postmortem.boards import JobBoards, PostmortemError, RankBoard
 from ccld_plugin.probes.nccl_channels import NcclChannels
 from ccld_plugin.wire.codes import STATE_DONE
 from ccld_plugin.wire.peer_channels import MAX_ENTRIES, encode_channels, entry_order
 from ccld_plugin.wire.summary import FLAG_CRASHED, RankSummary
 
-__all__ = ["diagnose_boards", "job_config", "job_view"]
+__all__ = ["diagnose_boards", "job_config", "job_view", "saved_config"]
 
 # A rank whose last sign of life is this many agent ticks before the job's last is the one
 # that died (or froze) first: ranks that ran until the job was killed stop within a tick of
@@ -33,12 +36,31 @@ STALE_TICKS = 2
 
 
 def job_config(path: Path, config: Path | None, overrides: list[str]) -> CcldConfig:
-    """The configuration the job ran with (written beside its boards by the diagnoser
-    rank), else ``config`` or the defaults; ``overrides`` on top."""
-    if config is None:
-        saved = (path if path.is_dir() else path.parent) / JOB_CONFIG
-        config = saved if saved.is_file() else None
-    return load_config(config, overrides, writing=False)
+    """``config``, else the configuration the job ran with (written beside its boards by
+    the diagnoser rank), else the defaults; ``overrides`` on top."""
+    return load_config(config or saved_config(path), overrides, writing=False)
+
+
+def saved_config(path: Path) -> Path | None:
+    """The job's config beside the boards at ``path`` (a folder or a board), if one is
+    there. Anything there that is not a regular file (a FIFO would block the read), or
+    that cannot be looked at, is refused: a diagnosis with other thresholds than the
+    job's would not be the job's."""
+    try:
+        folder = path if stat.S_ISDIR(os.stat(path).st_mode) else path.parent
+    except OSError:
+        folder = path.parent
+    saved = folder / JOB_CONFIG
+    fix = "the job's config is read from there: remove it, or pass --config FILE"
+    try:
+        mode = os.stat(saved).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise PostmortemError(f"{os_problem(saved, exc, 'looked at')}; {fix}") from None
+    if not stat.S_ISREG(mode):
+        raise PostmortemError(f"{saved}: {kind_of(mode)}, not a regular file; {fix}")
+    return saved
 
 
 def _summary(b: RankBoard, interval_s: float, world: int) -> RankSummary:
@@ -132,7 +154,8 @@ def failed_beyond(boards: JobBoards) -> tuple[list[int], list[int]]:
     a job of several hosts keeps each host's boards on that host): where a job whose
     boards give no verdict failed."""
     raised = {r for r, b in boards.ranks.items() if b.failed_ns() is not None}
-    beyond = _implicated(boards.ranks, raised) & set(boards.missing)
+    implicated = _implicated(boards.ranks, raised)
+    beyond = {r for r in implicated if 0 <= r < boards.world and r not in boards.ranks}
     return sorted(raised), sorted(beyond)
 
 

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ccld_plugin.board.reader import BoardError, BoardReader, board_files
+from ccld_plugin.files import one_line
 from ccld_plugin.wire.codes import (
     FLAG_P2P,
     OP_NAMES,
@@ -28,6 +29,7 @@ __all__ = [
     "Inspection",
     "RankStatus",
     "collective_table",
+    "corrupt_warning",
     "inspect_all",
     "inspect_boards",
     "print_collectives",
@@ -187,19 +189,30 @@ def inspect_all(path: str | os.PathLike[str]) -> Inspection:
     """Every board at ``path`` (a file or a directory of them). A file that is no
     readable board raises BoardError; in a directory it is listed as unreadable and the
     others are read."""
-    files = board_files(path)
+    unreadable: list[str] = []
+    files = board_files(path, unreadable)
     if not files:
-        raise BoardError(f"{path}: no board files (*.board) here")
-    statuses, unreadable = [], []
+        raise BoardError(unreadable[0] if unreadable else f"{path}: no board files (*.board) here")
+    statuses = []
     for f in files:
         try:
             with BoardReader(f) as reader:
                 statuses.append(rank_status(reader))
         except BoardError as exc:
-            if len(files) == 1:
+            if len(files) == 1 and not unreadable:
                 raise
             unreadable.append(str(exc))
     return Inspection(sorted(statuses, key=lambda s: s.rank), unreadable)
+
+
+def corrupt_warning(path: str, corrupt: dict[str, int]) -> str:
+    """The line that says a board had records left out as corrupt (``corrupt``: how many
+    per table), in every command that reads boards."""
+    counts = ", ".join(f"{n} {table}" for table, n in corrupt.items())
+    return one_line(
+        f"{path}: corrupt records left out ({counts}); the board is damaged, what is shown "
+        "passed its checks"
+    )
 
 
 def inspect_boards(path: str | os.PathLike[str]) -> list[RankStatus]:

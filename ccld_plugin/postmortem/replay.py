@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from ccld_plugin.config import CcldConfig, load_config
+from ccld_plugin.config import CcldConfig, ConfigError, load_config
 from ccld_plugin.diagnose import Analyzer, JobView, Verdict
 from ccld_plugin.diagnose.analyzer import located_by_channels
 from ccld_plugin.diagnose.view import topology_of
-from ccld_plugin.recording import RecordedRound, read_recording
+from ccld_plugin.recording import RecordedRound, RecordingError, read_recording
 from ccld_plugin.topology import GroupInfo, Topology
 from ccld_plugin.wire.summary_batch import SummaryTable
 
@@ -39,13 +39,29 @@ def replay(
     if config is not None:
         cfg = load_config(config, overrides, writing=False)
     else:  # recorded by another version: its keys that this one does not know are left out
-        schema = dataclasses.asdict(CcldConfig())
-        cfg = load_config(_known(yaml.safe_load(recorded) or {}, schema), overrides, writing=False)
+        values = _known(_recorded_config(path, recorded), dataclasses.asdict(CcldConfig()))
+        try:
+            load_config(values, writing=False)
+        except ConfigError as exc:  # (a bad override is the user's: said as it is, below)
+            raise RecordingError(f"{path}: its recorded config is refused: {exc}") from None
+        cfg = load_config(values, overrides, writing=False)
     analyzer = Analyzer(cfg.diagnoser, cfg.agent.interval_s, located_by_channels)
     verdicts: list[Verdict] = []
     for _, view in round_views(rounds):
         verdicts += analyzer.round(view)
     return cfg, verdicts
+
+
+def _recorded_config(path: Path, text: str) -> dict:
+    """The config a recording holds, as the mapping its YAML is."""
+    try:
+        values = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise RecordingError(f"{path}: its recorded config is not YAML ({why})") from None
+    if not isinstance(values, dict):
+        raise RecordingError(f"{path}: its recorded config is not YAML keys")
+    return values
 
 
 def round_views(rounds: Iterable[RecordedRound]) -> Iterator[tuple[RecordedRound, JobView]]:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ccld_plugin.postmortem.boards import JobBoards, RankBoard
+from ccld_plugin.postmortem.outputs import replace_file
 from ccld_plugin.topology import trace_id
 from ccld_plugin.wire.codes import FLAG_P2P, FLAG_SEND, OP_NAMES, STATE_IN_FLIGHT, STATE_NAMES
 
@@ -204,9 +205,12 @@ def _verdicts(boards: JobBoards, verdicts: Iterable[dict]) -> list[dict[str, Any
     return out
 
 
-def write_trace(boards: JobBoards, verdicts: Iterable[dict], path: Path) -> int:
-    """Write the timeline to ``path``; the number of events."""
+def write_trace(
+    boards: JobBoards, verdicts: Iterable[dict], path: Path, *, replace: bool = True
+) -> int:
+    """Write the timeline to ``path``, in a folder that exists; the number of events. A
+    file there is replaced where ``replace`` (a command's own output), else refused."""
     events = trace_events(boards, verdicts)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    data = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}).encode()
+    replace_file(path, data, force=replace)
     return len(events)

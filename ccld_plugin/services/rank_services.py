@@ -15,6 +15,7 @@ from ccld_plugin.board.job_files import JOB_CONFIG
 from ccld_plugin.config import CcldConfig, to_yaml
 from ccld_plugin.control import ControlPlane
 from ccld_plugin.errors import report_error
+from ccld_plugin.files import open_private
 from ccld_plugin.services.diagnoser import Diagnoser
 from ccld_plugin.services.standby import Standby, standby_rank
 from ccld_plugin.sinks import build_sinks
@@ -140,8 +141,16 @@ def _write_job_config(cfg: CcldConfig, board_dir: Path) -> Path | None:
     from there, so a post-mortem judges the boards as the live diagnoser did."""
     path = board_dir / JOB_CONFIG
     try:
-        path.write_text(to_yaml(cfg))
+        # not replaced by a rename: a link planted there is refused, and said, not removed
+        fd = open_private(path)
     except OSError as exc:
+        report_error("services.job_config", exc)
+        return None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(to_yaml(cfg))
+    except OSError as exc:  # no room: a config cut short would mislead the post-mortem
+        path.unlink(missing_ok=True)
         report_error("services.job_config", exc)
         return None
     return path

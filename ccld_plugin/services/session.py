@@ -8,10 +8,12 @@ a launcher can enable the plugin before the user's script imports anything.
 from __future__ import annotations
 
 import atexit
+import errno
 import functools
 import operator
 import os
 import re
+import secrets
 import socket
 import stat
 import sys
@@ -21,7 +23,7 @@ import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -34,10 +36,12 @@ from ccld_plugin.config import (
     ConfigError,
     ConfigSource,
     check_paths,
+    check_world,
     load_config,
-    make_private_dirs,
 )
 from ccld_plugin.errors import log, report_error
+from ccld_plugin.services import job_folder
+from ccld_plugin.services.job_folder import FolderRefused, JobFolder
 from ccld_plugin.tracing.tracer import Tracer
 from ccld_plugin.wire.summary import MAX_FRAMES
 
@@ -67,12 +71,16 @@ class Session:
     tracer: Tracer
     started_ns: int = 0  # monotonic; on the diagnoser rank this is the job's start
     services: Services | None = None
+    folder: JobFolder | None = None  # the claimed job folder, let go at disable
 
 
 _session: Session | None = None
 _pending_roles: list[tuple[Any, str]] = []
 _lock = threading.RLock()
 _deferred: dict[str, Any] = {}
+# The line of a start-up problem that turned the plugin off in this rank: said once, and
+# not tried again by a later enable() (the integrations call it more than once).
+_off: str | None = None
 
 
 MAX_STEP = 2**31 - 1  # a step is an int32 in op records and summaries
@@ -113,8 +121,12 @@ def job_seconds(mono_ns: int) -> float | None:
 def enable(config: ConfigSource = None, overrides: Iterable[str] = ()) -> Session | None:
     """Turn the plugin on in this process. Returns the session, or None when the config
     disables it or the process group is not initialized yet (setup then completes right
-    after ``init_process_group``). Bad config raises :class:`ConfigError`; any other
-    failure is contained and training runs untraced."""
+    after ``init_process_group``). Bad config raises :class:`ConfigError`; a rank the job
+    does not have (``diagnoser.rank``, ``diagnoser.standby_rank``) is said once, by rank
+    0, and every rank exits with code 2 at start-up. A board folder that cannot be used
+    (a link, another user's, another live job's, full) turns the plugin off in the ranks
+    concerned, in one line each; any other failure is contained and training runs
+    untraced."""
     if isinstance(config, CcldConfig) and not overrides:
         cfg = config
         check_paths(cfg)
@@ -130,7 +142,7 @@ def enable(config: ConfigSource = None, overrides: Iterable[str] = ()) -> Sessio
         except Exception as exc:  # noqa: BLE001
             report_error("session.nccl_profiler", exc)
     with _lock:
-        if _session is not None:
+        if _session is not None or _off is not None:
             return _session
         if not dist.is_available():
             return None
@@ -139,40 +151,43 @@ def enable(config: ConfigSource = None, overrides: Iterable[str] = ()) -> Sessio
             return None
         try:
             return _start(cfg)
-        except ConfigError:
-            raise
         except Exception as exc:  # noqa: BLE001
             report_error("session.enable", exc)
             return None
 
 
-def _start(cfg: CcldConfig) -> Session:
+def _start(cfg: CcldConfig) -> Session | None:
     global _session
     rank, world = dist.get_rank(), dist.get_world_size()
-    if cfg.diagnoser.rank >= world:
-        raise ConfigError(
-            f"ccld config: diagnoser.rank={cfg.diagnoser.rank} is not allowed; expected a rank "
-            f"of this job (0..{world - 1})"
-        )
+    try:
+        check_world(cfg, world)
+    except ConfigError as exc:
+        _leave_job(str(exc), rank, world, cfg.control.connect_timeout_s)
+    job = job_name(cfg)
     path = board_path(cfg, rank)
-    _private_board_dir(cfg, path.parent)
-    _private_file(path)
-    board = _native.Board(
-        str(path),
-        rank,
-        world,
-        job_name(cfg),
-        socket.gethostname(),
-        cfg.board.ring_size,
-        cfg.board.max_groups,
-        cfg.board.max_channels,
-        max(4 * world, 4096),
-    )
+    token = _job_token(job)
+    try:
+        folder = job_folder.claim(
+            cfg.board_root(), "{uid}" in cfg.board.dir, path.parent, token, world, rank
+        )
+    except (FolderRefused, OSError) as exc:
+        _turn_off(rank, exc, path)
+        return None
+    try:
+        board = _create_board(cfg, path, rank, world, job)
+    except Exception as exc:
+        _let_go(folder, cleanup=True)
+        if not isinstance(exc, (FolderRefused, OSError)):
+            raise
+        _turn_off(rank, exc, path)
+        return None
     errors.on_error(board.count_error)
     tracer = Tracer(board, rank, cfg.tracer.poll_interval_ms / 1000.0)
     tracer.register_group(None, "world")
     tracer.install()
-    _session = Session(cfg, rank, world, path, board, tracer, started_ns=time.monotonic_ns())
+    _session = Session(
+        cfg, rank, world, path, board, tracer, started_ns=time.monotonic_ns(), folder=folder
+    )
     for pg, role in _pending_roles:
         tracer.register_group(pg, role)
     _pending_roles.clear()
@@ -181,39 +196,90 @@ def _start(cfg: CcldConfig) -> Session:
     # imported here: it needs the store, the tracer does not
     from ccld_plugin.services import rank_services as services
 
-    _session.services = services.start(
-        cfg, rank, world, job_name(cfg), path, tracer, _session.started_ns
-    )
+    _session.services = services.start(cfg, rank, world, job, path, tracer, _session.started_ns)
     log.info("ccld: tracing rank %d of %d, board %s", rank, world, path)
     return _session
 
 
-def _private_board_dir(cfg: CcldConfig, job_dir: Path) -> None:
-    """The job's board folder (and the per-user one above it, when ``board.dir`` names
-    the user): created with mode 0700; an existing one must be a folder of this user, not
-    a link, and is made 0700."""
-    make_private_dirs(job_dir)
-    per_user = "{uid}" in cfg.board.dir
-    for folder in (job_dir.parent, job_dir) if per_user else (job_dir,):
-        st = os.lstat(folder)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-            what = "not a folder" if not stat.S_ISDIR(st.st_mode) else f"owned by uid {st.st_uid}"
-            raise ConfigError(
-                f"ccld config: board.dir: {folder} is {what}; remove it, or set board.dir "
-                "or job to a folder of your own"
-            )
-        if st.st_mode & 0o077:
-            os.chmod(folder, 0o700)
+def _turn_off(rank: int, exc: FolderRefused | OSError, board: Path) -> None:
+    """Say, in one line, why the plugin is off in this rank: a problem of its folder."""
+    global _off
+    if isinstance(exc, FolderRefused):
+        problem, fix = exc.problem, exc.fix
+    elif exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        problem = f"the board folder {board.parent} is full (no room for this rank's board)"
+        fix = "free space there, or set board.dir to a folder with room"
+    else:
+        problem = f"the board folder {board.parent} cannot be used ({exc.strerror}: {exc.filename})"
+        fix = "set board.dir to a folder this user can write"
+    _off = f"ccld: rank {rank}: {problem}; the plugin is off in this rank, training goes on; {fix}"
+    log.warning(_off)
 
 
-def _private_file(path: Path) -> None:
-    """Create the board file with mode 0600 before the native writer opens it (it keeps
-    the mode of the file it truncates); a board left by an earlier run is made 0600."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+def _let_go(folder: JobFolder, cleanup: bool) -> None:
     try:
-        os.fchmod(fd, 0o600)
-    finally:
-        os.close(fd)
+        folder.release(cleanup)
+    except Exception as exc:  # noqa: BLE001 - the rank leaves the folder all the same
+        report_error("session.folder", exc)
+
+
+def _job_token(job: str) -> str:
+    """What the ranks of this job, and no other, agree on: the first one's random token,
+    through the job's own store (a relaunch by torchrun has a store prefix of its own, so a
+    new token; its old workers are gone by then)."""
+    store = c10d._get_default_store()
+    return store.compare_set(f"ccld/{job}/folder", "", secrets.token_hex(8)).decode()
+
+
+def _create_board(cfg: CcldConfig, path: Path, rank: int, world: int, job: str) -> _native.Board:
+    """A new board file (mode 0600) in the claimed folder, its pages reserved. A board
+    left there by a job that died is replaced, not emptied in place: a reader may still
+    have it mapped (ccld inspect), and must not see its pages go."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISREG(st.st_mode):
+            what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+            raise FolderRefused(f"the board file {path} is {what}", "remove it")
+        path.unlink()
+    try:
+        return _native.Board(
+            str(path),
+            rank,
+            world,
+            job,
+            socket.gethostname(),
+            cfg.board.ring_size,
+            cfg.board.max_groups,
+            cfg.board.max_channels,
+            max(4 * world, 4096),
+        )
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+
+
+def _leave_job(message: str, rank: int, world: int, wait_s: float) -> NoReturn:
+    """End this rank with exit code 2 for a config the job's size refutes: the same in
+    every rank, said once, by rank 0. The ranks leave together (counted through the job's
+    store, for at most ``wait_s``), so that none is left in a collective with one that has
+    gone, and without the interpreter's teardown, where gloo can abort a process whose
+    group is still initialized."""
+    if rank == 0:
+        print(f"ccld: error: {message}; every rank of the job exits with code 2", file=sys.stderr)
+    try:
+        store = c10d._get_default_store()
+        store.add("ccld/leaving", 1)
+        deadline = time.monotonic() + wait_s
+        while store.add("ccld/leaving", 0) < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the store's host left first: so do we
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(2)
 
 
 _abnormal_exit = False
@@ -266,8 +332,6 @@ def _defer_until_init(cfg: CcldConfig) -> None:
             if _session is None:
                 try:
                     _start(cfg)
-                except ConfigError:
-                    raise
                 except Exception as exc:  # noqa: BLE001
                     report_error("session.enable", exc)
         return result
@@ -338,10 +402,10 @@ def disable(keep_board: bool = False, failing: bool = False) -> None:
     store stopped answering this rank (the board is then the only record). ``failing``: the
     rank is leaving on an uncaught exception, and the diagnoser's last round waits a moment
     for the evidence of why. Safe to call more than once."""
-    global _session
+    global _session, _off
     with _lock:
         _restore_init()
-        s, _session = _session, None
+        s, _session, _off = _session, None, None
         if s is None:
             return
         # A rank that saw a collective raise keeps its board, however it leaves (a script
@@ -356,12 +420,5 @@ def disable(keep_board: bool = False, failing: bool = False) -> None:
             errors.clear_callbacks()
             cleanup = s.config.board.cleanup and not keep_board
             s.board.close(unlink=cleanup)
-            if cleanup:
-                _remove_empty_dir(s.board_path.parent)
-
-
-def _remove_empty_dir(path: Path) -> None:
-    try:
-        path.rmdir()
-    except OSError:
-        pass  # other ranks' boards are still there
+            if s.folder is not None:
+                _let_go(s.folder, cleanup)

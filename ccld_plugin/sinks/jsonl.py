@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ccld_plugin.config import make_private_dirs
 from ccld_plugin.diagnose.records import Verdict
+from ccld_plugin.files import open_private
 
 __all__ = ["JsonlSink", "read_verdicts"]
 
@@ -17,8 +18,7 @@ class JsonlSink:
     def __init__(self, path: Path) -> None:
         self.path = path
         make_private_dirs(path.parent)  # verdicts hold stacks and op names: the user's own
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        self._fh = open(fd, "a", encoding="utf-8")  # noqa: SIM115 - held for the run
+        self._fh = open(open_private(path, append=True), "a", encoding="utf-8")  # noqa: SIM115 - held for the run
 
     def emit(self, verdict: Verdict) -> None:
         self._fh.write(json.dumps(verdict.to_dict()) + "\n")

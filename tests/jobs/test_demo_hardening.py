@@ -43,6 +43,22 @@ def _ccld(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         (("--set", "job=../evil"), "job='../evil' is not allowed"),
         (("--set", "sinks.jsonl=/proc/x/y.jsonl"), "sinks.jsonl='/proc/x/y.jsonl' cannot be"),
         (("--set", "diagnoser.rank=4"), "diagnoser.rank=4 is not a rank of the 4-rank job"),
+        (("--tp", "0"), "--tp 0 is not allowed; expected a number >= 1"),
+        (("--framework", "deepspeed", "--pp", "2"), "--pp 2 does not apply to --framework"),
+        (("--world", "100000"), "--world 100000 is more than this host can run: at most"),
+        (
+            (
+                "--framework",
+                "torch",
+                "--world",
+                "2",
+                "--fault",
+                "none",
+                "--set",
+                "sinks.jsonl=null",
+            ),
+            "sinks.jsonl=null: the demo follows the job through its verdicts file",
+        ),
     ],
 )
 def test_bad_input_is_refused_before_anything_runs(tmp_path, args, message):

@@ -192,5 +192,5 @@ def test_truncated_foreign_and_missing_files_get_clear_errors(tmp_path):
     foreign.write_bytes(b"\x7fELF" + bytes(len(data)))
     with pytest.raises(BoardError, match="not a ccld board"):
         BoardReader(foreign)
-    with pytest.raises(BoardError, match="cannot open"):
+    with pytest.raises(BoardError, match="cannot be opened"):
         BoardReader(tmp_path / "missing.board")

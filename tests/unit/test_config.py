@@ -41,9 +41,9 @@ def test_dotlist_overrides_and_mappings():
         (None, ["novalue"], r"must look like KEY=VALUE"),
         ("/nonexistent/ccld.yaml", [], r"does not exist"),
         # a yes/no where a path goes: omegaconf alone would write a file named 'True'
-        (None, ["diagnoser.record=true"], r"diagnoser.record=True reads as yes/no.*a path"),
+        (None, ["diagnoser.record=true"], r"diagnoser.record='true' reads as yes/no.*a path"),
         ({"sinks": {"jsonl": False}}, [], r"sinks.jsonl=False reads as yes/no.*null \(off\)"),
-        (None, ["job=yes"], r"job=True reads as yes/no; expected text \(quote"),
+        (None, ["job=yes"], r"job='yes' reads as yes/no; expected text \(quote"),
     ],
 )
 def test_bad_config_is_one_line_error_naming_key_and_allowed(source, overrides, message):

@@ -33,6 +33,9 @@ def test_block_from_dict_and_file(tmp_path: Path) -> None:
         ({}, ["control.store=nearby"], "control.store"),
         ({"enabled": False, "board": {"ring_size": 3}}, [], "board.ring_size"),
         ("on", [], "'ccld' must be an object"),
+        ({"diagnoser": {"standby": 1}}, [], "diagnoser.standby=1 is not allowed; expected true"),
+        ({"job": 7}, [], "job=7 is not allowed; expected text"),
+        ({"board": {"dir": "${oc.env:HOME}"}}, [], "interpolation (${...}) is not supported"),
     ],
 )
 def test_bad_block_is_one_line_naming_the_key(
@@ -42,3 +45,23 @@ def test_bad_block_is_one_line_naming_the_key(
         read_config({"ccld": block}, overrides)
     msg = str(err.value)
     assert names in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize(
+    ("text", "names"),
+    [
+        (None, "missing.json' cannot be read ("),
+        ("[1, 2]", "c.json' holds a list; expected a JSON object"),
+        ('{"ccld": {oops', "c.json' cannot be read ("),
+    ],
+)
+def test_a_deepspeed_config_file_that_cannot_be_read_is_one_line(
+    tmp_path: Path, text: str | None, names: str
+) -> None:
+    path = tmp_path / ("missing.json" if text is None else "c.json")
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        read_config(str(path))
+    msg = str(err.value)
+    assert names in msg and "\n" not in msg and msg.startswith("ccld config: the DeepSpeed")

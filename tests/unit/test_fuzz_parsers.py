@@ -1,13 +1,17 @@
-"""Fuzzing our own parsers (hypothesis): config dotlists and YAML files, fault specs, and
-the summary and channel codecs the diagnoser reads from the store. No input gives a
-traceback or a hang: each is either read, or refused with the parser's own one-line error
-(a ValueError). And nothing wrong is presented as right: what is read passes the checks
-it was validated against, and reads back to the same value."""
+"""Fuzzing our own parsers (hypothesis): config dotlists, YAML files and mappings, fault
+specs, and the summary and channel codecs the diagnoser reads from the store. No input
+gives a traceback or a hang: each is either read, or refused with the parser's own one-line
+error (a ValueError; a config's cut to a few hundred characters). And nothing wrong is
+presented as right: what is read passes the checks it was validated against, has its key's
+type (no coercion: text as written, true/false only, decimal numbers, no ${...}), and reads
+back to the same value."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import struct
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +21,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ccld_harness.faults.spec import FAULT_KINDS, FaultSpec, FaultSpecError, parse_fault
-from ccld_plugin.config import CcldConfig, ConfigError, load_config
+from ccld_plugin.config import CcldConfig, ConfigError, load_config, to_yaml
+from ccld_plugin.config_values import read_yaml
 from ccld_plugin.wire.codes import OP_NAMES, WAIT_NAMES
 from ccld_plugin.wire.peer_channels import (
     MAX_ENTRIES,
@@ -54,19 +59,55 @@ def _leaves(node: Any = CcldConfig, prefix: str = "") -> list[str]:
     return out
 
 
+def _leaf_type(key: str) -> Any:
+    schema: Any = CcldConfig
+    for name in key.split("."):
+        schema = typing.get_type_hints(schema)[name]
+    return schema
+
+
+def _value(cfg: CcldConfig, key: str) -> Any:
+    value: Any = cfg
+    for name in key.split("."):
+        value = getattr(value, name)
+    return value
+
+
 KEYS = _leaves()
+FREE_TEXT_KEYS = [  # names and paths: any text (job names have a rule; store, mode: words)
+    k
+    for k in KEYS
+    if _leaf_type(k) in (str, str | None) and k not in ("job", "control.store", "sinks.wandb.mode")
+]
+LONGEST_LINE = 400  # an error line with every value in it cut
+WORDS = [
+    "true", "no", "null", "''", "[1,2", "{a: 1}", "[]", "${oc.env:HOME}", "${x}", "a\x00",
+    "007", "1e3", "0x10", "12:30", "1_000", ".inf", "yes", "on", "'true'", '"on"', "???",
+    "a\nb", "2.5", "1e20", "2147483648", "-1", "True", "FALSE", "~", "010", "+3", "0.0",
+]  # fmt: skip
 SCALARS = st.one_of(
     st.integers(-(2**70), 2**70).map(str),
     st.floats(allow_nan=True, allow_infinity=True).map(repr),
-    st.sampled_from(
-        ["true", "no", "null", "''", "[1,2", "{a: 1}", "[]", "${oc.env:HOME}", "${x}", "a\x00"]
-    ),
+    st.sampled_from(WORDS),
     st.text(max_size=12),
+    st.integers(81, 20_000).map(lambda n: "x" * n),  # cut in an error line
 )
 OVERRIDE = st.one_of(
     st.builds(lambda k, v: f"{k}={v}", st.sampled_from(KEYS) | st.text(max_size=8), SCALARS),
     st.text(max_size=30),
 )
+
+
+def _typed(cfg: Any, schema: type = CcldConfig) -> None:
+    """Each value has its key's type exactly (a bool is no int), and no text holds ${."""
+    for name, tp in typing.get_type_hints(schema).items():
+        value = getattr(cfg, name)
+        if dataclasses.is_dataclass(tp):
+            _typed(value, tp)
+            continue
+        allowed = typing.get_args(tp) or (tp,)
+        assert type(value) in allowed, (name, value)
+        assert not isinstance(value, str) or "${" not in value, (name, value)
 
 
 def _revalidated(cfg: CcldConfig) -> Any:
@@ -82,18 +123,61 @@ def _config_or_one_line(load: Any) -> CcldConfig | None:
     try:
         cfg = load()
     except ConfigError as exc:
-        assert str(exc).startswith("ccld config: ") and "\n" not in str(exc), str(exc)
+        said = str(exc)
+        assert said.startswith("ccld config: ") and "\n" not in said, said
+        assert len(said) <= LONGEST_LINE, said[:1000]
         return None
     assert isinstance(cfg, CcldConfig)
     assert _revalidated(cfg) == cfg
+    _typed(cfg)
+    # what ccld config prints and the diagnoser writes beside the boards reads back the same
+    assert load_config(read_yaml(to_yaml(cfg), CcldConfig, "again"), writing=False) == cfg
     return cfg
 
 
 @FUZZ_CONFIG
 @given(st.lists(OVERRIDE, max_size=4))
 @example(["[="])  # omegaconf's key parser raised IndexError on it
+@example(["diagnoser.rank=" + "9" * 5000])  # int() refuses more than 4300 digits
+@example(["diagnoser.hang_min_s=" + "9" * 400])  # an int too large for a float
 def test_dotlist_overrides_give_a_config_or_a_one_line_error(items):
     _config_or_one_line(lambda: load_config(None, items))
+
+
+# Text a YAML file holds as a plain scalar just as an override does: no spaces (YAML trims
+# them), no YAML indicator first, no ': ' or ' #' inside.
+PLAIN_TEXT = re.compile(r"[A-Za-z0-9_.+][A-Za-z0-9_.:+/-]{0,10}")
+PLAIN = st.from_regex(PLAIN_TEXT, fullmatch=True).filter(lambda t: not t.endswith(":"))
+YAML_READING = yaml.resolver.Resolver()
+
+
+def _yaml_reads(text: str) -> str:
+    """What YAML reads a plain scalar as: str, int, float, bool, null, timestamp..."""
+    return YAML_READING.resolve(yaml.ScalarNode, text, (True, False)).rsplit(":", 1)[-1]
+
+
+@FUZZ_CONFIG
+@given(st.sampled_from(FREE_TEXT_KEYS), PLAIN | st.sampled_from(WORDS))
+@example("sinks.wandb.run_name", "12:30")  # YAML 1.1 read 750
+def test_text_keys_take_the_text_as_written(key, text):
+    cfg = _config_or_one_line(lambda: load_config(None, [f"{key}={text}"], writing=False))
+    if PLAIN_TEXT.fullmatch(text) and _yaml_reads(text) not in ("bool", "null"):
+        assert cfg is not None and _value(cfg, key) == text
+    elif cfg is not None:  # quoted text without its quotes, or null
+        assert _value(cfg, key) in (text, text[1:-1], None)
+
+
+@settings(FUZZ_CONFIG, max_examples=100)
+@given(st.sampled_from(KEYS), PLAIN | st.sampled_from([w for w in WORDS if w[:1] not in "[{a"]))
+@example("diagnoser.rank", "9" * 5000)  # int() refused it: a traceback from both
+def test_an_override_and_a_yaml_file_read_a_value_alike(tmp_path_factory, key, text):
+    *sections, name = key.split(".")
+    lines = [f"{'  ' * depth}{section}:" for depth, section in enumerate(sections)]
+    path = Path(tmp_path_factory.mktemp("yaml")) / "c.yaml"
+    path.write_text("\n".join([*lines, f"{'  ' * len(sections)}{name}: {text}"]) + "\n")
+    from_file = _config_or_one_line(lambda: load_config(path, writing=False))
+    from_override = _config_or_one_line(lambda: load_config(None, [f"{key}={text}"], writing=False))
+    assert from_file == from_override
 
 
 @FUZZ_CONFIG
@@ -128,6 +212,29 @@ def test_yaml_files_give_a_config_or_a_one_line_error(tmp_path_factory, text):
     path = Path(tmp_path_factory.mktemp("yaml")) / "c.yaml"
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
     _config_or_one_line(lambda: load_config(path))
+
+
+def _given_leaves(values: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        if isinstance(value, dict):
+            out.update(_given_leaves(value, f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = value
+    return out
+
+
+@FUZZ_CONFIG
+@given(MAPPINGS.filter(lambda m: isinstance(m, dict)))
+@example({"diagnoser": {"standby": 2}})
+@example({"control": {"port": 10**5000}})
+def test_a_mapping_gives_its_values_unchanged_or_a_one_line_error(mapping):
+    cfg = _config_or_one_line(lambda: load_config(mapping, writing=False))
+    if cfg is None:
+        return
+    for key, written in _given_leaves(mapping).items():
+        value = _value(cfg, key)
+        assert value == written and (type(value) is type(written) or type(value) is float), key
 
 
 # ---------------------------------------------------------------------------- fault specs

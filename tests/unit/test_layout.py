@@ -27,19 +27,27 @@ PRODUCT = sorted(m for m in MODULES if m.split(".")[0] == "ccld_plugin")
 MAX_MODULE_LINES = 600  # a module is shorter than this
 MAX_PACKAGE_MODULES = 12  # a package holds fewer modules than this (its __init__ included)
 
-FOUNDATION = {"config", "errors", "topology", "wire"}  # what every part may read
+# what every part may read
+FOUNDATION = {"config", "config_values", "errors", "files", "topology", "wire"}
 DIAGNOSE = {"diagnose", "diagnose.shared", "diagnose.stalls", "diagnose.compute", "diagnose.links"}
 # What each part of the product may import from the product (beyond itself); a part that
 # is not listed fails. Upstream first, in the order data flows.
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
-    "config": set(),
+    # how the config's input is read (values by type, a file's text), under its schema
+    "config_values": set(),
+    "config_file": {"config_values", "files"},
+    "config": {"config_values", "config_file"},
+    # opening files: what the plugin writes (no link followed), what readers take (only
+    # a regular file, never a wait)
+    "files": set(),
     "topology": set(),
     "wire": set(),
-    "recording": {"topology", "wire"},  # the replay format: written by services, read after
+    # the replay format: written by services, read after
+    "recording": {"files", "topology", "wire"},
     # inside the training thread, then what it writes
     "tracing": {"_native", "errors", "topology", "wire"},
-    "board": {"_native", "errors", "topology", "wire"},
+    "board": {"_native", "errors", "files", "topology", "wire"},
     # the link probes beside the agent, the agent, the store it publishes to
     "probes": {"_native", "errors", "wire"},
     "agent": {"_native", "board", "probes", "control"} | FOUNDATION,
@@ -60,7 +68,7 @@ ALLOWED: dict[str, set[str]] = {
     | FOUNDATION,
     # after the job: the agent's board summary and the analysis, over boards left behind
     "postmortem": {"board", "probes", "agent", "recording", "sinks"} | DIAGNOSE | FOUNDATION,
-    "integrations": {"ccld_plugin", "services", "config", "errors"},
+    "integrations": {"ccld_plugin", "services", "config", "config_values", "errors"},
     "megatron": {"integrations"},
     "deepspeed": {"integrations"},
     "ccld_plugin": {"config", "services"},  # ccld_plugin/__init__.py: the public names, lazily

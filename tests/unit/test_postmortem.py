@@ -125,13 +125,16 @@ def test_missing_boards_are_said_and_the_rest_diagnosed(tmp_path, capsys):
     write_stack(tmp_path / "rank2.board", ["a.py:1 in f"])
     (tmp_path / "rank3.board").write_bytes(b"not a board")
     job = load_boards(tmp_path)
-    assert sorted(job.ranks) == [0, 2] and job.missing == [1, 3]
+    assert sorted(job.ranks) == [0, 2] and job.missing() == [1, 3]
     assert job.ranks[2].stack == ["a.py:1 in f"]
-    assert any("rank3.board" in n and "skipped" in n for n in job.notes)
+    (unreadable,) = job.unreadable
+    assert "rank3.board: 11 bytes is too small for a board" in unreadable
     assert any("no board for rank(s) [1, 3] of 4" in n for n in job.notes)
-    assert main(["diagnose", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
+    # as ccld inspect: the board that cannot be read is said on stderr, and the exit is 1
+    assert main(["diagnose", str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
     assert "2 of 4 boards" in out and "no board for rank(s) [1, 3]" in out
+    assert err.strip() == f"ccld: error: {unreadable}"
     for b in boards:
         b.close()
 

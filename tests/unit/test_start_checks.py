@@ -16,13 +16,15 @@ import pytest
 from builders import NOW, peer_channel, rank_summary
 
 import ccld_plugin
-from ccld_harness.demo import DemoOptions, Outcome, fit_layout, logged_errors, why_failed
 from ccld_harness.faults.spec import parse_fault
+from ccld_harness.options import DemoOptions, fit_layout
+from ccld_harness.outcome import Outcome, logged_errors, why_failed
 from ccld_plugin.config import CcldConfig, ConfigError, SinksConfig, load_config
 from ccld_plugin.errors import log as ccld_log
 from ccld_plugin.errors import report_error
-from ccld_plugin.services import session
+from ccld_plugin.services import job_folder, session
 from ccld_plugin.services.diagnoser import Diagnoser
+from ccld_plugin.services.job_folder import FolderRefused
 from ccld_plugin.sinks import ConsoleSink, build_sinks
 from ccld_plugin.topology import GroupInfo
 from ccld_plugin.wire.peer_channels import encode_channels
@@ -43,8 +45,8 @@ def _ccld_config(*args: str) -> subprocess.CompletedProcess:
     [
         ("diagnoser: [1,2\n", r"is not valid YAML at line 2, column 1"),
         ("- 1\n- 2\n", r"holds a list; expected YAML keys"),
-        ("3\n", r"cannot be read as a config"),
-        ("a: !!python/object:os.system x\n", r"is not valid YAML at line 1"),
+        ("3\n", r"holds one value, '3'; expected YAML keys"),
+        ("job: !!python/object:os.system x\n", r"line 1: job: the YAML tag .* is not supported"),
     ],
 )
 def test_a_malformed_config_file_is_one_line(tmp_path, text, message):
@@ -65,7 +67,7 @@ def test_a_malformed_config_file_is_one_line(tmp_path, text, message):
         (["job=../evil"], r"job='../evil' is not allowed"),
         (["job=a/b"], r"job='a/b' is not allowed"),
         (["job=.."], r"job='..' is not allowed"),
-        (["job=[1,2"], r"override 'job=\[1,2': the value is not valid YAML"),
+        (["job=[1,2"], r"job='\[1,2' is not allowed; expected 1-63"),
         (["sinks.jsonl=/proc/x/y.jsonl"], r"sinks.jsonl='/proc/x/y.jsonl' cannot be written"),
         (["board.dir=/proc/ccld"], r"board.dir='/proc/ccld' cannot be written"),
         (
@@ -145,18 +147,23 @@ def test_a_job_folder_of_another_user_is_refused(tmp_path):
     job.mkdir(parents=True)
     os.chown(job, 12345, 12345)
     cfg = load_config(None, [f"board.dir={tmp_path}/ccld-{{uid}}", "job=j"])
-    with pytest.raises(ConfigError, match="owned by uid 12345"):
-        session._private_board_dir(cfg, job)
+    with pytest.raises(FolderRefused, match="owned by uid 12345"):
+        job_folder.claim(cfg.board_root(), True, job, "token", 1, 0)
 
 
 def test_board_folders_are_made_private(tmp_path):
     cfg = load_config(None, [f"board.dir={tmp_path}/ccld-{{uid}}", "job=j"])
     job = cfg.board_root() / "j"
-    session._private_board_dir(cfg, job)
-    session._private_file(job / "rank0.board")
-    for folder in (job.parent, job):
-        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
-    assert stat.S_IMODE((job / "rank0.board").stat().st_mode) == 0o600
+    folder = job_folder.claim(cfg.board_root(), True, job, "token", 1, 0)
+    board = session._create_board(cfg, job / "rank0.board", 0, 1, "j")
+    try:
+        for path in (job.parent, job):
+            assert stat.S_IMODE(path.stat().st_mode) == 0o700
+        assert stat.S_IMODE((job / "rank0.board").stat().st_mode) == 0o600
+    finally:
+        board.close(unlink=True)
+        folder.release(cleanup=True)
+    assert not job.exists()  # the last rank out leaves nothing behind
 
 
 def test_a_sink_that_cannot_be_opened_is_left_out_alone(tmp_path):

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ccld_plugin.config import CcldConfig, ConfigError, load_config
+from ccld_plugin.config_values import problem, shown
 
 __all__ = ["BLOCK_KEY", "ccld_block", "read_config"]
 
@@ -19,10 +20,16 @@ BLOCK_KEY = "ccld"
 def _load_ds_config(source: str | os.PathLike[str]) -> Mapping[str, Any]:
     """A DeepSpeed config file (JSON or hjson) or base64 string, read as DeepSpeed does."""
     try:
-        from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
-    except ImportError:  # an older DeepSpeed: plain JSON files only
-        return json.loads(Path(source).read_text())
-    return load_ds_config(os.fspath(source))
+        try:
+            from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+        except ImportError:  # an older DeepSpeed: plain JSON files only
+            return json.loads(Path(source).read_text())
+        return load_ds_config(os.fspath(source))
+    except (OSError, ValueError) as exc:  # missing, unreadable, not JSON, not UTF-8
+        raise ConfigError(
+            f"ccld config: the DeepSpeed config {shown(os.fspath(source))} cannot be read "
+            f"({problem(exc)}); expected a JSON file or a dict"
+        ) from None
 
 
 def ccld_block(source: Any) -> Mapping[str, Any] | None:
@@ -38,6 +45,11 @@ def ccld_block(source: Any) -> Mapping[str, Any] | None:
         cfg: Any = source
     elif isinstance(source, (str, os.PathLike)):
         cfg = _load_ds_config(source)
+        if not isinstance(cfg, Mapping):
+            raise ConfigError(
+                f"ccld config: the DeepSpeed config {shown(os.fspath(source))} holds a "
+                f"{type(cfg).__name__}; expected a JSON object"
+            )
     else:
         cfg = getattr(source, "config", None)
         if not isinstance(cfg, Mapping):
