@@ -64,6 +64,7 @@ from ccld_plugin.sinks.jsonl import read_verdicts
 __all__ = ["DemoError", "DemoOptions", "fit_layout", "run_demo"]
 
 GRACE_S = 3.0  # after a verdict that means the job will not recover, before ending it
+LEAVING_S = 20.0  # more, for a crashed rank to finish leaving (its last round, its W&B run)
 DIAGNOSER_GRACE_S = 5.0  # for ``ccld diagnoser``'s last round once the job is over
 WANDB_WAIT_S = 30.0  # for the W&B writer to finish the run once the job is over
 MARKER = ".ccld-demo"  # in DIR: a demo's output, which the next demo may replace; its lock
@@ -464,6 +465,7 @@ def _follow(
     deadline = time.monotonic() + timeout_s
     end_at: float | None = None
     why = ""
+    leaving: set[int] = set()  # ranks a crash verdict named: their exit is theirs to finish
     while True:
         if stop:
             return Followed(printed, "stopped")
@@ -480,6 +482,8 @@ def _follow(
             if v["kind"] in TERMINAL:
                 end_at = now + GRACE_S if end_at is None else min(end_at, now + GRACE_S)
                 why = why or "verdict"
+            if v["kind"] == "crash":
+                leaving.update(r for r in v["ranks"] if 0 <= r < len(codes))
         # A rank that failed on its own is the job's failure, whatever verdict its loss
         # brought first (a killed rank is soon an unresponsive one): the ranks' ends say it.
         if why != "failed" and any(c not in (None, 0) for c in codes):
@@ -487,7 +491,8 @@ def _follow(
                 console.print("[red]a rank failed; ending the job shortly[/]")
                 end_at = now + failed_grace_s
             why = "failed"
-        if end_at is not None and now > end_at:
+        still_leaving = any(codes[r] is None for r in leaving)
+        if end_at is not None and now > end_at and not (still_leaving and now < end_at + LEAVING_S):
             console.print("[dim]ending the job (it will not recover)[/]")
             return Followed(printed, why)
         time.sleep(0.2)

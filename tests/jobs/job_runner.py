@@ -96,6 +96,7 @@ def demo(
     """Run ``ccld demo`` with ``faults`` into ``out``; its exit code and summary.json.
     ``options`` are DemoOptions fields (framework, world, tp, pp, steps, timeout_s, ...)."""
     opts = DemoOptions(faults=list(faults), out=out, overrides=[*overrides, *extra], **options)
+    out.parent.mkdir(parents=True, exist_ok=True)  # the demo creates --out, not its parents
     code = run_demo(opts)
     return code, json.loads((out / "summary.json").read_text())
 
