@@ -19,7 +19,10 @@ worker), else a dedicated TCPStore hosted by the diagnoser rank. Keys:
 - ``diag/owner``, ``diag/beat``, ``diag/released``, ``diag/reported``: the diagnosis
   lease (which rank's diagnoser is in charge, its renewal counter, whether it ended on
   purpose) and the keys of the verdicts reported so far, which a standby that takes over
-  does not report again.
+  does not report again;
+- ``who/<rank>``: where the rank runs (its local rank and device), which verdicts name;
+- ``abort``: set when the diagnoser ends the job (``actions.on_hang=abort``): every
+  rank's abort watch reads it and leaves.
 """
 
 from __future__ import annotations
@@ -367,6 +370,25 @@ class ControlPlane:
             return []
         lines = bytes(self.store.get("diag/reported")).decode().splitlines()
         return [(k, c, tuple(r), g) for k, c, r, g in map(json.loads, filter(None, lines))]
+
+    # ---------------------------------------------------------------- who and where
+    def publish_who(self, rank: int, who: dict) -> None:
+        self.store.set(f"who/{rank}", json.dumps(who))
+
+    def read_who(self, ranks: Iterable[int]) -> dict[int, dict]:
+        """Where ``ranks`` run, as they published it; ranks that published nothing are
+        left out."""
+        return {r: json.loads(v) for r, v in self._read_per_rank("who", ranks).items()}
+
+    # ---------------------------------------------------------------- abort
+    def post_abort(self, record: dict) -> None:
+        self.store.set("abort", json.dumps(record))
+
+    def read_abort(self) -> dict | None:
+        """The abort record once the diagnoser posted one (None before)."""
+        if not self.store.check(["abort"]):
+            return None
+        return json.loads(bytes(self.store.get("abort")))
 
 
 def owner_record(rank: int, host: str, pid: int) -> bytes:

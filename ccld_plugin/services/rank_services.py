@@ -16,8 +16,10 @@ from ccld_plugin.config import CcldConfig, to_yaml
 from ccld_plugin.control import ControlPlane
 from ccld_plugin.errors import report_error
 from ccld_plugin.files import open_private
+from ccld_plugin.services.actions import AbortWatch
 from ccld_plugin.services.diagnoser import Diagnoser
 from ccld_plugin.services.standby import Standby, standby_rank
+from ccld_plugin.services.verdict_stamps import who_am_i
 from ccld_plugin.sinks import build_sinks
 
 __all__ = ["Services", "ranks_per_node", "start"]
@@ -32,6 +34,7 @@ class Services:
     steps: StepClock
     diagnoser: Diagnoser | None = None
     standby: Standby | None = None
+    abort_watch: AbortWatch | None = None  # actions.on_hang=abort
 
     def stop(self, failing: bool = False, crash: list[str] | None = None) -> None:
         """The agent first, then the diagnoser or standby (a last round sees the agent's
@@ -42,7 +45,7 @@ class Services:
             self.agent.stop(crash or [])
         except Exception as exc:  # noqa: BLE001
             report_error("services.stop", exc)
-        for svc in (self.diagnoser, self.standby):
+        for svc in (self.abort_watch, self.diagnoser, self.standby):
             if svc is None:
                 continue
             try:
@@ -80,6 +83,7 @@ def start(
         steps,
         timeout + 5,
         per_node,
+        who=who_am_i,
     )
     diag, standby = None, None
     if rank == cfg.diagnoser.rank:
@@ -91,6 +95,7 @@ def start(
             build_sinks(cfg.sinks, board_path.parent),
             own_report=lambda: agent.latest,
             boards=board_path.parent,
+            job=job,
         )
         diag.config_file = _write_job_config(cfg, board_path.parent)
         diag.start()  # before the agent: it serves the clock handshake
@@ -116,12 +121,17 @@ def start(
                 ),
                 serves_clock=False,
                 boards=board_path.parent,
+                job=job,
             )
 
         standby = Standby(cfg, control, take_over)
         standby.start()
+    watch = None
+    if cfg.actions.on_hang == "abort":
+        watch = AbortWatch(control, cfg.agent.interval_s, lambda: agent.clock)
+        watch.start()
     agent.start()
-    return Services(agent, steps, diag, standby)
+    return Services(agent, steps, diag, standby, watch)
 
 
 def ranks_per_node(cfg: CcldConfig, world: int) -> int:

@@ -91,7 +91,7 @@ def _verdict() -> Verdict:
 
 def test_verdict_record_carries_each_item_as_fact_text_and_data() -> None:
     d = _verdict().to_dict()
-    assert d["schema"] == VERDICT_SCHEMA_VERSION == 2
+    assert d["schema"] == VERDICT_SCHEMA_VERSION == 3
     assert d["evidence"] == [
         {
             "fact": "in_no_collective",
