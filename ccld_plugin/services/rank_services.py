@@ -45,7 +45,9 @@ class Services:
             self.agent.stop(crash or [])
         except Exception as exc:  # noqa: BLE001
             report_error("services.stop", exc)
-        for svc in (self.abort_watch, self.diagnoser, self.standby):
+        if self.abort_watch is not None:
+            self.abort_watch.stop()
+        for svc in (self.diagnoser, self.standby):
             if svc is None:
                 continue
             try:

@@ -60,7 +60,7 @@ def upgraded(v: dict) -> dict:
         for name in MEASURE_FIELDS:
             v.setdefault(name, None)
         measure = MEASURES.get(kind)
-        if measure is not None:
+        if measure is not None and severity is not None:
             v[measure] = severity
         for name in ("id", "resumes", "time", "job"):
             v.setdefault(name, None)
