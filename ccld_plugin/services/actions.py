@@ -14,12 +14,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 
 from ccld_plugin.config import ActionsConfig, make_private_dirs
 from ccld_plugin.control import ClockSync, ControlPlane
 from ccld_plugin.diagnose import Verdict
-from ccld_plugin.diagnose.records import Cause, Culprit, Kind
+from ccld_plugin.diagnose.records import Cause, Culprit, Kind, iso_time
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.files import open_private
 
@@ -77,7 +78,8 @@ class StallActions:
             )
             self.aborted = True
             self.flush(FLUSH_S)  # what the sinks hold goes out before this rank leaves too
-            self.control.post_abort({"stall": line, "id": due[0].id})
+            when = iso_time(datetime.now(timezone.utc))
+            self.control.post_abort({"stall": line, "id": due[0].id, "time": when})
         except Exception as exc:  # noqa: BLE001
             report_error("actions", exc)
         return self.aborted
@@ -191,8 +193,8 @@ class AbortWatch:
         rank = self.control.rank
         print(
             f"ccld: rank {rank} exits with code {ABORT_EXIT_CODE}: the job is aborted after "
-            f"{record.get('stall', 'a stall')} (actions.on_hang=abort; the launcher's restart "
-            "policy takes over)",
+            f"{record.get('stall', 'a stall')} (at {record.get('time', '?')}; "
+            "actions.on_hang=abort: the launcher's restart policy takes over)",
             file=sys.stderr,
             flush=True,
         )

@@ -12,11 +12,11 @@ import time
 import urllib.request
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 from builders import S, group, job_view, peer_channel, rank_summary
 from prometheus_client.parser import text_string_to_metric_families
+from sink_package import install_sink_package
 
 import ccld_plugin
 from ccld_plugin.config import DiagnoserConfig, PrometheusConfig, SinksConfig, WebhookConfig
@@ -81,44 +81,6 @@ def test_on_verdict_functions_get_each_record_on_a_thread_of_their_own(callbacks
     assert contained_errors()[key] == before + 1  # said once, counted; the others run
     with pytest.raises(TypeError, match="takes a function"):
         ccld_plugin.on_verdict("not a function")  # type: ignore[arg-type]
-
-
-SINK_MODULE = '''
-import json, os
-
-class FileSink:
-    """Appends each verdict record to the file named by CCLD_TEST_SINK_FILE."""
-
-    def __init__(self):
-        self.path = os.environ["CCLD_TEST_SINK_FILE"]
-
-    def emit(self, record):
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(record) + "\\n")
-
-    def close(self):
-        with open(self.path, "a") as fh:
-            fh.write("closed\\n")
-
-
-def broken():
-    raise RuntimeError("a plugin that cannot start")
-'''
-
-
-def install_sink_package(site: Path) -> None:
-    """A distribution ``ccld-test-sink`` in the folder ``site`` as pip installs one: its
-    module and its ``.dist-info`` metadata, which declares two sinks in the entry point
-    group ``ccld_plugin.sinks`` (one whose factory raises)."""
-    site.mkdir(parents=True, exist_ok=True)
-    (site / "ccld_test_sink.py").write_text(SINK_MODULE)
-    info = site / "ccld_test_sink-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: ccld-test-sink\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(
-        "[ccld_plugin.sinks]\nto_file = ccld_test_sink:FileSink\nbroken = ccld_test_sink:broken\n"
-    )
-    (info / "RECORD").write_text("")
 
 
 def test_a_sink_an_installed_package_declares_gets_every_verdict(tmp_path, monkeypatch):
