@@ -142,7 +142,8 @@ class AbortWatch:
     once a tick, at the ticks' boundaries on the job's clock (every rank looks within
     milliseconds of the others, so they all leave before a launcher that sees the first
     exit ends the rest), and ends the process with ABORT_EXIT_CODE. It needs only the
-    store: it leaves while the training thread is stuck in a collective or in compute."""
+    store (``control``, the agent's): it leaves while the training thread is stuck in a
+    collective or in compute."""
 
     def __init__(
         self,
@@ -166,14 +167,11 @@ class AbortWatch:
         self._thread.join(timeout=self.interval_s + 5)
 
     def _run(self) -> None:
-        try:
-            control = self.control.connect(max(2.0, 4 * self.interval_s))
-        except Exception as exc:  # noqa: BLE001 - no watch: the launcher's timeout stands
-            report_error("actions.abort_watch", exc)
-            return
+        # over the agent's connection (its requests give up in time when the store is
+        # gone): one more connection per rank would be thousands more at the store
         while not self._stop.wait(self._until_tick()):
             try:
-                record = control.read_abort()
+                record = self.control.read_abort()
             except Exception as exc:  # noqa: BLE001 - the store may be down: look again
                 report_error("actions.abort_watch", exc)
                 continue

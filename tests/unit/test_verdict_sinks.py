@@ -7,6 +7,7 @@ scraped over HTTP and read with prometheus_client's own parser."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import urllib.request
@@ -15,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from builders import S, group, job_view, peer_channel, rank_summary
+from paths import REPO
 from prometheus_client.parser import text_string_to_metric_families
 from sink_package import install_sink_package
 
@@ -251,6 +253,11 @@ def test_metrics_carry_the_verdicts_the_slowest_ranks_and_links(sockets):
         assert [(s[1]["src"], s[1]["dst"], s[1]["source"]) for s in links][0] == ("1", "0", "tcp")
         assert len(links) == 2 and links[0][2] > 10 * links[1][2]
         assert m["ccld_diagnoser_round_seconds"][0][2] == 0.012
+        # the Grafana dashboard in the docs is built on these series
+        dashboard = (REPO / "docs" / "grafana" / "ccld-dashboard.json").read_text()
+        shown = set(re.findall(r"ccld_[a-z_]+", dashboard)) - {"ccld_verdicts"}
+        served = {name for samples in m.values() for name, _, _ in samples}
+        assert shown and shown <= served, shown - served
         # the hang resumed: its culprit series goes; the count stays
         back = _verdict(Kind.RESUMED, measure=9.0)
         sink.emit(back)
