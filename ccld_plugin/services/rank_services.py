@@ -22,7 +22,7 @@ from ccld_plugin.services.standby import Standby, standby_rank
 from ccld_plugin.services.verdict_stamps import who_am_i
 from ccld_plugin.sinks import build_sinks
 
-__all__ = ["Services", "ranks_per_node", "start"]
+__all__ = ["Services", "ranks_per_node", "start", "store_job"]
 
 
 @dataclass
@@ -71,7 +71,7 @@ def start(
 ) -> Services:
     """Start the agent (and on the diagnoser rank, the diagnoser) of a rank."""
     per_node = ranks_per_node(cfg, world)
-    control = ControlPlane(cfg.control, rank, world, job, cfg.diagnoser.rank, per_node)
+    control = ControlPlane(cfg.control, rank, world, store_job(job), cfg.diagnoser.rank, per_node)
     steps = StepClock()
     timeout = cfg.control.connect_timeout_s
     agent = Agent(
@@ -134,6 +134,15 @@ def start(
         watch.start()
     agent.start()
     return Services(agent, steps, diag, standby, watch)
+
+
+def store_job(job: str) -> str:
+    """The job's part of the store keys: its name, and, for an attempt that torchrun
+    restarted (``--max-restarts``), the attempt. A restart keeps the job's name and its
+    store (torchrun's agent's): without its own keys an attempt would read the last
+    one's (its clock handshake's counts, the findings it reported, its abort record)."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return job if restart in ("", "0") else f"{job}/attempt{restart}"
 
 
 def ranks_per_node(cfg: CcldConfig, world: int) -> int:

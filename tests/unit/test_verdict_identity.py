@@ -30,6 +30,7 @@ from ccld_plugin.diagnose.records import (
     Verdict,
 )
 from ccld_plugin.services.actions import ABORT_EXIT_CODE, AbortWatch, StallActions
+from ccld_plugin.services.rank_services import store_job
 from ccld_plugin.services.verdict_stamps import VerdictStamps, launcher_job
 
 DP = group("dp", [0, 1, 2, 3])
@@ -230,3 +231,14 @@ def test_actions_config_is_checked():
             load_config(None, [bad], writing=False)
     with pytest.raises(ValueError, match="sinks.webhook.url"):
         load_config(None, ["sinks.webhook.url=ftp://x/"], writing=False)
+
+
+def test_a_restarted_attempt_has_store_keys_of_its_own(monkeypatch):
+    # torchrun keeps the job's name and its store across restarts: the second attempt must
+    # not read the first's abort record, reported findings or clock handshake
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert store_job("j") == "j"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert store_job("j") == "j"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert store_job("j") == "j/attempt1"
