@@ -55,6 +55,9 @@ class PrometheusSink:
         # finding id -> the label values of its culprits' series, oldest first
         self._culprits: OrderedDict[str, list[tuple[str, ...]]] = OrderedDict()
         self._round: tuple[JobView, tuple[ChannelRows, ...], float, float] | None = None
+        # by rank, its last step's (step, compute, wait) seconds (NaN: none seen), and host
+        self._steps = np.full((0, 3), np.nan)
+        self._hosts: dict[int, str] = {}
         self.registry.register(_Collector(self))
         self.server, self._thread = start_http_server(cfg.port, cfg.address, self.registry)
         log.info("ccld: /metrics on %s:%d", cfg.address, cfg.port)
@@ -79,11 +82,30 @@ class PrometheusSink:
                     self._culprits.popitem(last=False)
 
     def observe(self, view: JobView, analyzer: Any, round_s: float = 0.0) -> None:
-        """Keep the round's view and the links' recent channel reports (references: the
+        """Keep the round's view, each rank's last step (a hung rank's summaries carry
+        none: its last stands) and the links' recent channel reports (references: the
         analysis makes new ones each round) for the next scrape."""
         batches = tuple(analyzer.slow.communication.channels.batches)
+        table = view.columns
+        st = table.steps
         with self._lock:
             self._round = (view, batches, round_s, time.monotonic())
+            if not len(st):
+                return
+            order = np.lexsort((st["step"], st["row"]))
+            rows = st["row"][order]
+            last = order[np.r_[np.flatnonzero(np.diff(rows)), len(rows) - 1]]
+            ranks = table.ranks[st["row"][last]]
+            if ranks.max() >= len(self._steps):
+                grown = np.full((int(ranks.max()) + 1, 3), np.nan)
+                grown[: len(self._steps)] = self._steps
+                self._steps = grown
+            step, compute = st["step_us"][last] / 1e6, st["compute_us"][last] / 1e6
+            wait = np.maximum(step - compute - st["cpu_wait_us"][last] / 1e6, 0.0)
+            self._steps[ranks] = np.stack([step, compute, wait], axis=1)
+            for rank, row in zip(ranks.tolist(), st["row"][last].tolist(), strict=True):
+                if rank not in self._hosts:  # once per rank
+                    self._hosts[rank] = table.host(row)
 
     def close(self) -> None:
         self.server.shutdown()
@@ -94,6 +116,7 @@ class PrometheusSink:
         with self._lock:
             culprits = [labels for series in self._culprits.values() for labels in series]
             last = self._round
+            steps, hosts = self._steps.copy(), dict(self._hosts)
         found = GaugeMetricFamily(
             "ccld_culprit",
             "1 for each rank a standing finding names (the latest top_k)",
@@ -105,7 +128,7 @@ class PrometheusSink:
         if last is None:
             return
         view, batches, round_s, at = last
-        yield from self._ranks(view)
+        yield from self._ranks(steps, hosts)
         yield _links(ChannelRows.concat([*batches]), self.cfg.top_k)
         table = view.columns
         newest = int(table.heads["time_ns"].max()) if len(table) else view.now_ns
@@ -116,10 +139,8 @@ class PrometheusSink:
         ):
             yield GaugeMetricFamily(f"ccld_diagnoser_{name}", what, value=value)
 
-    def _ranks(self, view: JobView) -> Iterator[GaugeMetricFamily]:
+    def _ranks(self, steps: np.ndarray, hosts: dict[int, str]) -> Iterator[GaugeMetricFamily]:
         """Per rank, its last step reported: the top_k by compute, and the job's spread."""
-        table = view.columns
-        st = table.steps
         families = {
             name: GaugeMetricFamily(f"ccld_rank_{name}_seconds", what, labels=["rank", "host"])
             for name, what in (
@@ -135,20 +156,17 @@ class PrometheusSink:
                 ("compute", "Last step's compute over the job's ranks"),
             )
         }
-        if len(st):
-            order = np.lexsort((st["step"], st["row"]))
-            rows = st["row"][order]
-            last = order[np.r_[np.flatnonzero(np.diff(rows)), len(rows) - 1]]
-            step, compute = st["step_us"][last] / 1e6, st["compute_us"][last] / 1e6
-            wait = np.maximum(step - compute - st["cpu_wait_us"][last] / 1e6, 0.0)
-            for i in np.argsort(-compute, kind="stable")[: self.cfg.top_k].tolist():
-                row = int(st["row"][last[i]])
-                labels = [str(int(table.ranks[row])), table.host(row)]
-                for name, values in (("step", step), ("compute", compute), ("wait", wait)):
-                    families[name].add_metric(labels, float(values[i]))
-            for name, values in (("step", step), ("compute", compute)):
-                job[name].add_metric(["median"], float(np.median(values)))
-                job[name].add_metric(["max"], float(values.max()))
+        ranks = np.flatnonzero(~np.isnan(steps[:, 0]))
+        if len(ranks):
+            seen = steps[ranks]
+            for i in np.argsort(-seen[:, 1], kind="stable")[: self.cfg.top_k].tolist():
+                rank = int(ranks[i])
+                labels = [str(rank), hosts.get(rank, "")]
+                for k, name in enumerate(("step", "compute", "wait")):
+                    families[name].add_metric(labels, float(seen[i, k]))
+            for k, name in enumerate(("step", "compute")):
+                job[name].add_metric(["median"], float(np.median(seen[:, k])))
+                job[name].add_metric(["max"], float(seen[:, k].max()))
         yield from families.values()
         yield from job.values()
 

@@ -258,6 +258,10 @@ def test_metrics_carry_the_verdicts_the_slowest_ranks_and_links(sockets):
         shown = set(re.findall(r"ccld_[a-z_]+", dashboard)) - {"ccld_verdicts"}
         served = {name for samples in m.values() for name, _, _ in samples}
         assert shown and shown <= served, shown - served
+        # rounds of a hung job, whose summaries carry no steps: the last ones stand
+        hung = [rank_summary(r, 20 * S, host=f"node-{r}") for r in range(4)]
+        sink.observe(job_view(hung, {r: [DP] for r in range(4)}, 20 * S), analyzer, 0.01)
+        assert {s[1]["rank"]: s[2] for s in _scrape(port)["ccld_rank_compute_seconds"]} == compute
         # the hang resumed: its culprit series goes; the count stays
         back = _verdict(Kind.RESUMED, measure=9.0)
         sink.emit(back)
