@@ -198,4 +198,8 @@ class AbortWatch:
         )
         with contextlib.suppress(Exception):
             sys.stdout.flush()
+        try:
+            self.control.leave_together(max(1.0, 2 * self.interval_s))
+        except Exception:  # noqa: BLE001 - the store's host left first: so do we
+            pass
         self._exit(ABORT_EXIT_CODE)

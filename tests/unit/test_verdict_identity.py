@@ -205,7 +205,7 @@ def test_the_exclude_file_names_culprits_hosts_once_and_no_bystanders(tmp_path, 
 
 
 def test_every_ranks_watch_leaves_with_the_exit_code_on_the_abort_record(store):
-    _, control = store
+    server, control = store
     exits: list[int] = []
     left = threading.Event()
 
@@ -213,14 +213,16 @@ def test_every_ranks_watch_leaves_with_the_exit_code_on_the_abort_record(store):
         exits.append(code)
         left.set()
 
-    watches = [AbortWatch(control, 0.2, lambda: ClockSync(0, 0), exit=exit_) for _ in range(3)]
+    # the job's 4 ranks: each leaves once all have counted themselves out
+    watches = [AbortWatch(control, 0.2, lambda: ClockSync(0, 0), exit=exit_) for _ in range(4)]
     for w in watches:
         w.start()
     assert not left.wait(0.5) and exits == []  # nothing posted: they watch on
     control.post_abort({"stall": "hang 0123456789abcdef: compute-bound, rank 2", "id": "x"})
     for w in watches:
         w._thread.join(timeout=5)
-    assert exits == [ABORT_EXIT_CODE] * 3
+    assert exits == [ABORT_EXIT_CODE] * 4
+    assert server.add("ccld/j//abort/left", 0) == 4  # (PrefixStore puts a / between)
 
 
 def test_actions_config_is_checked():
