@@ -104,7 +104,7 @@ class Diagnoser:
         )
         self.verdicts: list[Verdict] = []
         # Who and where of each verdict (the same from a standby: ids follow the job's start)
-        self.stamps = VerdictStamps(control, launcher_job(job), job_start_ns)
+        self.stamps = VerdictStamps(control, launcher_job(job) or None, job_start_ns)
         self.actions = StallActions(cfg.actions, control, self.stamps.node, self._close_sinks)
         self.config_file: Path | None = None  # removed at exit with the boards
         self._tables: dict[int, tuple[int, list[GroupInfo]]] = {}

@@ -94,8 +94,8 @@ def run_diagnoser(
     stop: threading.Event | None = None,
 ) -> int:
     """Diagnose job ``job`` of ``world`` ranks over its store at ``host:port`` until it
-    ends (or ``stop`` is set); the exit status (0). DiagnoserError when the store does
-    not answer within ``control.connect_timeout_s``."""
+    ends, it ended it (``actions.on_hang=abort``), or ``stop`` is set; the exit status
+    (0). DiagnoserError when the store does not answer within ``control.connect_timeout_s``."""
     check_world(world)
     stop = stop or _stop_on_signals()
     control = _connect(cfg, host, port, job, world, stop)

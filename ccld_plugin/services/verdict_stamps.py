@@ -66,7 +66,7 @@ class VerdictStamps:
     takes over, so a finding keeps its id), the time, and the culprits' hosts (from their
     summaries), local ranks and devices (from what they published)."""
 
-    def __init__(self, control: ControlPlane, job: str, run: int) -> None:
+    def __init__(self, control: ControlPlane, job: str | None, run: int) -> None:
         self.control = control
         self.job = job
         self.run = run
