@@ -341,7 +341,8 @@ def show_verdict(j: Judged) -> None:
     print(
         f"  [{tag}] {j.framework} {j.layout}: {v['kind']}/{v['cause']} ranks {v['ranks']} "
         f"group {group.get('role')}{group.get('ranks')} link {v.get('link')} step {v.get('step')} "
-        f"severity {v.get('severity')} detected {v.get('detected_s')} s  ({j.run_dir})"
+        f"ratio {v.get('ratio')} stuck {v.get('stuck_s')} s detected {v.get('detected_s')} s  "
+        f"({j.run_dir})"
     )
     print(f"      judged: {j.why}")
     for e in v["evidence"]:

@@ -48,7 +48,7 @@ def _line(v: dict) -> str:
     g = v.get("group") or {}
     return (
         f"{v['kind']}/{v['cause']} ranks {v['ranks']} {g.get('role')}{g.get('ranks')} "
-        f"step {v.get('step')} severity {v.get('severity')}"
+        f"step {v.get('step')} ratio {v.get('ratio')}"
     )
 
 

@@ -74,7 +74,7 @@ def _verdict_line(v: dict) -> str:
     facts = "; ".join(e["text"] for e in v.get("evidence", []))
     return (
         f"{v['kind']}/{v['cause']} ranks {v['ranks']} {g.get('role')}{g.get('ranks')} "
-        f"link {v.get('link')} step {v.get('step')} severity {v.get('severity')}: {facts}"
+        f"link {v.get('link')} step {v.get('step')} ratio {v.get('ratio')}: {facts}"
     )
 
 

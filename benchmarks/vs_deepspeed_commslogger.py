@@ -112,7 +112,7 @@ def main() -> int:
     for v, m in zip(ours["verdicts"], ours["latency_s"], strict=False):
         print(
             f"  {v['kind']} {v['cause']}-bound, ranks {v['ranks']} in {v['group']['role']}"
-            f"{v['group']['ranks']}, severity {v['severity']}x, at step {v['step']} "
+            f"{v['group']['ranks']}, {v['ratio']}x slower, at step {v['step']} "
             f"({m['steps_to_verdict']} steps, {m['latency_s']} s after onset)"
         )
         for e in v["evidence"]:

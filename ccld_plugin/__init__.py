@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ccld_plugin.config import CcldConfig, ConfigError, load_config
     from ccld_plugin.services.session import disable, enable, mark_step, register_group
+    from ccld_plugin.sinks.hooks import on_verdict
 
 __all__ = [
     "CcldConfig",
@@ -27,6 +28,7 @@ __all__ = [
     "enable",
     "load_config",
     "mark_step",
+    "on_verdict",
     "register_group",
 ]
 
@@ -37,6 +39,7 @@ _HOME = {
     "disable": "ccld_plugin.services.session",
     "enable": "ccld_plugin.services.session",
     "mark_step": "ccld_plugin.services.session",
+    "on_verdict": "ccld_plugin.sinks.hooks",
     "register_group": "ccld_plugin.services.session",
 }
 

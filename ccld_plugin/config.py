@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -34,15 +35,18 @@ from ccld_plugin.config_values import (
 )
 
 __all__ = [
+    "ActionsConfig",
     "AgentConfig",
     "BoardConfig",
     "CcldConfig",
     "ConfigError",
     "ControlConfig",
     "DiagnoserConfig",
+    "PrometheusConfig",
     "SinksConfig",
     "TracerConfig",
     "WandbConfig",
+    "WebhookConfig",
     "check_paths",
     "check_world",
     "is_job_name",
@@ -303,6 +307,49 @@ class WandbConfig:
         _seconds("sinks.wandb.finish_timeout_s", self.finish_timeout_s, 0, ">= 0")
 
 
+def _is_http_url(url: str) -> bool:
+    try:
+        parts = urlsplit(url)
+        return parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:  # a bracket left open, a port that is no number
+        return False
+
+
+@dataclass(kw_only=True)
+class WebhookConfig:
+    url: str | None = None
+    """POST each verdict record as JSON to this http(s) URL; null: off."""
+    timeout_s: float = 5.0
+    """How long one POST may take."""
+    retries: int = 3
+    """Tries after a failed POST (1 s, 2 s, 4 s ... apart), then the verdict is dropped."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.url is None or _is_http_url(self.url),
+            "sinks.webhook.url",
+            self.url,
+            "an http:// or https:// URL with a host, or null",
+        )
+        _seconds("sinks.webhook.timeout_s", self.timeout_s, 0, "> 0", strict=True)
+        _check(0 <= self.retries <= 10, "sinks.webhook.retries", self.retries, "0..10")
+
+
+@dataclass(kw_only=True)
+class PrometheusConfig:
+    port: int = 0
+    """Serve /metrics from the diagnoser on this port; 0: off."""
+    address: str = "0.0.0.0"
+    """The address to listen on (0.0.0.0: every interface)."""
+    top_k: int = 16
+    """Series per family of per-rank and per-link metrics: the slowest this many."""
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port <= 65535, "sinks.prometheus.port", self.port, "0..65535 (0: off)")
+        _check(bool(self.address), "sinks.prometheus.address", self.address, "an address")
+        _check(1 <= self.top_k <= 1024, "sinks.prometheus.top_k", self.top_k, "1..1024")
+
+
 @dataclass(kw_only=True)
 class SinksConfig:
     console: bool = True
@@ -311,6 +358,11 @@ class SinksConfig:
     """Append verdicts to this file (a directory, or a path without a suffix, means
     <dir>/verdicts.jsonl); a new file gets mode 0600, missing folders 0700."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    webhook: WebhookConfig = field(default_factory=WebhookConfig)
+    prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)
+    plugins: bool = True
+    """Feed the sinks that installed packages declare (entry point group
+    ``ccld_plugin.sinks``)."""
 
     def __post_init__(self) -> None:
         _check(
@@ -330,6 +382,30 @@ class SinksConfig:
 
 
 @dataclass(kw_only=True)
+class ActionsConfig:
+    on_hang: str = "none"
+    """abort: end every rank of the job (exit code 75) once a stall verdict
+    (hang, deadlock, mismatch, unresponsive) stands abort_after_s, so that the launcher's
+    restart policy takes over; none: only report."""
+    abort_after_s: float = 0.0
+    """Seconds a stall verdict must stand (no resumed verdict ends it) before it is acted
+    on."""
+    exclude_file: str | None = None
+    """Append the hosts of a stall's culprits to this file when it is acted on, one a
+    line, as ``srun --exclude`` and ``sbatch --exclude`` read a file; null: none."""
+
+    def __post_init__(self) -> None:
+        _check(self.on_hang in ("none", "abort"), "actions.on_hang", self.on_hang, "none or abort")
+        _seconds("actions.abort_after_s", self.abort_after_s, 0, ">= 0")
+        _check(
+            self.exclude_file is None or bool(self.exclude_file),
+            "actions.exclude_file",
+            self.exclude_file,
+            "a file path or null",
+        )
+
+
+@dataclass(kw_only=True)
 class CcldConfig:
     enabled: bool = True
     job: str = ""
@@ -342,6 +418,7 @@ class CcldConfig:
     sinks: SinksConfig = field(default_factory=SinksConfig)
     nccl_profiler: bool = False
     """Load the NCCL profiler plugin for channel-level progress of GPU collectives."""
+    actions: ActionsConfig = field(default_factory=ActionsConfig)
 
     def __post_init__(self) -> None:
         _check_job_name(self.job)
@@ -400,7 +477,8 @@ def _source_values(source: ConfigSource) -> dict[str, Any]:
 # ---------------------------------------------------------------- paths the plugin writes
 def check_paths(cfg: CcldConfig) -> None:
     """Refuse, at start, a path the plugin would fail to write later: the board folder, the
-    JSONL file, the W&B folder. Nothing is created (a probe file has no name)."""
+    JSONL file, the recording, the W&B folder, the exclude file. Nothing is created (a
+    probe file has no name)."""
     if not cfg.enabled:
         return
     _check_writable("board.dir", cfg.board.dir, cfg.board_root(), directory=True)
@@ -413,6 +491,9 @@ def check_paths(cfg: CcldConfig) -> None:
     wandb = cfg.sinks.wandb
     if wandb.enabled and wandb.dir:
         _check_writable("sinks.wandb.dir", wandb.dir, Path(wandb.dir), directory=True)
+    exclude = cfg.actions.exclude_file
+    if exclude:
+        _check_writable("actions.exclude_file", exclude, Path(exclude), directory=False)
 
 
 def _check_writable(key: str, value: Any, path: Path, directory: bool) -> None:

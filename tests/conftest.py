@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from cbuild import build_probe_library
 from hypothesis import settings
+from verdict_schema import schema_problems, verdict_files
 
 TIERS = ("unit", "native", "jobs")
 
@@ -19,6 +20,18 @@ TIERS = ("unit", "native", "jobs")
 settings.register_profile("repeatable", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
+
+
+@pytest.fixture(autouse=True)
+def verdicts_follow_the_schema(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every verdicts file a test leaves in its tmp_path holds records of the JSON Schema
+    the package ships (``ccld_plugin/diagnose/verdict.schema.json``)."""
+    yield
+    tmp = getattr(request.node, "funcargs", {}).get("tmp_path")
+    if tmp is None or request.node.get_closest_marker("bad_verdicts"):
+        return
+    problems = [p for f in verdict_files(Path(tmp)) for p in schema_problems(f)]
+    assert not problems, "verdict records that break the schema:\n" + "\n".join(problems[:20])
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -14,7 +14,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,6 +107,7 @@ class Agent:
         steps: StepClock,
         clock_timeout_s: float,
         ranks_per_node: int = 1,
+        who: Callable[[], dict] | None = None,
     ) -> None:
         self.cfg = cfg
         self.control = control
@@ -148,6 +149,10 @@ class Agent:
         # it while the process is wedged, not while the link is cut (control.reach).
         self._reach = _open_reach_port(control) if cfg.reach_port else None
         self._reach_published = False
+        # Where this rank runs (local rank, device), for the verdicts that name it: sent
+        # again when it changes (a device is known once CUDA is initialized).
+        self._who = who
+        self._who_published: dict | None = None
         # The node's leader publishes this rank's summary in its node's frame; the rank
         # writes its own key only at exit, and while it cannot hand its summary over (no
         # clock handshake: its ticks are not the node's; its summary file not writable).
@@ -277,6 +282,10 @@ class Agent:
             if self._reach is not None and not self._reach_published:
                 self.control.publish_reach(self.rank, self._reach.address)
                 self._reach_published = True
+            who = self._who() if self._who is not None else None
+            if who is not None and who != self._who_published:
+                self.control.publish_who(self.rank, who)
+                self._who_published = who
             self._send(data, tick, job_start, handed and not final, final)
         except Exception as exc:  # noqa: BLE001
             if self.store_lost is None:

@@ -19,7 +19,10 @@ worker), else a dedicated TCPStore hosted by the diagnoser rank. Keys:
 - ``diag/owner``, ``diag/beat``, ``diag/released``, ``diag/reported``: the diagnosis
   lease (which rank's diagnoser is in charge, its renewal counter, whether it ended on
   purpose) and the keys of the verdicts reported so far, which a standby that takes over
-  does not report again.
+  does not report again;
+- ``who/<rank>``: where the rank runs (its local rank and device), which verdicts name;
+- ``abort``, ``abort/left``: set when the diagnoser ends the job (``actions.on_hang=abort``):
+  every rank's abort watch reads it, counts itself out, and leaves once all have.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ from ccld_plugin.wire.node_summary import decode_nodes, node_count
 from ccld_plugin.wire.packed import PackedSummaries
 
 __all__ = ["ControlPlane", "owner_record"]
+
+LEAVE_POLL_S = 0.02  # how often a rank of an aborted job looks whether all have counted out
 
 
 class ControlPlane:
@@ -367,6 +372,37 @@ class ControlPlane:
             return []
         lines = bytes(self.store.get("diag/reported")).decode().splitlines()
         return [(k, c, tuple(r), g) for k, c, r, g in map(json.loads, filter(None, lines))]
+
+    # ---------------------------------------------------------------- who and where
+    def publish_who(self, rank: int, who: dict) -> None:
+        self.store.set(f"who/{rank}", json.dumps(who))
+
+    def read_who(self, ranks: Iterable[int]) -> dict[int, dict]:
+        """Where ``ranks`` run, as they published it; ranks that published nothing are
+        left out."""
+        return {r: json.loads(v) for r, v in self._read_per_rank("who", ranks).items()}
+
+    # ---------------------------------------------------------------- abort
+    def post_abort(self, record: dict) -> None:
+        self.store.set("abort", json.dumps(record))
+
+    def read_abort(self) -> dict | None:
+        """The abort record once the diagnoser posted one (None before)."""
+        if not self.store.check(["abort"]):
+            return None
+        return json.loads(bytes(self.store.get("abort")))
+
+    def leave_together(self, wait_s: float) -> None:
+        """Count this rank out of the aborted job and wait, at most ``wait_s``, until every
+        rank has. A rank that may host the store (rank 0, where torchrun's agent does not
+        share its own; the diagnoser rank, with a dedicated one) waits a moment more: it
+        must not take the store away while the others still look at the count."""
+        self.store.add("abort/left", 1)
+        deadline = time.monotonic() + wait_s
+        while self.store.add("abort/left", 0) < self.world and time.monotonic() < deadline:
+            time.sleep(LEAVE_POLL_S)
+        if self.rank in (0, self.diagnoser_rank):
+            time.sleep(5 * LEAVE_POLL_S)
 
 
 def owner_record(rank: int, host: str, pid: int) -> bytes:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+from datetime import datetime, timezone
 from pathlib import Path
 
 from ccld_plugin.agent.board_summary import arrival_samples, samples_per_group, summarize_board
@@ -19,6 +20,7 @@ from ccld_plugin.board.process import process_alive
 from ccld_plugin.config import CcldConfig, load_config
 from ccld_plugin.diagnose import Analyzer, JobView, Verdict
 from ccld_plugin.diagnose.analyzer import located_by_channels
+from ccld_plugin.diagnose.records import Culprit
 from ccld_plugin.diagnose.stalls.crash import peer_failure
 from ccld_plugin.files import kind_of, os_problem
 from ccld_plugin.postmortem.boards import JobBoards, PostmortemError, RankBoard
@@ -27,7 +29,7 @@ from ccld_plugin.wire.codes import STATE_DONE
 from ccld_plugin.wire.peer_channels import MAX_ENTRIES, encode_channels, entry_order
 from ccld_plugin.wire.summary import FLAG_CRASHED, RankSummary
 
-__all__ = ["diagnose_boards", "job_config", "job_view", "saved_config"]
+__all__ = ["diagnose_boards", "job_config", "job_view", "saved_config", "stamp"]
 
 # A rank whose last sign of life is this many agent ticks before the job's last is the one
 # that died (or froze) first: ranks that ran until the job was killed stop within a tick of
@@ -160,6 +162,31 @@ def failed_beyond(boards: JobBoards) -> tuple[list[int], list[int]]:
 
 
 def diagnose_boards(boards: JobBoards, cfg: CcldConfig) -> list[Verdict]:
-    """The verdicts one diagnoser round gives on the boards."""
+    """The verdicts one diagnoser round gives on the boards, stamped with the job's name,
+    the wall-clock time of the boards' "now" (by the first board's clock) and the hosts
+    the boards were written on (a board keeps no local rank nor device)."""
     analyzer = Analyzer(cfg.diagnoser, cfg.agent.interval_s, channel_evidence=located_by_channels)
-    return analyzer.round(job_view(boards, cfg))
+    view = job_view(boards, cfg)
+    verdicts = analyzer.round(view)
+    first = boards.ranks[min(boards.ranks)].snap.header if boards.ranks else None
+    when = None
+    if first is not None:
+        wall_ns = first.start_wall_ns + view.now_ns - (first.start_mono_ns - first.clock_offset_ns)
+        try:
+            when = datetime.fromtimestamp(wall_ns / 1e9, timezone.utc)
+        except (OverflowError, ValueError, OSError):  # a corrupt board's start: not known
+            when = None
+    stamp(verdicts, view, boards.job or None, when)
+    return verdicts
+
+
+def stamp(verdicts: list[Verdict], view: JobView, job: str | None, when: datetime | None) -> None:
+    """Who and where of the verdicts of a round over ``view``, as far as it tells: the
+    culprits' hosts from their summaries."""
+    for v in verdicts:
+        v.stamp(job, view.job_start_ns, when, lambda r: Culprit(r, host=_host(view, r)))
+
+
+def _host(view: JobView, rank: int) -> str | None:
+    s = view.summaries.get(rank)
+    return s.host if s is not None and s.host else None

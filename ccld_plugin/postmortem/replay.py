@@ -14,6 +14,7 @@ from ccld_plugin.config import CcldConfig, ConfigError, load_config
 from ccld_plugin.diagnose import Analyzer, JobView, Verdict
 from ccld_plugin.diagnose.analyzer import located_by_channels
 from ccld_plugin.diagnose.view import topology_of
+from ccld_plugin.postmortem.diagnose_boards import stamp
 from ccld_plugin.recording import RecordedRound, RecordingError, read_recording
 from ccld_plugin.topology import GroupInfo, Topology
 from ccld_plugin.wire.summary_batch import SummaryTable
@@ -48,7 +49,9 @@ def replay(
     analyzer = Analyzer(cfg.diagnoser, cfg.agent.interval_s, located_by_channels)
     verdicts: list[Verdict] = []
     for _, view in round_views(rounds):
-        verdicts += analyzer.round(view)
+        new = analyzer.round(view)
+        stamp(new, view, cfg.job or None, None)  # a recording keeps no wall clock
+        verdicts += new
     return cfg, verdicts
 
 

@@ -20,6 +20,7 @@ from ccld_plugin.diagnose.records import Cause, Kind
 from ccld_plugin.files import FileError, one_line, open_regular, os_problem
 from ccld_plugin.postmortem.boards import PostmortemError
 from ccld_plugin.postmortem.outputs import check_folder, existing, open_append
+from ccld_plugin.sinks.jsonl import upgraded
 
 __all__ = ["append_verdicts", "check_verdicts_out", "read_verdict_file", "verdict_problem"]
 
@@ -66,8 +67,8 @@ def verdict_problem(v: Any) -> str | None:
 def read_verdict_file(path: Path) -> tuple[list[dict], str | None]:
     """The verdict records of ``path``, and a line that says which lines were left out as
     no verdict records (None: none was). A file whose first record is not one is refused;
-    a torn last line (its writer died) is left out unsaid. Evidence of schema 1
-    (sentences) is read as schema 2's items (``{"fact": "note", "text": ...}``)."""
+    a torn last line (its writer died) is left out unsaid. Records of older schemas are
+    read in the current shape (``sinks.jsonl.upgraded``)."""
     try:
         fd = open_regular(path, WHAT)
     except FileError as exc:
@@ -124,9 +125,7 @@ def _record(raw: bytes) -> tuple[dict | None, str | None]:
     problem = verdict_problem(v)
     if problem is not None:
         return None, f"not a verdict record ({problem})"
-    if v.get("schema", 1) < 2:
-        v["evidence"] = [{"fact": "note", "text": e, "data": {}} for e in v.get("evidence", [])]
-    return v, None
+    return upgraded(v), None
 
 
 def check_verdicts_out(path: Path, force: bool) -> None:

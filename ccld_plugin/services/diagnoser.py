@@ -27,8 +27,10 @@ from ccld_plugin.diagnose.links.tcp_evidence import SILENT_INTERVALS
 from ccld_plugin.diagnose.view import topology_of
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.recording import RecordedRound, RoundRecorder
+from ccld_plugin.services.actions import StallActions
 from ccld_plugin.services.diagnosis_load import MAX_ROUND_SHARE, DiagnosisLoad, gc_paused
-from ccld_plugin.sinks import Sink
+from ccld_plugin.services.verdict_stamps import VerdictStamps, launcher_job
+from ccld_plugin.sinks import CallbackSink, Sink, close_sinks
 from ccld_plugin.topology import GroupInfo, Topology, role_index
 from ccld_plugin.wire.packed import PackedSummaries
 from ccld_plugin.wire.summary import (
@@ -67,6 +69,7 @@ class Diagnoser:
         clock_ns: Callable[[], int] = time.monotonic_ns,
         serves_clock: bool = True,
         boards: Path | None = None,
+        job: str = "",
     ) -> None:
         self.cfg = cfg
         self.control = control
@@ -88,7 +91,7 @@ class Diagnoser:
         )
         self.world = world
         self.job_start_ns = job_start_ns
-        self.sinks = sinks
+        self.sinks = [*sinks, CallbackSink()]  # and the functions given to on_verdict
         # This host's board files: a rank of this host that dies is told as its board
         # stood then (its last summary can be an interval older), read once.
         self.boards = boards
@@ -100,6 +103,9 @@ class Diagnoser:
             cfg.diagnoser, cfg.agent.interval_s, channel_evidence=located_by_channels
         )
         self.verdicts: list[Verdict] = []
+        # Who and where of each verdict (the same from a standby: ids follow the job's start)
+        self.stamps = VerdictStamps(control, launcher_job(job) or None, job_start_ns)
+        self.actions = StallActions(cfg.actions, control, self.stamps.node, self._close_sinks)
         self.config_file: Path | None = None  # removed at exit with the boards
         self._tables: dict[int, tuple[int, list[GroupInfo]]] = {}
         # Of each rank, its last summary that decoded, and all of them as a table (decoded
@@ -154,16 +160,16 @@ class Diagnoser:
                 self.control.release_diagnosis(self._owner)
             except Exception as exc:  # noqa: BLE001
                 report_error("diagnoser.lease", exc)
-        for sink in self.sinks:
-            try:
-                sink.close()
-            except Exception as exc:  # noqa: BLE001
-                report_error("diagnoser.sink", exc)
+        self._close_sinks()
         self._reach.close()
         if self._recorder is not None:
             self._recorder.close()
         if self.config_file is not None and self.cfg.board.cleanup:
             self.config_file.unlink(missing_ok=True)  # else the board directory stays
+
+    def _close_sinks(self, within_s: float | None = None) -> None:
+        sinks, self.sinks = self.sinks, []
+        close_sinks(sinks, within_s)
 
     def job_ended(self) -> bool:
         """Whether every rank of the job left through its exit path."""
@@ -278,11 +284,11 @@ class Diagnoser:
         be waited for); the number of verdicts it emitted."""
         start_ns = self.clock_ns()
         try:
-            return self._round_once(last)
+            return self._round_once(last, start_ns)
         finally:
             self._last_round_ns = (start_ns, self.clock_ns())
 
-    def _round_once(self, last: bool) -> int:
+    def _round_once(self, last: bool, start_ns: int) -> int:
         with self._lock:
             try:
                 with gc_paused():
@@ -294,6 +300,8 @@ class Diagnoser:
                 return 0
             if verdicts and not self._still_in_charge():
                 return 0
+            if verdicts:
+                self.stamps.stamp(verdicts, view)
             for v in verdicts:
                 self.verdicts.append(v)
                 try:  # a standby that takes over does not report it again
@@ -306,12 +314,15 @@ class Diagnoser:
                         sink.emit(v)
                     except Exception as exc:  # noqa: BLE001
                         report_error(f"diagnoser.{type(sink).__name__}", exc)
+            round_s = (self.clock_ns() - start_ns) / 1e9
             for sink in self.sinks:
                 if hasattr(sink, "observe"):
                     try:
-                        sink.observe(view, self.analyzer)
+                        sink.observe(view, self.analyzer, round_s)
                     except Exception as exc:  # noqa: BLE001
                         report_error(f"diagnoser.{type(sink).__name__}", exc)
+            if self.actions.act(verdicts):  # the job is ended: no more rounds
+                self._stop.set()
         return len(verdicts)
 
     def _record(self, view: JobView) -> None:

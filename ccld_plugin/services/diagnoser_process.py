@@ -94,8 +94,8 @@ def run_diagnoser(
     stop: threading.Event | None = None,
 ) -> int:
     """Diagnose job ``job`` of ``world`` ranks over its store at ``host:port`` until it
-    ends (or ``stop`` is set); the exit status (0). DiagnoserError when the store does
-    not answer within ``control.connect_timeout_s``."""
+    ends, it ended it (``actions.on_hang=abort``), or ``stop`` is set; the exit status
+    (0). DiagnoserError when the store does not answer within ``control.connect_timeout_s``."""
     check_world(world)
     stop = stop or _stop_on_signals()
     control = _connect(cfg, host, port, job, world, stop)
@@ -104,7 +104,7 @@ def run_diagnoser(
     # the boards are where this host keeps them: the timeline needs the job on this host
     sinks = build_sinks(cfg.sinks, cfg.board_root() / job)
     service = Diagnoser(
-        cfg, control, world, time.monotonic_ns(), sinks, boards=cfg.board_root() / job
+        cfg, control, world, time.monotonic_ns(), sinks, boards=cfg.board_root() / job, job=job
     )
     service.start()
     log.warning(
@@ -116,7 +116,7 @@ def run_diagnoser(
     )
     try:
         while not stop.wait(cfg.agent.interval_s):
-            if service.job_ended():
+            if service.job_ended() or service.actions.aborted:
                 break
     finally:
         service.stop()

@@ -16,11 +16,13 @@ from ccld_plugin.config import CcldConfig, to_yaml
 from ccld_plugin.control import ControlPlane
 from ccld_plugin.errors import report_error
 from ccld_plugin.files import open_private
+from ccld_plugin.services.actions import AbortWatch
 from ccld_plugin.services.diagnoser import Diagnoser
 from ccld_plugin.services.standby import Standby, standby_rank
+from ccld_plugin.services.verdict_stamps import who_am_i
 from ccld_plugin.sinks import build_sinks
 
-__all__ = ["Services", "ranks_per_node", "start"]
+__all__ = ["Services", "ranks_per_node", "start", "store_job"]
 
 
 @dataclass
@@ -32,6 +34,7 @@ class Services:
     steps: StepClock
     diagnoser: Diagnoser | None = None
     standby: Standby | None = None
+    abort_watch: AbortWatch | None = None  # actions.on_hang=abort
 
     def stop(self, failing: bool = False, crash: list[str] | None = None) -> None:
         """The agent first, then the diagnoser or standby (a last round sees the agent's
@@ -42,6 +45,8 @@ class Services:
             self.agent.stop(crash or [])
         except Exception as exc:  # noqa: BLE001
             report_error("services.stop", exc)
+        if self.abort_watch is not None:
+            self.abort_watch.stop()
         for svc in (self.diagnoser, self.standby):
             if svc is None:
                 continue
@@ -66,7 +71,7 @@ def start(
 ) -> Services:
     """Start the agent (and on the diagnoser rank, the diagnoser) of a rank."""
     per_node = ranks_per_node(cfg, world)
-    control = ControlPlane(cfg.control, rank, world, job, cfg.diagnoser.rank, per_node)
+    control = ControlPlane(cfg.control, rank, world, store_job(job), cfg.diagnoser.rank, per_node)
     steps = StepClock()
     timeout = cfg.control.connect_timeout_s
     agent = Agent(
@@ -80,6 +85,7 @@ def start(
         steps,
         timeout + 5,
         per_node,
+        who=who_am_i,
     )
     diag, standby = None, None
     if rank == cfg.diagnoser.rank:
@@ -91,6 +97,7 @@ def start(
             build_sinks(cfg.sinks, board_path.parent),
             own_report=lambda: agent.latest,
             boards=board_path.parent,
+            job=job,
         )
         diag.config_file = _write_job_config(cfg, board_path.parent)
         diag.start()  # before the agent: it serves the clock handshake
@@ -116,12 +123,26 @@ def start(
                 ),
                 serves_clock=False,
                 boards=board_path.parent,
+                job=job,
             )
 
         standby = Standby(cfg, control, take_over)
         standby.start()
+    watch = None
+    if cfg.actions.on_hang == "abort":
+        watch = AbortWatch(control, cfg.agent.interval_s, lambda: agent.clock)
+        watch.start()
     agent.start()
-    return Services(agent, steps, diag, standby)
+    return Services(agent, steps, diag, standby, watch)
+
+
+def store_job(job: str) -> str:
+    """The job's part of the store keys: its name, and, for an attempt that torchrun
+    restarted (``--max-restarts``), the attempt. A restart keeps the job's name and its
+    store (torchrun's agent's): without its own keys an attempt would read the last
+    one's (its clock handshake's counts, the findings it reported, its abort record)."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return job if restart in ("", "0") else f"{job}/attempt{restart}"
 
 
 def ranks_per_node(cfg: CcldConfig, world: int) -> int:

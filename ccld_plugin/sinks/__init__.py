@@ -1,10 +1,14 @@
-"""Where verdicts go: the console, a JSONL file, W&B. Each sink has ``emit(verdict)`` and
-``close()``, and may have ``observe(view, analyzer)``, called once per diagnoser round
-(the W&B sink draws its panels from it); a failing sink is contained and never stops the
-others."""
+"""Where verdicts go: the console, a JSONL file, W&B, a webhook, Prometheus' ``/metrics``
+and the sinks installed packages declare, as configured (``build_sinks``); and the
+functions given to ``ccld_plugin.on_verdict`` (``CallbackSink``, which every diagnoser
+feeds). Each sink has ``emit(verdict)`` and ``close()``, and may have
+``observe(view, analyzer, round_s)``, called once per diagnoser round (the W&B sink draws
+its panels from it); a failing sink is contained and never stops the others."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -12,9 +16,19 @@ from ccld_plugin.config import SinksConfig
 from ccld_plugin.diagnose.records import Verdict
 from ccld_plugin.errors import report_error
 from ccld_plugin.sinks.console import ConsoleSink, render_verdict
+from ccld_plugin.sinks.hooks import CallbackSink, on_verdict, plugin_sinks
 from ccld_plugin.sinks.jsonl import JsonlSink
 
-__all__ = ["ConsoleSink", "JsonlSink", "Sink", "build_sinks", "render_verdict"]
+__all__ = [
+    "CallbackSink",
+    "ConsoleSink",
+    "JsonlSink",
+    "Sink",
+    "build_sinks",
+    "close_sinks",
+    "on_verdict",
+    "render_verdict",
+]
 
 
 class Sink(Protocol):
@@ -25,7 +39,8 @@ class Sink(Protocol):
 
 def build_sinks(cfg: SinksConfig, boards: Path | None = None) -> list[Sink]:
     """The configured sinks; one that cannot be opened is left out (the config checked its
-    path at start, so this is a folder that went away since), the others run."""
+    path at start, so this is a folder that went away since; a port taken), the others
+    run."""
     sinks: list[Sink] = []
     if cfg.console:
         sinks.append(ConsoleSink())
@@ -44,4 +59,39 @@ def build_sinks(cfg: SinksConfig, boards: Path | None = None) -> list[Sink]:
             sinks.append(WandbSink(cfg.wandb, boards=boards))
         except Exception as exc:  # noqa: BLE001
             report_error("sinks.wandb", exc)
+    if cfg.webhook.url:
+        from ccld_plugin.sinks.webhook import WebhookSink
+
+        sinks.append(WebhookSink(cfg.webhook))
+    if cfg.prometheus.port:
+        try:  # prometheus_client is optional (the extra ccld-plugin[prometheus])
+            from ccld_plugin.sinks.prometheus import PrometheusSink
+
+            sinks.append(PrometheusSink(cfg.prometheus))
+        except Exception as exc:  # noqa: BLE001 - not installed, or the port is taken
+            report_error("sinks.prometheus", exc)
+    if cfg.plugins:
+        sinks += plugin_sinks()
     return sinks
+
+
+def close_sinks(sinks: list[Sink], within_s: float | None = None) -> None:
+    """Close each sink (each failure contained), one after the other, or, ``within_s``
+    given, all at once, waiting for them that long at most."""
+    if within_s is None:
+        for sink in sinks:
+            _close(sink)
+        return
+    threads = [threading.Thread(target=_close, args=(s,), daemon=True) for s in sinks]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + within_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+
+
+def _close(sink: Sink) -> None:
+    try:
+        sink.close()
+    except Exception as exc:  # noqa: BLE001
+        report_error(f"sinks.{type(sink).__name__}", exc)

@@ -25,17 +25,20 @@ def render_verdict(v: dict) -> Text:
     g = v.get("group") or {}
     where = f" in {g['role']}{g['ranks']}" if g else ""
     what = f" at {v['op']}" if v.get("op") else ""
-    sev = v.get("severity")
-    sev_txt = f", {sev}x slower" if v["kind"] == "slow" and sev else ""
+    ratio = f", {v['ratio']}x slower" if v.get("ratio") else ""
     link = f", link {v['link'][0]}<->{v['link'][1]}" if v.get("link") else ""
     onset = f"onset {v['onset_s']:.1f}s, " if v.get("onset_s") is not None else ""
     step = f"step {v['step']}, " if v.get("step") is not None else ""
+    # the culprits' hosts, when one or a few: the node to look at
+    hosts = sorted({c["host"] for c in v.get("culprits") or [] if c.get("host")})
+    on = f" on {', '.join(hosts)}" if 0 < len(hosts) <= 4 else ""
+    when = f", {v['time']}" if v.get("time") else ""
     text = Text()
     text.append(f"[ccld] {v['kind'].upper()} ", style=_STYLE.get(v["kind"], "bold"))
     text.append(
         f"{v['cause']}-bound: rank{'s' if len(v['ranks']) > 1 else ''} "
-        f"{', '.join(map(str, v['ranks']))}{where}{what}{link}{sev_txt} "
-        f"({step}{onset}detected {v.get('detected_s', 0):.1f}s)"
+        f"{', '.join(map(str, v['ranks']))}{on}{where}{what}{link}{ratio} "
+        f"({step}{onset}detected {v.get('detected_s', 0):.1f}s{when})"
     )
     for e in v.get("evidence", []):
         text.append(f"\n    - {e['text']}", style="dim")

@@ -37,7 +37,7 @@ def test_comm_slow_at_the_diagnoser_rank(tmp_path: Path, diagnoser: int) -> None
     ev = facts(v["evidence"])
     assert [e["data"] for e in ev["common_rank"]] == [{"rank": diagnoser}]
     assert ev["link_slow"]
-    assert v["severity"] > 6
+    assert v["ratio"] > 6
     assert len(summary["verdicts"]) == 1 and code == 0
     fault = summary["faults"][0]
     assert fault["applied_by"] == "netjob" and fault["onset_s"] > 0

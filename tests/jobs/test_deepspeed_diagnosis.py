@@ -37,7 +37,7 @@ def test_compute_slow_zero2(tmp_path):
     assert [(v["cause"], v["ranks"], v["group"]["role"]) for v in slow] == [
         ("compute", [1], "dp")
     ], summary["verdicts"]
-    assert 1.3 <= slow[0]["severity"] <= 3.0 and code == 0
+    assert 1.3 <= slow[0]["ratio"] <= 3.0 and code == 0
 
 
 def test_healthy_zero2_run_has_no_verdict(tmp_path):

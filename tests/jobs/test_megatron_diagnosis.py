@@ -19,7 +19,7 @@ def test_compute_slow_on_one_tp_rank_names_it_not_its_peer(tmp_path):
     code, summary = demo(tmp_path / "out", "compute-slow@1:factor=2,step=3", steps=40, **MEGATRON)
     slow = [v for v in summary["verdicts"] if v["kind"] == "slow"]
     assert [(v["cause"], v["ranks"]) for v in slow] == [("compute", [1])], summary["verdicts"]
-    assert 1.3 <= slow[0]["severity"] <= 3.0
+    assert 1.3 <= slow[0]["ratio"] <= 3.0
     assert code == 0
 
 

@@ -71,10 +71,10 @@ def test_compute_slow_factor_3_tp2_pp2_dp2(tmp_path):
     v = only(summary, "slow")
     assert (v["cause"], v["ranks"]) == ("compute", [5])
     assert v["group"]["role"] in ("tp", "dp") and 5 in v["group"]["ranks"]
-    # The severity is the compute ratio as measured (noisy at 8 ranks on 2 cores).
-    assert 1.5 <= v["severity"] <= 6.0
+    # The ratio is the compute ratio as measured (noisy at 8 ranks on 2 cores).
+    assert 1.5 <= v["ratio"] <= 6.0
     (ev,) = facts(v["evidence"])["compute_excess"]
-    assert ev["data"]["ratio"] == v["severity"]  # the compute ratio, as the sentence says
+    assert ev["data"]["ratio"] == v["ratio"]  # the compute ratio, as the sentence says
     steps = summary["latency_s"][0]["steps_to_verdict"]
     assert steps is not None and steps <= 30
     assert code == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -94,9 +95,13 @@ def test_hung_job_logs_panels_verdict_and_alert_to_an_offline_run(tmp_path):
     (alert,) = [a for a in run.alerts if "hang" in a["title"]]
     assert alert["title"] == "ccld hang: rank 2 (compute)" and alert["level"] == "ERROR"
     assert "rank 2 in dp[0, 1, 2, 3]" in alert["text"]
-    # The same verdict as the JSONL sink wrote.
+    # The same verdict as the JSONL sink wrote, who and where included.
     (v,) = [x for x in read_verdicts(out / "verdicts.jsonl") if x["kind"] == "hang"]
     assert verdict_row(v) == table.rows[rows.index(hang)]
+    where = f"rank 2 on {socket.gethostname()} (local rank 2)"
+    assert hang["culprits"] == where and (hang["id"], hang["job"]) == (v["id"], v["job"])
+    assert hang["stuck_s"] == v["stuck_s"] >= 3 and hang["time"] == v["time"]
+    assert where in alert["text"] and f"id {v['id']}" in alert["text"]
 
     # The timeline, made from the boards the killed job left and saved with the run.
     trace = run.run_dir / "files" / "ccld_trace.json"

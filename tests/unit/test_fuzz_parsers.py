@@ -74,11 +74,9 @@ def _value(cfg: CcldConfig, key: str) -> Any:
 
 
 KEYS = _leaves()
-FREE_TEXT_KEYS = [  # names and paths: any text (job names have a rule; store, mode: words)
-    k
-    for k in KEYS
-    if _leaf_type(k) in (str, str | None) and k not in ("job", "control.store", "sinks.wandb.mode")
-]
+# names and paths: any text (job names and URLs have a rule; store, mode, on_hang: words)
+RULED = ("job", "control.store", "sinks.wandb.mode", "sinks.webhook.url", "actions.on_hang")
+FREE_TEXT_KEYS = [k for k in KEYS if _leaf_type(k) in (str, str | None) and k not in RULED]
 LONGEST_LINE = 400  # an error line with every value in it cut
 WORDS = [
     "true", "no", "null", "''", "[1,2", "{a: 1}", "[]", "${oc.env:HOME}", "${x}", "a\x00",

@@ -59,7 +59,8 @@ ALLOWED: dict[str, set[str]] = {
     "diagnose.stalls": {"diagnose.shared", "diagnose.links"} | FOUNDATION,
     "diagnose.compute": {"diagnose.shared"} | FOUNDATION,
     "diagnose": DIAGNOSE | FOUNDATION,
-    "sinks": {"diagnose", "diagnose.shared"} | FOUNDATION,
+    # (Prometheus shows the links' own figures: diagnose.links)
+    "sinks": {"diagnose", "diagnose.shared", "diagnose.links"} | FOUNDATION,
     # what a rank starts: the only place that wires tracing, agent, control plane,
     # diagnoser and sinks together
     "services": {"_native", "tracing", "board", "probes", "agent", "control", "recording"}
@@ -71,7 +72,8 @@ ALLOWED: dict[str, set[str]] = {
     "integrations": {"ccld_plugin", "services", "config", "config_values", "errors"},
     "megatron": {"integrations"},
     "deepspeed": {"integrations"},
-    "ccld_plugin": {"config", "services"},  # ccld_plugin/__init__.py: the public names, lazily
+    # ccld_plugin/__init__.py: the public names, lazily
+    "ccld_plugin": {"config", "services", "sinks"},
     # the command line: a front over every part (the harness: see below)
     "cli": {"board", "config", "integrations", "postmortem", "services", "sinks", "ccld_harness"},
 }

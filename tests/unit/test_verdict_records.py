@@ -4,6 +4,7 @@ and verdicts files of schema 1 (evidence as sentences) read in the current shape
 from __future__ import annotations
 
 import json
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ from builders import group
 
 from ccld_plugin.diagnose.records import VERDICT_SCHEMA_VERSION, Cause, Evidence, Kind, Verdict
 from ccld_plugin.sinks.console import render_verdict
-from ccld_plugin.sinks.jsonl import JsonlSink, read_verdicts
+from ccld_plugin.sinks.jsonl import JsonlSink, read_verdicts, upgraded
 from ccld_plugin.sinks.wandb.verdicts import alert_message
 
 TEMPLATE = (
@@ -69,7 +70,7 @@ def test_evidence_text_is_rendered_from_its_data_as_plain_json() -> None:
 
 
 def _verdict() -> Verdict:
-    return Verdict(
+    v = Verdict(
         kind=Kind.HANG,
         cause=Cause.COMPUTE,
         ranks=[2],
@@ -77,6 +78,7 @@ def _verdict() -> Verdict:
         op="all_reduce",
         step=5,
         detected_s=14.0,
+        severity=5.2,
         evidence=[
             Evidence.of(
                 "in_no_collective",
@@ -87,11 +89,13 @@ def _verdict() -> Verdict:
             )
         ],
     )
+    v.stamp("j", 0, datetime(2026, 12, 7, tzinfo=timezone.utc))
+    return v
 
 
 def test_verdict_record_carries_each_item_as_fact_text_and_data() -> None:
     d = _verdict().to_dict()
-    assert d["schema"] == VERDICT_SCHEMA_VERSION == 2
+    assert d["schema"] == VERDICT_SCHEMA_VERSION == 3
     assert d["evidence"] == [
         {
             "fact": "in_no_collective",
@@ -103,29 +107,47 @@ def test_verdict_record_carries_each_item_as_fact_text_and_data() -> None:
     assert json.loads(json.dumps(d)) == d
 
 
-def test_schema_1_evidence_is_read_as_notes_and_shown_as_before(tmp_path: Path) -> None:
+NEW_IN_3 = ("culprits", "time", "job", "id", "resumes", "ratio", "stuck_s", "lasted_s")
+
+
+def _written_by(schema: int, record: dict) -> dict:
+    """``record`` as a writer of ``schema`` (1 or 2) wrote it: one ``severity``, no who
+    and where, and (1) evidence as sentences."""
+    old = {k: v for k, v in record.items() if k not in NEW_IN_3}
+    old.update(schema=schema, severity=record["stuck_s"])
+    if schema == 1:
+        old["evidence"] = [e["text"] for e in record["evidence"]]
+    return old
+
+
+def test_records_of_schema_1_and_2_are_read_in_the_current_shape(tmp_path: Path) -> None:
     path = tmp_path / "verdicts.jsonl"
-    old = {**_verdict().to_dict(), "schema": 1, "evidence": ["rank 2 is stuck", "second"]}
-    path.write_text(json.dumps(old) + "\n")
+    now = _verdict().to_dict()
+    one, two = _written_by(1, now), _written_by(2, now)
+    path.write_text(json.dumps(one) + "\n" + json.dumps(two) + "\n")
     sink = JsonlSink(path)
     sink.emit(_verdict())
     sink.close()
     with path.open("a") as fh:
         fh.write('{"kind": "hang", "torn')  # the writer died mid-line
-    first, second = read_verdicts(path)
-    assert first == {
-        **old,
-        "evidence": [
-            {"fact": "note", "text": "rank 2 is stuck", "data": {}},
-            {"fact": "note", "text": "second", "data": {}},
-        ],
+    first, second, third = read_verdicts(path)
+    # a hang's severity was its seconds stuck; who and where were not written: not known
+    unknown = {"time": None, "job": None, "id": None, "resumes": None}
+    culprits = [{"rank": 2, "host": None, "local_rank": None, "device": None}]
+    measures = {"ratio": None, "stuck_s": 5.2, "lasted_s": None}
+    notes = [{"fact": "note", "text": e["text"], "data": {}} for e in now["evidence"]]
+    assert first == {**now, **unknown, "culprits": culprits, **measures, "schema": 1} | {
+        "evidence": notes
     }
-    assert second == _verdict().to_dict()
+    assert second == {**now, **unknown, "culprits": culprits, **measures, "schema": 2}
+    assert third == now
     # The sinks show the sentences, whichever schema the record was written in.
-    assert "\n    - rank 2 is stuck\n    - second" in render_verdict(first).plain
-    assert "- rank 2 is stuck\n- second" in alert_message(first)["text"]
     shown = "- rank 2 is in no collective; no progress for 5.2 s (step 5)"
-    assert shown in render_verdict(second).plain and shown in alert_message(second)["text"]
+    for record in (first, second, third):
+        assert shown in render_verdict(record).plain and shown in alert_message(record)["text"]
+    # a slow verdict's severity was its ratio
+    slow = _written_by(2, {**now, "kind": "slow", "stuck_s": 1.7})
+    assert upgraded(slow)["ratio"] == 1.7 and slow["stuck_s"] is None
 
 
 def test_a_lost_rank_is_one_finding_whatever_op_it_was_last_seen_in():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from datetime import datetime, timezone
 
 import numpy as np
 import pytest
@@ -26,14 +27,12 @@ from wandb_views import (
 
 from ccld_plugin.config import DiagnoserConfig, WandbConfig, load_config
 from ccld_plugin.diagnose import Analyzer, JobView
-from ccld_plugin.diagnose.records import (
-    VERDICT_SCHEMA_VERSION,
-)
+from ccld_plugin.diagnose.records import VERDICT_SCHEMA_VERSION, Culprit, Device
 from ccld_plugin.sinks import build_sinks
 from ccld_plugin.sinks.wandb.heatmap import encode_png, heatmap_rgb
 from ccld_plugin.sinks.wandb.panels import PanelMetrics, group_key, hang_watch
 from ccld_plugin.sinks.wandb.sink import WandbSink
-from ccld_plugin.sinks.wandb.verdicts import VERDICT_COLUMNS, verdict_row
+from ccld_plugin.sinks.wandb.verdicts import VERDICT_COLUMNS, alert_message, verdict_row
 from ccld_plugin.wire.codes import OP_CODES
 from ccld_plugin.wire.summary import InFlightOp
 
@@ -236,7 +235,21 @@ def test_verdict_row_has_every_field():
         "[0, 1, 2, 3]",
     )
     assert row["evidence"] == "dp[0, 1, 2, 3] moves 1.0 MB/s\nsecond line"
-    assert row["stack"] is None and row["schema"] == VERDICT_SCHEMA_VERSION == 2
+    assert row["stack"] is None and row["schema"] == VERDICT_SCHEMA_VERSION == 3
+    assert (row["ratio"], row["stuck_s"]) == (3.1, None)  # a slow verdict's measure, named
+
+
+def test_verdict_row_and_alert_say_who_and_where():
+    v = slow_link_verdict()
+    where = {3: Culprit(3, "node-b", 1, Device(0, "GPU-1234"))}
+    v.stamp("4242", 7, datetime(2026, 12, 7, 20, 5, 23, 123456, timezone.utc), where.get)
+    record = v.to_dict()
+    row = dict(zip(VERDICT_COLUMNS, verdict_row(record), strict=True))
+    assert row["culprits"] == "rank 3 on node-b (local rank 1, cuda:0 GPU-1234)"
+    assert (row["job"], row["time"], row["id"]) == ("4242", "2026-12-07T20:05:23.123Z", v.id)
+    text = alert_message(record)["text"]
+    assert "rank 3 on node-b (local rank 1, cuda:0 GPU-1234)" in text
+    assert f"job 4242, at 2026-12-07T20:05:23.123Z, id {v.id}" in text
 
 
 def test_disabled_mode_and_no_sink_when_off(monkeypatch):

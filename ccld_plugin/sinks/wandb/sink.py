@@ -97,8 +97,9 @@ class WandbSink:
         self._thread.start()
 
     # -------------------------------------------------------------- diagnoser side
-    def observe(self, view: Any, analyzer: Any) -> None:
-        """Queue one round (called on the diagnoser thread: only cheap work here)."""
+    def observe(self, view: Any, analyzer: Any, round_s: float = 0.0) -> None:
+        """Queue one round (called on the diagnoser thread: only cheap work here; its
+        time, ``round_s``, is not drawn)."""
         if self._dead:
             return
         slow = getattr(analyzer, "slow", None)

@@ -5,7 +5,8 @@ does not catch at step S), ``slow@R:X`` (rank R's compute takes X seconds more e
 ``slow@R:X:S`` from step S on), ``stall@R:S:X`` (rank R stops X seconds at step S, then
 goes on), ``skip@R:S`` (rank R leaves out its gradient all-reduce at
 step S: see ``skips``) or ``misuse@R:S`` (rank R calls its tensor-parallel collective
-with an output of the wrong size at step S: see ``misuses``)."""
+with an output of the wrong size at step S: see ``misuses``). With FAULT_ATTEMPT=N, only
+attempt N of a job that torchrun restarts (TORCHELASTIC_RESTART_COUNT) has the fault."""
 
 import os
 import signal
@@ -14,7 +15,8 @@ import time
 
 def fault(rank: int, step: int) -> None:
     kind, _, where = os.environ.get("FAULT", "").partition("@")
-    if not kind:
+    attempt = os.environ.get("FAULT_ATTEMPT")
+    if not kind or attempt not in (None, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
         return
     who, arg, *onset = where.split(":")
     if int(who) != rank:
