@@ -35,7 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("path", type=Path, help="a board file or a directory of them")
     ins.add_argument("--json", action="store_true", help="machine-readable output")
 
-    demo = sub.add_parser("demo", help="run a real training job on this machine and diagnose it")
+    demo = sub.add_parser(
+        "demo", help="run a real training job with an injected fault, here, and diagnose it"
+    )
     demo.add_argument(
         "--framework",
         default="megatron",
