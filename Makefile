@@ -10,7 +10,7 @@ NATIVE := $(VENV)/.native-built
 
 PY_FILES := $(VENV)/.py-files
 
-.PHONY: demo test unit native jobs check lint bench clean FORCE
+.PHONY: demo test unit native jobs check lint docs bench clean FORCE
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,12 @@ check: $(NATIVE)
 	$(VENV)/bin/mypy
 
 lint: check
+
+# The documentation site, strictly (a broken link or a page missing from the nav fails),
+# after checking that the generated reference pages are the code's.
+docs: $(NATIVE)
+	$(VPY) tools/reference_pages.py --check
+	$(VENV)/bin/mkdocs build --strict --quiet
 
 bench: $(NATIVE)
 	$(VPY) benchmarks/hook_overhead.py

@@ -1,4 +1,4 @@
-"""Cost of one diagnoser round as the job grows (DESIGN 2.5 goal: <= 100 ms at 16,384 ranks).
+"""Cost of one diagnoser round as the job grows (the goal: <= 100 ms at 16,384 ranks).
 
 Synthetic but shaped like a real 3D-parallel job (TP8 x PP4 x DP rest) on nodes of 8
 ranks: every rank's summary carries what the agent publishes in steady state (four

@@ -55,7 +55,7 @@ STEP_MS = {
     "deepspeed": re.compile(r"^step \d+/\d+ \|.*\| ([0-9.]+) ms$", re.M),
 }
 ARMS = ("off_a", "on", "off_b")
-GOAL = 0.005  # DESIGN's step overhead goal: 0.5%
+GOAL = 0.005  # the step-overhead goal: 0.5%
 
 
 @dataclass

@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ccld_plugin.agent import tcp_probe as transport  # noqa: E402
+from ccld_plugin.probes import tcp_probe as transport  # noqa: E402
 
 MAX_CONNECTIONS = 4096  # keeps the fd count and the kernel's work bounded
 

@@ -15,7 +15,7 @@ from pathlib import Path
 __all__ = ["RANK_RSS_MIB", "RANK_THREADS", "Capacity", "host_capacity", "ranks_that_fit"]
 
 # The resident memory of one rank (rank 0, which also runs the diagnoser and the W&B sink:
-# the largest), training at step 15 of a healthy 4-rank demo on the 2-core CI host (torch
+# the largest), training at step 15 of a healthy 4-rank demo on a 2-core x86_64 host (torch
 # 2.13, megatron-core 0.16.1, deepspeed 0.19.8): 353, 388 and 489 MiB, rounded up. Measured
 # with `ccld demo --framework F --world 4 --fault none --steps 400 --out /tmp/m` running and
 # `grep VmRSS /proc/$(pgrep -f board.dir=/tmp/m | head -1)/status`.

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from ccld_plugin.sinks.hooks import on_verdict
 
 __all__ = [
+    "__version__",
     "CcldConfig",
     "ConfigError",
     "disable",
@@ -44,10 +45,24 @@ _HOME = {
 }
 
 
+def _version() -> str:
+    """The installed distribution's version: pyproject.toml is the one place it is written."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ccld-plugin")
+    except PackageNotFoundError:  # a source tree on the path, never installed
+        return "0+unknown"
+
+
+__version__: str
 # Type checkers see the imports above; at run time the names load on first use.
 if not TYPE_CHECKING:
 
     def __getattr__(name: str) -> Any:
+        if name == "__version__":
+            globals()[name] = _version()
+            return globals()[name]
         home = _HOME.get(name)
         if home is None:
             raise AttributeError(f"module 'ccld_plugin' has no attribute {name!r}")

@@ -18,16 +18,26 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
+# One spelling per thing across the commands: --config PATH and --set KEY=VALUE for the
+# plugin's configuration (--ccld-config / --ccld-set where they share a training script's
+# parser), -o/--out for what a command writes.
+SET_HELP = "override one config key, e.g. diagnoser.hang_min_s=30 (repeatable)"
+
 
 def _parser() -> argparse.ArgumentParser:
+    from ccld_plugin import __version__
+
     p = argparse.ArgumentParser(prog="ccld", description="Diagnose slow and hung ranks.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     ins = sub.add_parser("inspect", help="show the state of rank boards (live, hung or dead)")
     ins.add_argument("path", type=Path, help="a board file or a directory of them")
     ins.add_argument("--json", action="store_true", help="machine-readable output")
 
-    demo = sub.add_parser("demo", help="run a real training job on this machine and diagnose it")
+    demo = sub.add_parser(
+        "demo", help="run a real training job with an injected fault, here, and diagnose it"
+    )
     demo.add_argument(
         "--framework",
         default="megatron",
@@ -50,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--pp", type=int, help="megatron / torch only (default: 2 where the world allows it)"
     )
-    demo.add_argument("--steps", type=int, default=40)
+    demo.add_argument("--steps", type=int, default=40, help="training steps of the job")
     demo.add_argument(
         "--fault",
         action="append",
@@ -67,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
         "iproute2; implied by a comm-slow or comm-hang fault)",
     )
     demo.add_argument(
+        "-o",
         "--out",
         type=Path,
         default=Path("demo-out"),
@@ -82,7 +93,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the diagnoser as a process of its own (ccld diagnoser), not on a rank",
     )
-    demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
+    demo.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides", help=SET_HELP
+    )
 
     wbs = sub.add_parser(
         "wandb-summary",
@@ -119,9 +132,20 @@ def _parser() -> argparse.ArgumentParser:
         "trace", help="write a job's timeline from its boards (Perfetto, chrome://tracing)"
     )
     tr.add_argument("path", type=Path, help="the job's board directory (live or dead)")
-    tr.add_argument("-o", "--output", type=Path, default=Path("trace.json"))
     tr.add_argument(
-        "--force", action="store_true", help="replace the -o file when it exists (a regular file)"
+        "-o",
+        "--out",
+        "--output",
+        type=Path,
+        default=Path("trace.json"),
+        dest="output",
+        metavar="PATH",
+        help="the timeline file to write (Trace Event JSON; --output is the same option)",
+    )
+    tr.add_argument(
+        "--force",
+        action="store_true",
+        help="replace the --out file when it exists (a regular file)",
     )
     tr.add_argument(
         "--verdicts",
@@ -129,7 +153,9 @@ def _parser() -> argparse.ArgumentParser:
         help="mark the verdicts of this verdicts.jsonl (default: a post-mortem diagnosis)",
     )
     tr.add_argument("--config", type=Path, help="a YAML config (default: the job's own)")
-    tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
+    tr.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides", help=SET_HELP
+    )
 
     dg = sub.add_parser(
         "diagnoser",
@@ -151,7 +177,9 @@ def _parser() -> argparse.ArgumentParser:
         "job-PORT, as the ranks name it)",
     )
     dg.add_argument("--config", type=Path, help="a YAML config file (the job's)")
-    dg.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
+    dg.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides", help=SET_HELP
+    )
 
     run = sub.add_parser(
         "run",
@@ -159,31 +187,49 @@ def _parser() -> argparse.ArgumentParser:
         usage="ccld run [--config PATH] [--set KEY=VALUE]... -- COMMAND...",
     )
     run.add_argument("--config", type=Path, help="a YAML config file")
-    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
+    run.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides", help=SET_HELP
+    )
     run.add_argument("launch", nargs=argparse.REMAINDER, help="e.g. -- torchrun ... train.py")
 
-    cfg = sub.add_parser("config", help="print the resolved configuration")
+    cfg = sub.add_parser("config", help="print the resolved configuration, or explain its keys")
     cfg.add_argument("--config", type=Path, help="a YAML config file")
-    cfg.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
+    cfg.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides", help=SET_HELP
+    )
+    cfg.add_argument(
+        "--explain",
+        nargs="?",
+        const="",
+        metavar="KEY",
+        help="print what KEY (or every key under a section, or with no KEY every key) means: "
+        "its type, default, unit and allowed values",
+    )
     return p
 
 
 def _verdict_options(p: argparse.ArgumentParser) -> None:
     """The options of the commands that diagnose a job after the fact."""
     p.add_argument(
+        "-o",
+        "--out",
         "--jsonl",
         type=Path,
+        dest="jsonl",
+        metavar="PATH",
         help="also append the verdict records to this verdicts file (created if missing, "
-        "in a folder that exists)",
+        "in a folder that exists; --jsonl is the same option)",
     )
     p.add_argument(
         "--force",
         action="store_true",
-        help="append to the --jsonl file even when it is no verdicts file, or not a regular "
+        help="append to the --out file even when it is no verdicts file, or not a regular "
         "file (e.g. /dev/stdout)",
     )
     p.add_argument("--config", type=Path, help="a YAML config (default: the job's own)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides", help=SET_HELP
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -250,6 +296,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "config":
             from ccld_plugin.config import load_config, to_yaml
 
+            if args.explain is not None:
+                from ccld_plugin.reference import explain
+
+                print(explain(args.explain or None), end="")
+                return 0
             print(to_yaml(load_config(args.config, args.overrides)), end="")
             return 0
     except (ConfigError, BoardError, RunFileError, PostmortemError) as exc:

@@ -51,7 +51,6 @@ __all__ = [
     "check_world",
     "is_job_name",
     "load_config",
-    "make_private_dirs",
     "to_yaml",
 ]
 
@@ -84,6 +83,8 @@ def _check_job_name(name: str) -> None:
 
 @dataclass(kw_only=True)
 class BoardConfig:
+    """Each rank's board: the memory-mapped file its tracer writes and everything reads."""
+
     dir: str = "/dev/shm/ccld-{uid}"
     """Boards are written to ``<dir>/<job>/rank<r>.board`` (``{uid}``: the user's numeric
     id, so that each user has a folder of their own); folders are created with mode 0700,
@@ -107,6 +108,8 @@ class BoardConfig:
 
 @dataclass(kw_only=True)
 class TracerConfig:
+    """The tracer around every collective and point-to-point op of the training thread."""
+
     poll_interval_ms: float = 5.0
     """How often the completion poller checks async work (GPU ops always go through it)."""
 
@@ -121,6 +124,8 @@ class TracerConfig:
 
 @dataclass(kw_only=True)
 class AgentConfig:
+    """The agent thread of each rank, which summarizes its board every interval."""
+
     interval_s: float = 1.0
     """Seconds between two summaries a rank publishes."""
     stack_after_s: float = 5.0
@@ -153,6 +158,8 @@ class AgentConfig:
 
 @dataclass(kw_only=True)
 class ControlConfig:
+    """The control plane: the TCPStore through which summaries reach the diagnoser."""
+
     prefix: str = "ccld/"
     """Key prefix in the store."""
     store: str = "auto"
@@ -163,6 +170,7 @@ class ControlConfig:
     chunk_keys: int = 256
     """Keys per multi_get when the diagnoser reads the summaries."""
     connect_timeout_s: float = 30.0
+    """How long a rank (and ``ccld diagnoser``) waits for the store to answer at start."""
     ranks_per_node: int = 0
     """Ranks per node for node summaries (one store key per node, published by the node's
     first live rank): 0 = the launcher's LOCAL_WORLD_SIZE (1 when unset); set it to split
@@ -188,6 +196,8 @@ class ControlConfig:
 
 @dataclass(kw_only=True)
 class DiagnoserConfig:
+    """Where the diagnoser runs and the thresholds of its verdicts."""
+
     rank: int = 0
     """Global rank that runs the diagnoser thread; -1: none, the diagnoser runs as a process
     of its own (``ccld diagnoser``), for large jobs."""
@@ -208,11 +218,13 @@ class DiagnoserConfig:
     confirm_windows: int = 2
     """Consecutive windows that must agree before a slow verdict."""
     slow_ratio: float = 1.2
-    """A rank is a straggler when its compute time, step by step, is this many times its
-    cohort's median (the median of its per-step ratios over the windows judged)..."""
+    """A straggler's compute time, step by step, is at least this many times its cohort's
+    median (the median of its per-step ratios over the windows judged), and ``excess_z``
+    standard errors above 1."""
     excess_z: float = 3.0
-    """...and that median stands this many standard errors above 1 (robust: from the MAD
-    of the per-step ratios), so that a host's noise does not make one."""
+    """Standard errors by which a straggler's median per-step ratio to its cohort stands
+    above 1 (robust: from the MAD of the per-step ratios), so that a host's noise does not
+    make one."""
     record: str | None = None
     """A file to record every round's input in (each rank's summary as received), for
     ``ccld replay``: the same diagnosis again, later, with another config or version."""
@@ -266,12 +278,17 @@ class DiagnoserConfig:
 
 @dataclass(kw_only=True)
 class WandbConfig:
+    """The W&B sink: diagnosis panels, a verdict table and an alert per verdict."""
+
     enabled: bool = False
     """Diagnosis panels in W&B: into the process's wandb.run if there is one, else a run
     of the sink's own."""
     project: str = "ccld"
+    """W&B project of the sink's own run."""
     entity: str | None = None
+    """W&B entity (user or team) of the sink's own run; null: wandb's default."""
     run_name: str | None = None
+    """Name of the sink's own run; null: wandb picks one."""
     mode: str = "offline"
     """offline needs no account (upload later with `wandb sync`); WANDB_MODE, when set,
     wins."""
@@ -352,6 +369,8 @@ class PrometheusConfig:
 
 @dataclass(kw_only=True)
 class SinksConfig:
+    """Where verdicts go: the diagnoser's console, a JSONL file, W&B."""
+
     console: bool = True
     """Print one line per verdict on the diagnoser rank."""
     jsonl: str | None = None
@@ -407,7 +426,10 @@ class ActionsConfig:
 
 @dataclass(kw_only=True)
 class CcldConfig:
+    """The plugin's configuration: the keys of ``configs/default.yaml``."""
+
     enabled: bool = True
+    """false: nothing is wrapped, nothing runs and no path is checked."""
     job: str = ""
     """Job name used in board paths and store keys (default: from the launcher's env)."""
     board: BoardConfig = field(default_factory=BoardConfig)
@@ -528,21 +550,6 @@ def _unwritable(path: Path, directory: bool) -> str | None:
             return None
     except OSError as exc:
         return f"no file can be created in {cut(str(existing))}: {exc.strerror or problem(exc)}"
-
-
-def make_private_dirs(path: Path) -> None:
-    """Create ``path`` and its missing parents with mode 0700 (``Path.mkdir(parents=True)``
-    would give the parents the umask's mode). One that another process creates meanwhile
-    is taken as it is."""
-    missing = []
-    while not path.exists():
-        missing.append(path)
-        path = path.parent
-    for folder in reversed(missing):
-        try:
-            folder.mkdir(mode=0o700)
-        except FileExistsError:
-            pass
 
 
 def to_yaml(cfg: CcldConfig) -> str:

@@ -19,6 +19,7 @@ __all__ = [
     "FileError",
     "OneLineError",
     "kind_of",
+    "make_private_dirs",
     "one_line",
     "open_private",
     "open_regular",
@@ -76,6 +77,22 @@ _KINDS = (
     (stat.S_ISSOCK, "a socket"),
     (stat.S_ISLNK, "a symbolic link"),
 )
+
+
+def make_private_dirs(path: Path) -> None:
+    """Create ``path`` and its missing parents with mode 0700 (``Path.mkdir(parents=True)``
+    would give the parents the umask's mode). One that another process creates meanwhile
+    is taken as it is."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+
 
 # control characters as Python writes them in a string's repr
 _ESCAPES = {c: repr(chr(c))[1:-1] for c in (*range(32), 127)}

@@ -1,4 +1,4 @@
-"""Fault injection for tests, benchmarks and the demo (DESIGN 2.9).
+"""Fault injection for tests, benchmarks and the demo.
 
 ``spec`` parses fault specs such as ``compute-hang@2:step=5``; ``inject`` applies compute
 faults inside a rank; ``netns`` builds the closed-box network that communication faults

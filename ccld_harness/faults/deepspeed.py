@@ -1,4 +1,4 @@
-"""Compute-fault injection in a DeepSpeed job (tests, benchmarks and the demo; DESIGN 2.9).
+"""Compute-fault injection in a DeepSpeed job (tests, benchmarks and the demo).
 
 ``attach_faults(engine, hooks)`` gives the rank's :class:`~ccld_harness.faults.Injector`
 (faults from ``CCLD_FAULTS``) the engine's groups and its step starts, or returns None when

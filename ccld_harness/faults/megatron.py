@@ -1,4 +1,4 @@
-"""Compute-fault injection in a Megatron job (tests, benchmarks and the demo; DESIGN 2.9).
+"""Compute-fault injection in a Megatron job (tests, benchmarks and the demo).
 
 ``attach_faults()`` returns the rank's :class:`~ccld_harness.faults.Injector`
 (faults from ``CCLD_FAULTS``), bound to Megatron's DP and TP groups, or None when no

@@ -1,4 +1,4 @@
-"""A closed-box network for communication faults (DESIGN 2.9): one namespace per rank.
+"""A closed-box network for communication faults: one namespace per rank.
 
 Layout of a run with id RID (1-5 of [0-9a-z]) and N ranks::
 

@@ -56,7 +56,7 @@ __all__ = ["Agent", "StepClock"]
 
 # A summary also carries its previous tick's samples in jobs of up to this many
 # ranks: the store keeps one summary per rank, and one replaced before a round read it (a
-# round held up a tick: 3-6% of ticks on this busy 2-core host) took its samples with it;
+# round held up a tick: 3-6% of ticks on a busy 2-core host) took its samples with it;
 # a fast job's 10-step span fits in a tick, and lost the arrival order of a whole span.
 # Larger jobs' rounds come ticks apart anyway, and repeats would double what they join.
 REPEAT_SAMPLES_MAX_RANKS = 4096

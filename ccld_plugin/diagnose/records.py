@@ -128,8 +128,9 @@ def _as_shown(template: str, data: dict[str, Any]) -> dict[str, Any]:
 @dataclass(frozen=True, slots=True)
 class Evidence:
     """One fact behind a verdict: ``fact``, a stable snake_case name of what it says (one
-    per kind of sentence; README lists them with their data), ``data``, its numbers and
-    ranks as JSON values, and ``text``, the sentence rendered from them."""
+    per kind of sentence; docs/reference/evidence-facts.md lists them with their data),
+    ``data``, its numbers and ranks as JSON values, and ``text``, the sentence rendered
+    from them."""
 
     fact: str
     data: Mapping[str, Any]

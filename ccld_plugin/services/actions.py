@@ -17,12 +17,12 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ccld_plugin.config import ActionsConfig, make_private_dirs
+from ccld_plugin.config import ActionsConfig
 from ccld_plugin.control import ClockSync, ControlPlane
 from ccld_plugin.diagnose import Verdict
 from ccld_plugin.diagnose.records import Cause, Culprit, Kind, iso_time
 from ccld_plugin.errors import log, report_error
-from ccld_plugin.files import open_private
+from ccld_plugin.files import make_private_dirs, open_private
 
 __all__ = ["ABORT_EXIT_CODE", "STALL_KINDS", "AbortWatch", "StallActions", "abort_line"]
 

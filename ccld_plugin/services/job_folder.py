@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ccld_plugin.config import make_private_dirs
+from ccld_plugin.files import make_private_dirs
 
 __all__ = ["LOCK_FILE", "FolderRefused", "JobFolder", "claim"]
 

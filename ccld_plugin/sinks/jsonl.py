@@ -7,9 +7,8 @@ import json
 import os
 from pathlib import Path
 
-from ccld_plugin.config import make_private_dirs
 from ccld_plugin.diagnose.records import MEASURE_FIELDS, MEASURES, Verdict
-from ccld_plugin.files import open_private
+from ccld_plugin.files import make_private_dirs, open_private
 
 __all__ = ["JsonlSink", "read_verdicts", "upgraded"]
 

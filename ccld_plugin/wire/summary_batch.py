@@ -6,7 +6,7 @@ every summary of a round with a few numpy gathers over their joined bytes, into 
 array per record kind (header, group progress, in-flight ops, steps, arrival samples),
 each row carrying the index of its summary (``row``). The table is also a mapping from
 rank to :class:`RankSummary`; a rank's object is decoded only when it is looked up (the
-few ranks a verdict is about), so code that needs one summary reads it as before.
+few ranks a verdict is about), so code that needs one summary reads a RankSummary.
 """
 
 from __future__ import annotations

@@ -233,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     print("result " + json.dumps(result), flush=True)
     # The engine holds the groups: left to interpreter exit, gloo can abort a process
-    # ("terminate called without an active exception"; a CI run saw it with ccld off).
+    # ("terminate called without an active exception", with ccld off too).
     del engine
     dist.barrier()
     dist.destroy_process_group()

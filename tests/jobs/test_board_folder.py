@@ -317,7 +317,7 @@ MARKER_SCRIPT = "import os, pathlib\npathlib.Path(os.environ['MARKER']).write_te
 
 
 def _torchrun(*options: str) -> list[str]:
-    port = free_port()  # (the code before this check launched the job)
+    port = free_port()
     where = ["--rdzv-endpoint", f"127.0.0.1:{port}", "--master-port", str(port)]
     return [sys.executable, "-m", "torch.distributed.run", *options, *where]
 

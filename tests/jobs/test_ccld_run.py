@@ -64,7 +64,7 @@ def ccld_run(
     sets += (f"sinks.jsonl={tmp / 'verdicts.jsonl'}", "sinks.console=false")
     cmd = [*CCLD, "run", *sum((["--set", s] for s in sets), []), "--", *launcher(world)]
     env = {**_env(fault, steps), **(env or {})}
-    # DeepSpeed on this machine's CPU: its CPU accelerator, and no torch.compile import
+    # DeepSpeed on a CPU: its CPU accelerator, and no torch.compile import
     env.update(DS_ACCELERATOR="cpu", TORCHDYNAMO_DISABLE="1")
     # the deepspeed runner finds the Python that runs the ranks on PATH
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
@@ -207,9 +207,9 @@ def test_device_mesh_straggler(tmp_path):
 
 def test_dtensor_tensor_parallel_compute_hang_is_named_in_its_tp_group(tmp_path):
     # DTensor's all-reduces (functional collectives) reach gloo from C++, past the wrapped
-    # torch.distributed functions: rank 1's TP peer waited in one unseen, and the hang
-    # was named on rank 0 (in no collective as far as its board showed) and then rank 1,
-    # each in its DP pair. They are on the board now, with one trace id on both members.
+    # torch.distributed functions: unseen, rank 1's TP peer would wait in one and the hang
+    # be named on rank 0 (in no collective as far as its board showed), each in its DP
+    # pair. The tracer puts them on the board, with one trace id on both members.
     (v,) = [v for v in ccld_run(tmp_path, "dtensor_tp.py", "hang@1:6", 30)]
     assert (v["kind"], v["cause"], v["ranks"], v["op"]) == ("hang", "compute", [1], "all_reduce")
     assert (v["group"]["role"], v["group"]["ranks"]) == ("tp", [0, 1])

@@ -67,7 +67,7 @@ def test_slow_connection_of_one_of_two_pipelines(tmp_path: Path) -> None:
         tmp_path, 1, 2, 120, "comm-slow@1:rate=30mbit,peer=3,step=8", extra=NO_SHORT_HANGS
     )
     # (Named as the link in 4 of 5 runs; in one, rank 1's DP connection, whose all-reduce
-    # bursts retransmit on this host as rank 2's and 3's do, stood 2.6x its sibling over
+    # bursts retransmit on a 2-core host as rank 2's and 3's do, stood 2.6x its sibling over
     # the windows judged and made rank 1's port: the shaped end, its link shown first.)
     v = only(summary, "slow", "communication")
     assert v["group"]["ranks"] == [1, 3] and v["ranks"] in ([1, 3], [1]), v["evidence"]
@@ -109,7 +109,7 @@ def test_comm_hang_names_the_rank_whose_link_is_cut(tmp_path: Path) -> None:
     assert len(summary["verdicts"]) == 1 and code == 0
     # hang_min_s (3 s) and a few agent intervals; the threshold adapts to the group's ops
     # (hang_k x their p99), so on a loaded host it sits higher (8.2 s in a suite run that
-    # shared the machine with other jobs): the README's benchmark measures the latency.
+    # shared the machine with other jobs): docs/benchmarks.md measures the latency.
     assert summary["latency_s"][0]["latency_s"] <= 15
 
 

@@ -1,6 +1,6 @@
 """Per-node aggregation on real gloo jobs whose ranks are split into simulated nodes of 2
 (``control.ranks_per_node=2``): the store holds one key per node and no per-rank summary
-key; hangs on a node's leader and on its other rank are diagnosed as before; a killed
+key; hangs on a node's leader and on its other rank are diagnosed as with per-rank keys; a killed
 leader is named unresponsive and the next rank of its node takes over, so that the node's
 other rank is still diagnosed."""
 

@@ -60,7 +60,7 @@ def test_slow_port_names_its_rank_with_its_links_in_both_groups(tmp_path: Path) 
 def test_one_slow_connection_names_the_link(tmp_path: Path) -> None:
     # Only the traffic between ranks 2 and 3 is shaped: rank 3's PP link to 1 and rank
     # 2's PP link to 0 are healthy, so neither end is to blame alone.
-    # Known weakness, measured: with a busy process beside the job on this 2-core host,
+    # Known weakness, measured: with a busy process beside the job on a 2-core host,
     # about one run in three, rank 2's waiting on the shaped link made its PP link to 0
     # measure ~1.5x its sibling over the whole episode, which reads as rank 2's port (the
     # port and host-noise ranges of PORT_RATIO overlap: slow_links.py). A second run is

@@ -18,7 +18,7 @@ def test_compute_hang_dp_only(tmp_path):
     assert v["stack"] and any("inject.py" in f for f in v["stack"])  # where it is stuck
     assert summary["latency_s"][0]["verdict"] and code == 0
     # The threshold adapts (hang_k x p99 of the group's ops), so on a loaded machine it can
-    # sit above hang_min_s; the README's benchmark measures latency at the defaults.
+    # sit above hang_min_s; docs/benchmarks.md measures latency at the defaults.
     assert summary["latency_s"][0]["latency_s"] <= 30
     assert len(summary["verdicts"]) == 1
 
@@ -60,7 +60,7 @@ def test_mismatch(tmp_path):
 
 @pytest.mark.slow
 def test_compute_slow_factor_3_tp2_pp2_dp2(tmp_path):
-    # 8 ranks on this 2-core machine: the cohort's compute times are noisy, and a window
+    # 8 ranks on 2 cores: the cohort's compute times are noisy, and a window
     # can miss; 45 steps leave 15 past the latest verdict the test accepts. The stretch is
     # of the rank's compute without its wait for a CPU, and the others spend ~3/4 of their
     # compute phase queued for one: a 2x stretch was absorbed by that queue in one suite
@@ -115,7 +115,7 @@ def test_healthy_run_of_100_steps_has_no_verdict(tmp_path):
 def test_a_rank_whose_host_takes_its_cpu_is_named_by_its_wait(tmp_path):
     # A noisy neighbour: from step 5 a busy process shares the one core rank 1's process
     # is pinned to. Its compute is its peer's; its wait for a CPU is not, and its peer (on
-    # the other core) hardly waits. Two ranks: one core each on this VM (with four, every
+    # the other core) hardly waits. Two ranks: one core each on a 2-core host (with four, every
     # rank queues for a CPU and none is named: the scheduler taking turns). It is named
     # over the longer span or once its excess is decisive: 14-38 steps after the onset.
     code, summary = demo(

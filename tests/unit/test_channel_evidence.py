@@ -220,7 +220,7 @@ def test_a_cut_that_only_the_diagnoser_sees_with_nobody_else_speaking_names_both
     found = cut_off_rank(v, 1, v.summaries)
     assert found is not None and (found.ranks, found.link) == ([0, 1], [0, 1])
     # A cut while rank 0 waits to receive: nothing of its is outstanding, no connection
-    # stalls. Its handshake to rank 1's host goes unanswered (a CI run named rank 1
+    # stalls. Its handshake to rank 1's host goes unanswered (rank 1 is not merely
     # unresponsive): the link again, both ends; not before the handshake has ended.
     idle = {0: [entry(1, sent=10**6)], 1: [entry(0, sent=10**6)]}
     v = replace(view(idle, ages={1: 5.0}, groups=pair), observer=0)
@@ -264,7 +264,7 @@ def test_a_silent_rank_waits_for_the_peer_that_entered_an_op_with_it_last() -> N
     # Rank 2 fell silent 4 s ago (1 s interval). Ranks 0 and 3 reported 3 s after that
     # and show nothing stalled, but rank 1, the one that sends to it in the ring, entered
     # the all-reduce with it only 0.5 s ago: its data to rank 2 cannot have waited
-    # STALL_S yet. (A CI run named a cut rank "unresponsive" on the first peer's word.)
+    # STALL_S yet. (On the first peer's word alone a cut rank would be "unresponsive".)
     now = 100 * S
     idle = {0: [entry(3, sent=10**6)], 1: [entry(2, sent=10**6)], 3: [entry(2, sent=10**6)]}
     all_reduce = InFlightOp(slot=1, op=1, flags=0, peer=-1, seq=9, bytes=4096, enter_ns=0)
@@ -863,10 +863,10 @@ def test_sibling_medians_match_the_direct_computation() -> None:
 
 
 def test_a_recorded_two_rank_cut_with_nothing_outstanding_names_the_link() -> None:
-    # A CI run of test_a_two_rank_cut_names_the_link_and_both_ends[diagnoser-rank]: rank
-    # 0's link was cut while it waited to receive from rank 1, so none of its connections
-    # stalled; rank 1's summaries stopped and its host did not answer rank 0's handshake.
-    # It was named unresponsive 10 s later; it is the link, both ends.
+    # Recorded from test_a_two_rank_cut_names_the_link_and_both_ends[diagnoser-rank]:
+    # rank 0's link was cut while it waited to receive from rank 1, so none of its
+    # connections stalled; rank 1's summaries stopped and its host did not answer rank 0's
+    # handshake. Not unresponsive 10 s later: it is the link, both ends.
     _, got = replay(RECORDED / "cut-of-the-diagnosers-link-nothing-outstanding-2ranks.rec")
     assert [(v.kind, v.cause, v.ranks, v.link) for v in got] == [
         (Kind.HANG, Cause.COMMUNICATION, [0, 1], [0, 1])
@@ -875,11 +875,11 @@ def test_a_recorded_two_rank_cut_with_nothing_outstanding_names_the_link() -> No
 
 
 def test_a_recorded_slow_pipeline_connection_is_named_not_the_group_it_delays() -> None:
-    # A CI run of test_slow_connection_of_one_of_two_pipelines (TP1xPP2xDP2, only the
+    # Recorded from test_slow_connection_of_one_of_two_pipelines (TP1xPP2xDP2, only the
     # connection 1<->3 shaped): rank 1, held up on it, came late to its DP all-reduce, and
     # dp[0, 1] moved 7x slower than dp[2, 3] though its own links were healthy. A window too
-    # short to judge the links again carried their finding, 1<->3, and the verdict named
-    # the DP group's two members. The channels' link outside the group is the verdict.
+    # short to judge the links again carries their finding, 1<->3: the channels' link
+    # outside the group is the verdict, not the DP group's two members.
     _, got = replay(RECORDED / "comm-slow-30mbit-link1-3-step8-tp1pp2dp2.rec")
     assert [(v.kind, v.cause, v.ranks, v.link) for v in got] == [
         (Kind.SLOW, Cause.COMMUNICATION, [1, 3], [1, 3])

@@ -408,7 +408,7 @@ def test_mismatch_tie_in_a_pair_is_broken_by_the_sibling_groups():
     (ev,) = facts(m.evidence)["sibling_majority"]
     assert ev["data"] == {"count": 1, "role": "dp", "op": "all_reduce", "bytes": 64, "seq": 5}
     # The same op with other bytes (an unseen script's half tensor): the siblings' size
-    # decides. (It used to pick whichever member's op came first by name alone.)
+    # decides, not whichever member's op comes first by name.
     half = [summary(r, {0: 5}, [(0, "all_reduce", 5, 1, 0, -1)]) for r in range(4)]
     half[2].in_flight[0] = half[2].in_flight[0]._replace(bytes=32)
     (m,) = find_mismatches(view(half, tables), settle)

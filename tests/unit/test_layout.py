@@ -74,8 +74,20 @@ ALLOWED: dict[str, set[str]] = {
     "deepspeed": {"integrations"},
     # ccld_plugin/__init__.py: the public names, lazily
     "ccld_plugin": {"config", "services", "sinks"},
+    # what the product documents about itself, read from the code: the config's keys
+    "reference": {"config", "config_values"},
     # the command line: a front over every part (the harness: see below)
-    "cli": {"board", "config", "integrations", "postmortem", "services", "sinks", "ccld_harness"},
+    "cli": {
+        "board",
+        "config",
+        "integrations",
+        "postmortem",
+        "reference",
+        "services",
+        "sinks",
+        "ccld_harness",
+        "ccld_plugin",
+    },
 }
 HARNESS_GATE = ("ccld_plugin.cli", "_demo")  # the one function of the product that runs it
 
@@ -204,3 +216,13 @@ def test_the_picture_in_contributing_is_the_code() -> None:
     assert layout.with_graph(text, layout.mermaid()) == text, (
         "CONTRIBUTING.md's layout graph is stale: run python tools/layout_graph.py"
     )
+
+
+def test_no_two_test_files_share_a_name() -> None:
+    # pytest imports test files by their basename (the folders are not packages): two
+    # of one name stop the whole run at collection
+    seen: dict[str, list[str]] = {}
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(REPO)))
+    twice = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not twice, f"test files of one name: {twice}"

@@ -126,7 +126,7 @@ def test_ranks_of_the_diagnosers_own_host_are_not_probed() -> None:
 def test_landmarks_are_looked_up_at_every_call_until_known() -> None:
     # A rank publishes its port at its first tick: a diagnoser's first round may come
     # before. Looked up again at the next round (not READDRESS_S later), the ports are
-    # known before an early cut takes the store away (a CI run found none known).
+    # known before an early cut takes the store away.
     published: dict[int, tuple[str, int]] = {}
     calls: list[list[int]] = []
 
@@ -146,8 +146,8 @@ def test_a_control_handshake_in_flight_ends_though_another_rank_leads_the_contro
     # Ranks publish their ports at their first tick, in any order: the first round may
     # know only rank 3's and start the control handshake there, the next know rank 1's
     # too. Were 3's handshake dropped for 1, none would be made for CONTROL_EVERY_S, and
-    # a cut found in that time could not be told from a wedged process (a CI run named
-    # a cut rank unresponsive).
+    # a cut found in that time could not be told from a wedged process (a cut rank would
+    # be named unresponsive).
     ports = {1: ReachPort("127.0.0.1"), 3: ReachPort("127.0.0.1")}
     published = {3: ports[3].address}
     srv, fillers = _full_listener()

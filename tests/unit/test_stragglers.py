@@ -265,7 +265,7 @@ def test_on_a_host_where_every_rank_waits_for_a_cpu_one_held_back_is_no_verdict(
 
 
 def test_a_recorded_straggler_with_a_strong_excess_is_named_over_the_shorter_span() -> None:
-    # A real run (benchmarks/sensitivity.py on this project's 2-core VM, TP2xPP2, DP=1):
+    # A real run (benchmarks/sensitivity.py on a 2-core VM, TP2xPP2, DP=1):
     # rank 1 at 1.5x from step 10. Its excess over its two-rank cohort stood 6-8 standard
     # errors from the first span on, while its peers' share of the waiting was 72-75%,
     # short of the clear-cut 80%: the strong excess confirms it over 10 steps, not 20.
@@ -316,12 +316,12 @@ def test_a_recorded_straggler_of_a_tp3_dp2_job_is_named_by_its_decisive_excess()
 
 
 def test_a_recorded_busy_host_favouring_ranks_for_ten_steps_is_no_noisy_neighbour() -> None:
-    # A real healthy run beside two busy processes on this project's 2 cores
+    # A real healthy run beside two busy processes on 2 cores
     # (benchmarks/false_alarms.py --loaded, torch TP1xPP4xDP2): over steps 37-46 rank 4
     # waited for a CPU 24.5 ms a step, its cohort 2.6 ms, and with that wait it stood
     # 1.84x at 5.1 standard errors, its peers waiting for it. The scheduler took turns;
-    # it was named a noisy neighbour's victim. Such a rank now needs the longer span, or a
-    # decisive excess.
+    # naming it a noisy neighbour's victim would be a false alarm: such a rank needs the
+    # longer span, or a decisive excess.
     recording = RECORDED / "healthy-loaded-host-tp1pp4dp2-8ranks-150steps.rec"
     _, got = replay(recording)
     assert got == []
@@ -329,7 +329,7 @@ def test_a_recorded_busy_host_favouring_ranks_for_ten_steps_is_no_noisy_neighbou
 
 def test_a_recorded_healthy_job_held_back_by_its_host_gets_no_verdict() -> None:
     # A real healthy run (`ccld demo --world 8 --tp 1 --pp 2 --steps 300 --fault none` on
-    # this project's 2-core VM): the host held ranks back for ten steps at a time, rank 2
+    # a 2-core VM): the host held ranks back for ten steps at a time, rank 2
     # at 1.55x over steps 124-133 (2.6 standard errors, 80% of the waiting its peers'),
     # rank 3 and 5 at ~1.4x with their peers not waiting for them. None is a straggler;
     # a rule that took 2.4 standard errors with a clear arrival order named rank 2.
@@ -340,10 +340,10 @@ def test_a_recorded_healthy_job_held_back_by_its_host_gets_no_verdict() -> None:
 
 def test_a_recorded_episode_inside_an_otherwise_even_span_gets_no_verdict() -> None:
     # A real healthy run (`ccld demo --framework megatron --world 8 --tp 1 --pp 4 --steps
-    # 200 --fault none`, this project's 2-core VM, recorded before compute left out the
-    # time a rank waits for a CPU): rank 0 stood 1.42x its DP peer over steps 52-71 (3.2
-    # standard errors, 74% of the waiting its peers'), and was named; but over steps 62-66
-    # it was 0.71x. Rank 6 had such a span too (1.48x, one window at 0.84x).
+    # 200 --fault none`, a 2-core VM, with compute that includes the time a rank waits
+    # for a CPU): rank 0 stood 1.42x its DP peer over steps 52-71 (3.2 standard errors,
+    # 74% of the waiting its peers'), enough to name it; but over steps 62-66 it was
+    # 0.71x. Rank 6 had such a span too (1.48x, one window at 0.84x).
     recording = Path(__file__).parent / "recorded" / "healthy-megatron-tp1pp4dp2-host-episode.rec"
     _, got = replay(recording)
     assert got == []
@@ -424,7 +424,7 @@ RECORDED = Path(__file__).parent / "recorded"
 
 def test_a_recorded_slow_stage_without_peers_is_named_on_the_diagnoser_rank() -> None:
     # A real run (`ccld demo --framework megatron --world 4 --tp 1 --pp 4 --fault
-    # compute-slow@0:factor=2,step=12` on this project's 2-core VM): rank 0, the first
+    # compute-slow@0:factor=2,step=12` on a 2-core VM): rank 0, the first
     # stage and the diagnoser's rank, stood 1.8x its change against the other stages, up
     # to 14.6 standard errors; its collectives with them never showed it last.
     _, got = replay(RECORDED / "compute-slow-2x-rank0-step12-megatron-tp1pp4.rec")
@@ -452,11 +452,10 @@ def test_a_recorded_stage_slow_from_the_demos_default_onset_is_named() -> None:
 
 def test_recorded_pipeline_stages_on_the_world_group_are_not_each_others_peers() -> None:
     # Unchanged torch.distributed.pipelining scripts (GPipe, a stage per rank, 4 ranks on
-    # this project's 2-core VM): no group places the ranks, so the world was one cohort.
-    # Healthy, 400 steps: the middle stages, doing more than the first and last, were
-    # named at 1.37x and 1.25x their "cohort" (5.0 and 5.1 standard errors). Each stage is
-    # now judged by its change: nothing there, and a stage 10 ms/step slower from step 20
-    # (`slow@2:0.01:20`) is named by it.
+    # a 2-core VM): no group places the ranks. Healthy, 400 steps: as one cohort, the
+    # middle stages, doing more than the first and last, would stand at 1.37x and 1.25x
+    # (5.0 and 5.1 standard errors). Each stage is judged by its change: nothing there,
+    # and a stage 10 ms/step slower from step 20 (`slow@2:0.01:20`) is named by it.
     _, got = replay(RECORDED / "healthy-pipelining-on-the-world-group-4stages-400steps.rec")
     assert got == []
     _, got = replay(RECORDED / "compute-slow-4x-rank2-step20-pipelining-on-the-world-group.rec")

@@ -69,9 +69,9 @@ SOLO_EXCESS_Z = 4.0
 # did (their median). Every stage of a pipeline takes the same step time, so the others'
 # wait grows by what the slow one adds; a stage that changed more by its own measure but
 # added less is not what holds the pipeline up. A host that slows every stage changes each
-# by its own measure: beside a busy CI run a healthy stage of a TP1xPP2 job went from 21
-# to 53 ms/step (2.5x its floor) while the 1.5x stage's grew by more ms, and the healthy
-# one was named.
+# by its own measure: beside a busy process a healthy stage of a TP1xPP2 job went from 21
+# to 53 ms/step (2.5x its floor) while the 1.5x stage's grew by more ms; by its own
+# measure alone the healthy one would be named.
 # A rank of a cohort that far above it (SOLO_EXCESS_Z x excess_z, where a rank with no
 # arrival evidence at all is named; healthy recorded ranks stood at most 7.3 standard
 # errors above their cohort or baseline) needs no share of the waiting: another fault can

@@ -23,7 +23,7 @@ __all__ = ["HOST_MIN_HELD_S", "QUIET_HOST_SHARE", "HostWait", "cpu_wait", "held_
 # A rank held back by its host: its cohort waits for a CPU less than this share of its time
 # outside communication (with a core per rank, ~0), and its own excess wait makes at
 # least HOST_WAIT_SHARE of its excess. Where every rank queues for a CPU (more busy threads
-# than cores, as on this project's 2-core VM) one held back for a while is the scheduler
+# than cores, as with 4-8 ranks on 2 cores) one held back for a while is the scheduler
 # taking turns, not a fault of its node (healthy 8-rank jobs: 1.4-2.2x for 10-25 steps).
 QUIET_HOST_SHARE = 0.15
 HOST_WAIT_SHARE = 0.5

@@ -44,7 +44,7 @@ __all__ = ["BASELINE_QUANTILE", "BASELINE_WINDOWS", "Stragglers"]
 # quantile of its last BASELINE_WINDOWS windows' medians (a window a step, sliding). Their
 # lowest would be set by the luckiest five steps, and falls the longer the job runs: a
 # stage of a healthy TP1xPP4 job beside two busy processes stood 1.25x its lowest at 12.6
-# standard errors at step 86 (its compute 19-23 ms, its lowest window 16.8) and was named.
+# standard errors at step 86 (its compute 19-23 ms, its lowest window 16.8): named by it.
 # (1.3x stages on a quiet host stood 8-12.)
 BASELINE_QUANTILE = 0.1
 BASELINE_WINDOWS = 512

@@ -37,7 +37,7 @@ PENDING_TTL_NS = 20_000_000_000  # an end whose other end never comes is dropped
 # group (one pipeline). A job of thousands of ranks has siblings for every group, and its
 # samples then cost a mask, not a sort. At this size (TP8xPP4xDP8, every rank sending the
 # agent's most samples, 49 k rows a tick) pairing took 7-9 ms a round and judging a
-# window 17 ms, on this project's 2-core VM.
+# window 17 ms, on a 2-core VM.
 PAIRED_MAX_RANKS = 256
 _COLUMNS = ("group", "src", "dst", "seq", "sends", "enter_ns", "exit_ns", "bytes", "seen_ns")
 Rows = dict[str, np.ndarray]

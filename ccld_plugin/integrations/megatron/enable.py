@@ -12,7 +12,7 @@ Three calls in a Megatron training script::
 
 With a provider of your own, chain them: ``extra_args_provider=combine_providers(mine,
 ccld.add_ccld_args)``. ``install`` may run long after ``import megatron.core``: the tracer
-rebinds the collectives that Megatron captured at import (DESIGN 2.1), so nothing has to be
+rebinds the collectives that Megatron captured at import, so nothing has to be
 installed early.
 """
 

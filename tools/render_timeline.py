@@ -1,14 +1,14 @@
-"""Render a ``ccld trace`` timeline (Trace Event JSON) as a PNG, for the README.
+"""Render a ``ccld trace`` timeline (Trace Event JSON) as a PNG, for the docs.
 
-There is no browser on the machines this project is built on, so the README's picture of
-a timeline is drawn from the trace file itself, not a Perfetto screenshot: one row per
+The docs' picture of a timeline is drawn from the trace file itself, with no browser, not
+taken as a Perfetto screenshot: one row per
 track (a rank's steps and each of its groups, as Perfetto shows them), each slice a bar
 (an op still in flight at the end hatched), flow arrows joining one collective across
 ranks, verdicts as red markers on the culprit's track.
 
 Needs matplotlib (not a dependency of ccld-plugin):
 
-    python docs/render_timeline.py trace.json -o docs/img/hang-timeline.png [--last-s 8]
+    python tools/render_timeline.py trace.json -o docs/img/hang-timeline.png [--last-s 8]
 """
 
 from __future__ import annotations
