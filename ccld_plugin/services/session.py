@@ -182,7 +182,8 @@ def _start(cfg: CcldConfig) -> Session | None:
         _turn_off(rank, exc, path)
         return None
     errors.on_error(board.count_error)
-    tracer = Tracer(board, rank, cfg.tracer.poll_interval_ms / 1000.0)
+    tc = cfg.tracer
+    tracer = Tracer(board, rank, tc.poll_interval_ms / 1000.0, tc.device_time, tc.work_timing)
     tracer.register_group(None, "world")
     tracer.install()
     _session = Session(
