@@ -236,6 +236,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-ccld", action="store_true", help="run without the plugin")
     p.add_argument("--ccld-set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--report-dir", type=Path, help="write each rank's report here (JSON)")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "sim"],
+        default="cpu",
+        help="sim: the simulated device (ccld_harness.simdev), collectives asynchronous",
+    )
     return p.parse_args(argv)
 
 
@@ -244,6 +250,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=os.environ.get("CCLD_LOG_LEVEL", "WARNING").upper(), format="%(message)s"
     )
+    if args.device == "sim":
+        from ccld_harness.simdev.training import run
+
+        _write_report(args.report_dir, run(args))
+        return 0
     if not args.no_ccld:
         ccld_plugin.enable(overrides=args.ccld_set)  # completes once the group exists
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))
@@ -257,13 +268,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ccld_harness.faults import injector_for
 
     report = train(cfg, injector_for(dist.get_rank(), world=dist.get_world_size()), args.timeout_s)
-    if args.report_dir is not None:
-        args.report_dir.mkdir(parents=True, exist_ok=True)
-        (args.report_dir / f"rank{report['rank']}.json").write_text(json.dumps(report))
+    _write_report(args.report_dir, report)
     dist.barrier()
     ccld_plugin.disable()
     dist.destroy_process_group()
     return 0
+
+
+def _write_report(folder: Path | None, report: dict) -> None:
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"rank{report['rank']}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":

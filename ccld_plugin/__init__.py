@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ccld_plugin.config import CcldConfig, ConfigError, load_config
-    from ccld_plugin.services.session import disable, enable, mark_step, register_group
+    from ccld_plugin.services.session import (
+        disable,
+        enable,
+        mark_step,
+        register_device,
+        register_group,
+    )
 
 __all__ = [
     "CcldConfig",
@@ -27,6 +33,7 @@ __all__ = [
     "enable",
     "load_config",
     "mark_step",
+    "register_device",
     "register_group",
 ]
 
@@ -37,6 +44,7 @@ _HOME = {
     "disable": "ccld_plugin.services.session",
     "enable": "ccld_plugin.services.session",
     "mark_step": "ccld_plugin.services.session",
+    "register_device": "ccld_plugin.services.session",
     "register_group": "ccld_plugin.services.session",
 }
 

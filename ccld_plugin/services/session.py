@@ -42,6 +42,7 @@ from ccld_plugin.config import (
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.services import job_folder
 from ccld_plugin.services.job_folder import FolderRefused, JobFolder
+from ccld_plugin.tracing.device import register_device
 from ccld_plugin.tracing.tracer import Tracer
 from ccld_plugin.wire.summary import MAX_FRAMES
 
@@ -57,6 +58,7 @@ __all__ = [
     "job_name",
     "job_seconds",
     "mark_step",
+    "register_device",
     "register_group",
 ]
 

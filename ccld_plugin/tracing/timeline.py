@@ -226,7 +226,7 @@ class DeviceTimeline:
             event, h0 = self._trial
             if self._query(event):
                 self._trial = None
-                self._take_anchor(event, h0, now)
+                self._take_anchor(event, h0, time.monotonic_ns())
             return
         due = self._anchor is None or self._reanchor
         if not due and now - self._tried_ns < ANCHOR_PERIOD_NS:
@@ -264,9 +264,10 @@ class DeviceTimeline:
             self._spare.append(event)
 
     def _map(self, slot: int) -> tuple[int, int, int] | None:
-        """A completed event's host time, error and source (None: no anchor yet)."""
+        """A completed event's host time, error and source (None: no anchor yet, or the
+        one there is was caught off, and a new one is on its way)."""
         anchor = self._anchor
-        if anchor is None:
+        if anchor is None or self._reanchor:
             return None
         event, t_anchor, err, _ = anchor
         try:
@@ -289,12 +290,13 @@ class DeviceTimeline:
             return False
 
     def _seen(self, slot: int, now: int) -> bool:
-        """Whether the device has reached the event in ``slot`` (stamped when first seen)."""
+        """Whether the device has reached the event in ``slot`` (stamped when first seen:
+        after the query, which bounds the event's time from above)."""
         if self._seen_ns[slot]:
             return True
         if not self._query(self._events[slot]):
             return False
-        self._seen_ns[slot] = now
+        self._seen_ns[slot] = max(now, time.monotonic_ns())
         return True
 
     def _release(self, *slots: int) -> None:

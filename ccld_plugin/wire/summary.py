@@ -220,11 +220,10 @@ def encode_summary(s: RankSummary) -> bytes:
     stack = [_utf8(f, MAX_FRAME) for f in s.stack[:MAX_FRAMES]]
     n_samples = len(s.samples) if s.samples else len(s.sample_rows) // SAMPLE_ROW.size
     device = bool(s.time_source & 0xF)
-    time_flags = (FLAG_DEVICE_TIME if device else 0) | (s.time_source >> 4) << ARRIVALS_SHIFT
     parts = [
         HEAD_ROW.pack(
             SUMMARY_VERSION,
-            s.flags | time_flags,
+            _sent_flags(s),
             s.rank,
             s.pid,
             s.time_ns,
@@ -358,6 +357,12 @@ def read_summary(data: bytes) -> RankSummary:
 _HEAD_FIELDS = ("rank", "pid", "flags", "step", "heartbeat_ns", "last_progress_ns")
 
 
+def _sent_flags(s: RankSummary) -> int:
+    """The summary's flags as sent: with where its times come from."""
+    device = FLAG_DEVICE_TIME if s.time_source & 0xF else 0
+    return s.flags | device | (s.time_source >> 4) << ARRIVALS_SHIFT
+
+
 def _step(step: int, start_ns: int, times: list[int], device: bool) -> StepStat:
     """A step record of any version (its times after its start; ``device``: in a summary
     of device time, its last figure is the host's compute)."""
@@ -376,6 +381,7 @@ Records = tuple[np.ndarray, np.ndarray]  # a summary's records of one kind, and 
 def _records_of(s: RankSummary) -> tuple[np.ndarray, Records, Records, Records, Records]:
     """One summary object's fields as :func:`problems` reads them: a row of one table."""
     head = np.array([tuple(getattr(s, f) for f in _HEAD_RULED.names or ())], _HEAD_RULED)
+    head["flags"] = _sent_flags(s)
     flights = np.array([tuple(o) for o in s.in_flight], FLIGHT_DTYPE)
     steps = np.array(
         [(t.step, t.step_us, t.compute_us, t.cpu_wait_us) for t in s.steps], _STEP_RULED
