@@ -323,11 +323,14 @@ void ccld_op_set_device(ccld_board* b, uint64_t index, uint8_t source, int64_t s
   uint32_t l = write_begin(&r->lock);
   if (r->index_lo == (uint32_t)index && r->state != CCLD_STATE_EMPTY) {
     uint8_t start_src = r->dev_source & 0xF, end_src = r->dev_source >> 4;
-    if (start_ns > 0 && takes(start_src, source)) {
+    /* from the same source (an op's channels, each with its own times): the earliest
+     * start and the latest end */
+    if (start_ns > 0 && takes(start_src, source) &&
+        !(source == start_src && r->dev_start_ns && r->dev_start_ns < start_ns)) {
       r->dev_start_ns = start_ns;
       start_src = source;
     }
-    if (end_ns > 0 && takes(end_src, source)) {
+    if (end_ns > 0 && takes(end_src, source) && !(source == end_src && r->dev_end_ns > end_ns)) {
       r->dev_end_ns = end_ns;
       end_src = source;
     }

@@ -236,8 +236,9 @@ void ccld_op_exit(ccld_board* b, uint64_t index, uint8_t state);
 /* Add bytes to an in-flight record (coalesced ops learn their size while they run). */
 void ccld_op_add_bytes(ccld_board* b, uint64_t index, uint64_t bytes);
 /* Set the device times of a record from `source` (ccld_time_source): a time of 0 is left
- * as it is, and a time already given by a better source is kept. A no-op if the ring has
- * wrapped past the record. */
+ * as it is, a time already given by a better source is kept, and of the same source the
+ * earliest start and the latest end are kept. A no-op if the ring has wrapped past the
+ * record. */
 void ccld_op_set_device(ccld_board* b, uint64_t index, uint8_t source, int64_t start_ns,
                         int64_t end_ns, uint32_t err_ns);
 
