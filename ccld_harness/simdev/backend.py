@@ -71,8 +71,8 @@ class SimProcessGroup(dist.ProcessGroup):
         super().__init__(rank, size)  # type: ignore[call-arg]
         self.device = SimDevice.get()
         self.stream = self.device.new_stream(f"comm{len(_GROUPS)}")
-        prefix = dist.PrefixStore(f"sim{len(_GROUPS)}", store)
-        self._gloo: Any = dist.ProcessGroupGloo(prefix, rank, size, timeout)
+        # (the store c10d hands a group is the group's own already)
+        self._gloo: Any = dist.ProcessGroupGloo(dist.PrefixStore("sim", store), rank, size, timeout)
         self._name = self._desc = ""
         _GROUPS.append(self)
 

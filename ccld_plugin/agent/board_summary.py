@@ -256,6 +256,7 @@ def final_summary(snap: BoardSnapshot, last: RankSummary, died: bool = True) -> 
     s = summarize_board(snap, max(last_seen_ns(snap), since), since, offset, last.groups_version)
     s.heartbeat_ns = last.heartbeat_ns
     s.host, s.steps, s.stack = last.host, last.steps, last.stack
+    s.time_source = last.time_source  # what its steps' figures are
     if snap.header.closed:
         s.flags |= FLAG_EXITED
     elif died:

@@ -9,11 +9,13 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from builders import NOW, S, rank_summary
+from builders import NOW, S, rank_board, rank_summary
 
 from ccld_harness.faults import FaultSpecError, parse_fault
 from ccld_harness.options import DemoError, DemoOptions, checked_options
 from ccld_harness.outcome import expected_verdict
+from ccld_plugin.agent.board_summary import final_summary
+from ccld_plugin.topology import GroupInfo
 from ccld_plugin.wire.codes import FLAG_CUDA, FLAG_DEVICE, TIME_EVENTS, TIME_HOST, TIME_WORK
 from ccld_plugin.wire.summary import (
     GroupProgress,
@@ -63,6 +65,16 @@ def test_a_host_summary_is_as_before_and_an_earlier_version_decodes_as_host_time
     assert table.steps["host_compute_us"].tolist() == [0]
     old = b"\x03" + data[1:]  # version 3: the same records, no device time
     assert decode_summary(upgraded_summary(old)).steps == s.steps
+
+
+def test_a_summary_made_from_a_ranks_board_keeps_its_steps_clock():
+    # a node's leader tells a rank whose agent fell silent from its board, with the steps
+    # of its last summary: their figures are the device's, and stay so
+    last = _device_summary(1)
+    board = rank_board(1, 2, [GroupInfo(0xD0, "dp", (0, 1))], heartbeat_ns=NOW - S)
+    made = final_summary(board.snap, last, died=False)
+    assert made.time_source == DEVICE and made.steps == last.steps
+    assert decode_summary(encode_summary(made)).steps == last.steps
 
 
 def test_a_summary_with_an_unknown_arrival_source_is_refused():
