@@ -125,6 +125,20 @@ def _device_rows(tracer, sim_pair, args) -> list[tuple]:
     return rows
 
 
+def _two_records_us(batches: int, calls: int) -> float:
+    """What the device itself charges of the wrapper: two event records (the simulated
+    device's, a queue put each), median per op over batches."""
+    from ccld_harness.simdev.device import SimDevice
+
+    device = SimDevice.get()
+    events = [device.event() for _ in range(2 * calls)]
+    times = []
+    for _ in range(batches):
+        times.append(_batch(lambda: [e.record() for e in events], 1) / calls)
+        device.synchronize()
+    return statistics.median(times)
+
+
 def rank_main(args: argparse.Namespace) -> None:
     import ccld_plugin
     from ccld_harness.simdev.backend import close_groups, register
@@ -184,6 +198,7 @@ def rank_main(args: argparse.Namespace) -> None:
         )
     )
     rows += _device_rows(tracer, sim_pair, args)
+    records_us = _two_records_us(args.batches, args.calls * 5)
     skipped = tracer.timeline.skipped if tracer.timeline is not None else 0
     dist.barrier()
     if rank == 0:
@@ -196,6 +211,9 @@ def rank_main(args: argparse.Namespace) -> None:
         print(
             f"({args.batches} interleaved batch pairs of {args.calls} calls; 'added' is the "
             f"median of paired differences; device ops left untimed, no event free: {skipped})"
+        )
+        print(
+            f"of a device op's added time, its two event records (the device's): {records_us:.2f} us"
         )
     ccld_plugin.disable()
     close_groups()

@@ -37,7 +37,7 @@ from ccld_plugin.wire.codes import (
     TIME_WORK,
 )
 
-__all__ = ["DeviceOp", "DeviceStep", "DeviceTimeline"]
+__all__ = ["POLL_NS", "DeviceOp", "DeviceStep", "DeviceTimeline"]
 
 RING = 4096  # timing events per rank: an op waiting for one when none is free goes untimed
 ANCHOR_PERIOD_NS = 1_000_000_000  # a new anchor this often (the clocks drift apart)
@@ -47,6 +47,11 @@ MIN_ERR_NS = 20_000  # an anchor as narrow as this is as good as any
 JUMP_SLACK_NS = 100_000  # a mapped time this far outside its bounds: the clock moved
 STEPS_KEPT = 256  # steps waiting for their events; older ones are given up
 GIVE_UP_NS = 30_000_000_000  # an op's events unmapped this long are left as they are
+# A poll looks at the ops this often: an op's events are read once or twice, not at every
+# turn of the poller (its exit is stamped up to this late; its device times are the
+# device's, however late they are read); and only so far behind ops not done (_advance).
+POLL_NS = 50_000_000
+AHEAD_UNDONE, FULL_SCAN_POLLS = 8, 10
 
 
 class DeviceStep(NamedTuple):
@@ -60,7 +65,7 @@ class DeviceStep(NamedTuple):
     err_ns: int
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class DeviceOp:
     """A traced op the device timeline follows: its board records, its step, the event
     before it, the event after it (a blocking op) or its works (async ones)."""
@@ -117,6 +122,7 @@ class DeviceTimeline:
         self._trial: tuple[Any, int] | None = None  # an anchor recorded, not yet seen
         self._spare: list[Any] = []
         self._reanchor = False
+        self._polls, self._polled_ns = 0, 0
         self.skipped = 0  # events not recorded: the ring was full
         self.jumps = 0  # mapped times outside their bounds: the device clock moved
 
@@ -173,12 +179,29 @@ class DeviceTimeline:
     def poll(self) -> None:
         """Resolve what the device has done since the last poll (never blocks)."""
         now = time.monotonic_ns()
+        if now - self._polled_ns < POLL_NS // 2:  # (the poller wakes a little early too)
+            return
+        self._polled_ns = now
         self._take_incoming(now)
         self._keep_anchor(now)
-        self._ops = [op for op in self._ops if not self._resolve(op, now)]
+        self._polls += 1
+        self._ops = self._advance(self._ops, now, self._polls % FULL_SCAN_POLLS == 0)
         self._spans = [w for w in self._spans if not self._resolve_wait(w, now)]
         self._marks = [m for m in self._marks if not self._resolve_mark(m, now)]
         self._finish_steps()
+
+    def _advance(self, ops: list[DeviceOp], now: int, full: bool) -> list[DeviceOp]:
+        """The ops not finished with after advancing them, oldest first. The device runs
+        a stream in order: behind AHEAD_UNDONE ops it has not done, the later ones are
+        looked at only on a full scan (every FULL_SCAN_POLLS polls: the ops of another
+        stream, which may run ahead)."""
+        left: list[DeviceOp] = []
+        for i, op in enumerate(ops):
+            if not full and len(left) >= AHEAD_UNDONE:
+                return left + ops[i:]
+            if not self._resolve(op, now):
+                left.append(op)
+        return left
 
     def take_steps(self) -> list[DeviceStep]:
         """The steps measured since the last call, oldest first."""

@@ -29,7 +29,7 @@ from ccld_plugin.tracing.cpu_wait import ThreadCpuWait
 from ccld_plugin.tracing.device import DeviceKind, group_device
 from ccld_plugin.tracing.functional_ops import FunctionalOps
 from ccld_plugin.tracing.rebind import rebind
-from ccld_plugin.tracing.timeline import DeviceOp, DeviceTimeline
+from ccld_plugin.tracing.timeline import POLL_NS, DeviceOp, DeviceTimeline
 from ccld_plugin.tracing.work import (
     CompletionPoller,
     ThreadState,
@@ -211,7 +211,7 @@ class Tracer:
         a group of another kind goes untimed), with the group's work timing turned on."""
         if self.timeline is None:
             self.timeline = DeviceTimeline(kind, self.board, self.exit_many)
-            self._poller.add(self.timeline.poll)
+            self._poller.add(self.timeline.poll, POLL_NS / 1e9)
         if self.timeline.kind is not kind:
             return None
         if self._work_timing and kind.enable_work_timing is not None:
@@ -299,9 +299,11 @@ class Tracer:
         event) with their works. None for an untimed op."""
         if pre < 0:
             return None
-        post = tl.arrive(self.current_step) if blocking else -1
-        parts = list(zip(indices, works, strict=True)) if post < 0 else []
-        dev = DeviceOp(indices, self.current_step, pre, post, parts)
+        _native.clear_current_trace()  # the call has returned (as _track says)
+        step = self.current_step
+        post = tl.arrive(step) if blocking else -1
+        parts = [] if post >= 0 else list(zip(indices, works, strict=True))
+        dev = DeviceOp(indices, step, pre, post, parts)
         tl.follow(dev)
         return dev
 
@@ -374,8 +376,8 @@ class Tracer:
                     dev = self._follow(e.timeline, (index,), pre, [result], False)
                     return self._track(result, (index,), True, dev)
                 result.wait()  # orders the streams; timed: the event after it ends the op
-                dev = self._follow(e.timeline, (index,), pre, [result], True)
-                self._track(result, (index,), True, dev)
+                if self._follow(e.timeline, (index,), pre, [result], True) is None:
+                    self._track(result, (index,), True)
                 return None
             if asked_async and result is not None:
                 return self._track(result, (index,), False)

@@ -119,7 +119,8 @@ class CompletionPoller:
     def __init__(self, interval_s: float) -> None:
         self._interval = interval_s
         self._pending: list[Any] = []
-        self._also: list[Callable[[], None]] = []  # polled each interval: device timelines
+        self._also: list[Callable[[], None]] = []  # polled too: device timelines
+        self._also_s = float("inf")  # ... this often
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
@@ -131,9 +132,10 @@ class CompletionPoller:
             self._pending.append(work)
         self._wake.set()
 
-    def add(self, poll: Callable[[], None]) -> None:
-        """Call ``poll`` every interval from now on (it must never block)."""
+    def add(self, poll: Callable[[], None], period_s: float) -> None:
+        """Call ``poll`` about every ``period_s`` from now on (it must never block)."""
         self._also.append(poll)
+        self._also_s = min(self._also_s, max(period_s, self._interval))
         self._wake.set()
 
     def stop(self) -> None:
@@ -164,7 +166,7 @@ class CompletionPoller:
                     report_error("tracer.poller", exc)
             with self._lock:
                 self._pending.extend(still)
-            self._wake.wait(self._interval)
+            self._wake.wait(self._interval if still else self._also_s)
             self._wake.clear()
 
 
