@@ -213,7 +213,8 @@ def rank_main(args: argparse.Namespace) -> None:
             f"median of paired differences; device ops left untimed, no event free: {skipped})"
         )
         print(
-            f"of a device op's added time, its two event records (the device's): {records_us:.2f} us"
+            "of a device op's added time, its two event records (the device's): "
+            f"{records_us:.2f} us"
         )
     ccld_plugin.disable()
     close_groups()

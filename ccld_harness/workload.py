@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 import ccld_plugin
 
-__all__ = ["Layout", "WorkloadConfig", "layout_groups", "main", "train"]
+__all__ = ["Layout", "WorkloadConfig", "layout_groups", "main", "new_groups", "train"]
 
 
 @dataclass(frozen=True)
@@ -131,8 +131,9 @@ class _Block(torch.nn.Module):
         return x + out
 
 
-def _new_groups(layout: Layout, rank: int, timeout: timedelta) -> dict[str, Any]:
-    """Create every group on every rank (new_group is collective) and keep this rank's."""
+def new_groups(layout: Layout, rank: int, timeout: timedelta) -> dict[str, Any]:
+    """Create every group on every rank (new_group is collective; of the default group's
+    backend) and keep this rank's, registered with their roles."""
     mine: dict[str, Any] = {}
     for role, groups in layout_groups(layout).items():
         for ranks in groups:
@@ -155,7 +156,7 @@ def train(cfg: WorkloadConfig, injector: Any = None, timeout_s: float = 600.0) -
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = Layout(world, cfg.tp, cfg.pp)
     t_idx, _, stage = layout.coords(rank)
-    groups = _new_groups(layout, rank, timedelta(seconds=timeout_s))
+    groups = new_groups(layout, rank, timedelta(seconds=timeout_s))
     if injector is not None:
         injector.bind_groups(groups)
     torch.manual_seed(cfg.seed + stage * 1000 + t_idx)

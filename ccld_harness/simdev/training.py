@@ -25,23 +25,19 @@ import torch.distributed as dist
 import ccld_plugin
 from ccld_harness.simdev.backend import BACKEND, close_groups, register
 from ccld_harness.simdev.device import SimClock, SimDevice
-from ccld_harness.workload import Layout, layout_groups
+from ccld_harness.workload import Layout, WorkloadConfig, new_groups
 
 __all__ = ["SimConfig", "run", "train"]
 
 
 @dataclass
-class SimConfig:
-    tp: int = 1
-    pp: int = 1
-    steps: int = 20
+class SimConfig(WorkloadConfig):
+    """The workload's, smaller: the device's time is its kernels' nominal time."""
+
     hidden: int = 32
-    blocks_per_stage: int = 2
     micro_batches: int = 2
     micro_batch_size: int = 16
     kernel_ms: float = 1.0  # a matmul kernel's nominal device time
-    lr: float = 1e-3
-    seed: int = 1234
 
 
 @dataclass
@@ -125,7 +121,7 @@ def train(cfg: SimConfig, injector: Any = None, timeout_s: float = 600.0) -> dic
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = Layout(world, cfg.tp, cfg.pp)
     t_idx, d_idx, stage = layout.coords(rank)
-    groups = _new_groups(layout, rank, timedelta(seconds=timeout_s))
+    groups = new_groups(layout, rank, timedelta(seconds=timeout_s))
     device = SimDevice.get()
     if injector is not None:
         injector.bind_groups(groups)
@@ -209,19 +205,6 @@ def _replicas_agree(model: _Stage, dp: Any) -> bool:
     return all(torch.equal(e, every[0]) for e in every)
 
 
-def _new_groups(layout: Layout, rank: int, timeout: timedelta) -> dict[str, Any]:
-    """Every group on every rank (new_group is collective), this rank's kept and registered."""
-    mine: dict[str, Any] = {}
-    for role, groups in layout_groups(layout).items():
-        for ranks in groups:
-            pg = dist.new_group(ranks, timeout=timeout, backend=BACKEND) if len(ranks) > 1 else None
-            if rank in ranks:
-                mine[role] = pg
-                if pg is not None:
-                    ccld_plugin.register_group(pg, role)
-    return mine
-
-
 def run(args: argparse.Namespace) -> dict:
     """One rank of the workload on the simulated device (``workload --device sim``), from
     start to end; its report."""
@@ -237,6 +220,13 @@ def run(args: argparse.Namespace) -> dict:
     cfg = SimConfig(tp=args.tp, pp=args.pp, steps=args.steps, micro_batches=args.micro_batches)
     injector = injector_for(dist.get_rank(), world=dist.get_world_size())
     report = train(cfg, injector, args.timeout_s)
+    # the run is only as good as its device: kernels that raised, or collectives that did
+    # not move the data (DP replicas apart), fail the rank
+    if report["device_errors"] or not report["dp_replicas_agree"]:
+        raise RuntimeError(
+            f"simulated device of rank {report['rank']}: kernel errors "
+            f"{report['device_errors'][:3]}, DP replicas agree: {report['dp_replicas_agree']}"
+        )
     dist.barrier()
     SimDevice.get().synchronize()
     ccld_plugin.disable()
