@@ -356,7 +356,7 @@ def _remove_boards(boards: Path, out: Path, world: int) -> None:
 def _framework_argv(opts: DemoOptions) -> list[str]:
     """The command of one rank for the chosen framework."""
     try:
-        return rank_argv(opts.framework, opts.tp, opts.pp, opts.steps, opts.zero_stage)
+        return rank_argv(opts.framework, opts.tp, opts.pp, opts.steps, opts.zero_stage, opts.device)
     except FileNotFoundError as exc:
         raise DemoError(f"{exc}: reinstall ccld-plugin, or use --framework torch") from None
     except ValueError as exc:

@@ -25,10 +25,13 @@ def example_script(framework: str) -> Path:
     )
 
 
-def rank_argv(framework: str, tp: int, pp: int, steps: int, zero_stage: int) -> list[str]:
+def rank_argv(
+    framework: str, tp: int, pp: int, steps: int, zero_stage: int, device: str = "cpu"
+) -> list[str]:
     """The command of one rank of ``framework``'s training (its example script, or the
-    built-in workload for ``torch``). Raises FileNotFoundError where the example is
-    missing, ValueError for an unknown framework."""
+    built-in workload for ``torch``, on ``device``: cpu, or sim, the simulated device).
+    Raises FileNotFoundError where the example is missing, ValueError for an unknown
+    framework."""
     if framework == "torch":
         return [
             "-m",
@@ -39,6 +42,7 @@ def rank_argv(framework: str, tp: int, pp: int, steps: int, zero_stage: int) -> 
             str(pp),
             "--steps",
             str(steps),
+            *(["--device", device] if device != "cpu" else []),
         ]
     if framework == "megatron":
         # A model big enough that compute, not Python overhead, dominates a step.

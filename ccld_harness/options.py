@@ -42,6 +42,7 @@ class DemoOptions:
     force: bool = False  # write into ``out`` even when it holds files that are not a demo's
     # the diagnoser as a process of its own (``ccld diagnoser``), no rank running one
     diagnoser_process: bool = False
+    device: str = "cpu"  # "sim": the torch workload on the simulated device (simdev)
 
 
 def fit_layout(world: int, tp: int | None, pp: int | None) -> tuple[int, int]:
@@ -65,7 +66,8 @@ def layout_text(opts: DemoOptions) -> str:
     parallel only: --tp and --pp do not apply to it)."""
     if opts.framework == "deepspeed":
         return f"dp={opts.world} (ZeRO-{opts.zero_stage})"
-    return f"tp={opts.tp} pp={opts.pp} dp={opts.world // (opts.tp * opts.pp)}"
+    device = ", simulated device" if opts.device == "sim" else ""
+    return f"tp={opts.tp} pp={opts.pp} dp={opts.world // (opts.tp * opts.pp)}{device}"
 
 
 def checked_options(opts: DemoOptions) -> list[FaultSpec]:
@@ -89,6 +91,14 @@ def checked_options(opts: DemoOptions) -> list[FaultSpec]:
             f"ccld demo: --world {opts.world} is not a multiple of --tp {opts.tp} x --pp "
             f"{opts.pp}; choose sizes whose product divides the world"
         )
+    if opts.device not in ("cpu", "sim"):
+        raise DemoError(f"ccld demo: --device {opts.device}; expected cpu or sim")
+    if opts.device == "sim" and opts.framework != "torch":
+        raise DemoError(
+            f"ccld demo: --device sim runs the built-in workload; use --framework torch, not "
+            f"{opts.framework} (its training reads results on the host at once, which a "
+            "simulated device does not allow)"
+        )
     if opts.zero_stage not in (1, 2, 3):
         raise DemoError(f"ccld demo: --zero-stage {opts.zero_stage}; expected 1, 2 or 3")
     if not (math.isfinite(opts.timeout_s) and opts.timeout_s > 0):
@@ -103,6 +113,12 @@ def checked_options(opts: DemoOptions) -> list[FaultSpec]:
         raise DemoError(
             f"ccld demo: --world {opts.world} does not fit the closed network (one /24: at "
             f"most {MAX_RANKS} ranks); lower --world, or drop --netns and communication faults"
+        )
+    device_fault = next((f for f in faults if f.is_device), None)
+    if device_fault is not None and opts.device != "sim":
+        raise DemoError(
+            f"ccld demo: fault {device_fault} breaks the simulated device; add --device sim "
+            "(with --framework torch)"
         )
     late = next((f for f in faults if f.step >= opts.steps), None)
     if late is not None:

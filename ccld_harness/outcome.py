@@ -37,6 +37,8 @@ EXPECTED = {
     "crash": ("crash", "software"),
     "freeze": ("unresponsive", "unknown"),
     "cpu-contention": ("slow", "compute"),
+    "device-slow": ("slow", "compute"),
+    "device-hang": ("hang", "compute"),
 }
 
 

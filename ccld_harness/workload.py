@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 import ccld_plugin
 
-__all__ = ["Layout", "WorkloadConfig", "layout_groups", "main", "train"]
+__all__ = ["Layout", "WorkloadConfig", "layout_groups", "main", "new_groups", "train"]
 
 
 @dataclass(frozen=True)
@@ -131,8 +131,9 @@ class _Block(torch.nn.Module):
         return x + out
 
 
-def _new_groups(layout: Layout, rank: int, timeout: timedelta) -> dict[str, Any]:
-    """Create every group on every rank (new_group is collective) and keep this rank's."""
+def new_groups(layout: Layout, rank: int, timeout: timedelta) -> dict[str, Any]:
+    """Create every group on every rank (new_group is collective; of the default group's
+    backend) and keep this rank's, registered with their roles."""
     mine: dict[str, Any] = {}
     for role, groups in layout_groups(layout).items():
         for ranks in groups:
@@ -155,7 +156,7 @@ def train(cfg: WorkloadConfig, injector: Any = None, timeout_s: float = 600.0) -
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = Layout(world, cfg.tp, cfg.pp)
     t_idx, _, stage = layout.coords(rank)
-    groups = _new_groups(layout, rank, timedelta(seconds=timeout_s))
+    groups = new_groups(layout, rank, timedelta(seconds=timeout_s))
     if injector is not None:
         injector.bind_groups(groups)
     torch.manual_seed(cfg.seed + stage * 1000 + t_idx)
@@ -236,6 +237,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-ccld", action="store_true", help="run without the plugin")
     p.add_argument("--ccld-set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--report-dir", type=Path, help="write each rank's report here (JSON)")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "sim"],
+        default="cpu",
+        help="sim: the simulated device (ccld_harness.simdev), collectives asynchronous",
+    )
     return p.parse_args(argv)
 
 
@@ -244,6 +251,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=os.environ.get("CCLD_LOG_LEVEL", "WARNING").upper(), format="%(message)s"
     )
+    if args.device == "sim":
+        from ccld_harness.simdev.training import run
+
+        _write_report(args.report_dir, run(args))
+        return 0
     if not args.no_ccld:
         ccld_plugin.enable(overrides=args.ccld_set)  # completes once the group exists
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))
@@ -257,13 +269,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ccld_harness.faults import injector_for
 
     report = train(cfg, injector_for(dist.get_rank(), world=dist.get_world_size()), args.timeout_s)
-    if args.report_dir is not None:
-        args.report_dir.mkdir(parents=True, exist_ok=True)
-        (args.report_dir / f"rank{report['rank']}.json").write_text(json.dumps(report))
+    _write_report(args.report_dir, report)
     dist.barrier()
     ccld_plugin.disable()
     dist.destroy_process_group()
     return 0
+
+
+def _write_report(folder: Path | None, report: dict) -> None:
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"rank{report['rank']}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":

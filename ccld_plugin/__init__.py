@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ccld_plugin.config import CcldConfig, ConfigError, load_config
-    from ccld_plugin.services.session import disable, enable, mark_step, register_group
+    from ccld_plugin.services.session import (
+        disable,
+        enable,
+        mark_step,
+        register_device,
+        register_group,
+    )
     from ccld_plugin.sinks.hooks import on_verdict
 
 __all__ = [
@@ -30,6 +36,7 @@ __all__ = [
     "load_config",
     "mark_step",
     "on_verdict",
+    "register_device",
     "register_group",
 ]
 
@@ -41,6 +48,7 @@ _HOME = {
     "enable": "ccld_plugin.services.session",
     "mark_step": "ccld_plugin.services.session",
     "on_verdict": "ccld_plugin.sinks.hooks",
+    "register_device": "ccld_plugin.services.session",
     "register_group": "ccld_plugin.services.session",
 }
 

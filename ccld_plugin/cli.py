@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="SPEC",
         help="e.g. compute-hang@2:step=5, compute-slow@1:factor=2, mismatch@3, "
-        "kill@1:step=5, cpu-contention@1, none "
+        "kill@1:step=5, cpu-contention@1, device-slow@1:factor=2 (--device sim), none "
         "(default: compute-hang@2:step=5, on the last rank below 3 ranks)",
     )
     demo.add_argument(
@@ -92,6 +92,13 @@ def _parser() -> argparse.ArgumentParser:
         "--diagnoser-process",
         action="store_true",
         help="run the diagnoser as a process of its own (ccld diagnoser), not on a rank",
+    )
+    demo.add_argument(
+        "--device",
+        choices=["cpu", "sim"],
+        default="cpu",
+        help="sim: --framework torch on the simulated device (asynchronous collectives, "
+        "read from its device timeline; faults device-slow and device-hang)",
     )
     demo.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides", help=SET_HELP
@@ -337,6 +344,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
                 zero_stage=args.zero_stage,
                 force=args.force,
                 diagnoser_process=args.diagnoser_process,
+                device=args.device,
             ),
             console,
         )

@@ -112,6 +112,15 @@ class TracerConfig:
 
     poll_interval_ms: float = 5.0
     """How often the completion poller checks async work (GPU ops always go through it)."""
+    device_time: bool = True
+    """Read the device timeline of device groups (NCCL, or a registered device): when the
+    device reached and finished each op, from timing events on its streams, never a host
+    sync; the analysis then reads compute, arrivals and hangs from it. False: host clocks
+    only, as on a CPU job."""
+    work_timing: bool = True
+    """With device_time, turn on the process group's own work timing (NCCL's
+    ``_enable_collectives_timing``) so that async ops end at their device duration, not at
+    the host time they were seen complete."""
 
     def __post_init__(self) -> None:
         _check(

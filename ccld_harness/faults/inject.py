@@ -57,10 +57,15 @@ class Injector:
         # (time, blocked ns, CPU wait ns) at the last stretch
         self._mark: tuple[int, int, int] | None = None
         self._tracer: Any = None  # the session's: the training thread's wait for a CPU
+        self._device: Any = None  # the simulated device, for its faults
 
     def bind_groups(self, groups: dict[str, Any]) -> None:
         """The rank's process groups by role, for the mismatch fault."""
         self._groups = {k: v for k, v in groups.items() if v is not None}
+
+    def bind_device(self, device: Any) -> None:
+        """The rank's simulated device (``ccld_harness.simdev``), for device faults."""
+        self._device = device
 
     def before_step(self, step: int) -> None:
         for f in self.faults:
@@ -83,9 +88,21 @@ class Injector:
                 self._share_the_core()
             elif f.kind == "freeze":
                 os.kill(os.getpid(), signal.SIGSTOP)  # until the launcher ends it
+            elif f.is_device:
+                self._break_device(f)
             elif f.kind == "compute-hang":
                 while True:  # stuck in host code: the peers block in their next collective
                     time.sleep(3600)
+
+    def _break_device(self, f: FaultSpec) -> None:
+        """device-slow: the device's kernels take ``factor`` times as long from now on (the
+        host goes on at its pace); device-hang: its next kernel never finishes."""
+        if self._device is None:
+            raise RuntimeError(f"fault {f} needs the simulated device: run with --device sim")
+        if f.kind == "device-slow":
+            self._device.slow_factor = max(self._device.slow_factor, f.factor)
+        else:
+            self._device.hang_next_kernel()
 
     def _hook_into_tracer(self) -> None:
         """Stretch compute right before every traced communication, in any framework."""

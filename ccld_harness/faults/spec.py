@@ -17,7 +17,10 @@ Kinds and their parameters:
 - ``freeze@R[:step=S]``: rank R's process stops itself (SIGSTOP): alive, its connections
   open, every thread of it frozen;
 - ``cpu-contention@R[:step=S]``: another process takes rank R's CPU (a noisy neighbour):
-  a busy process shares the one core its process is pinned to.
+  a busy process shares the one core its process is pinned to;
+- ``device-slow@R:factor=F[,step=S]`` (on the simulated device): rank R's kernels take F
+  times as long; its host is not slowed;
+- ``device-hang@R[:step=S]`` (on the simulated device): a kernel on rank R never finishes.
 
 ``step`` is when the fault starts (default 3, after warm-up).
 """
@@ -42,6 +45,8 @@ FAULT_KINDS: dict[str, tuple[set[str], set[str]]] = {
     "crash": (set(), {"step"}),
     "freeze": (set(), {"step"}),
     "cpu-contention": (set(), {"step"}),
+    "device-slow": ({"factor"}, {"step"}),
+    "device-hang": (set(), {"step"}),
 }
 # ASCII digits only: str.isdigit and int() also take other scripts' digits (and "1_000")
 _INT = re.compile(r"[0-9]+")
@@ -68,12 +73,21 @@ class FaultSpec:
     def is_comm(self) -> bool:
         return self.kind.startswith("comm-")
 
+    @property
+    def is_device(self) -> bool:
+        """A fault of the simulated device (its kernels), not of the host."""
+        return self.kind.startswith("device-")
+
     def __str__(self) -> str:
         """The spec in its canonical form: it parses back to this fault."""
         short = f"{self.factor:g}"
         factor = short if float(short) == self.factor else repr(self.factor)
         peer = f"peer={self.peer}," if self.peer is not None else ""
-        extra = {"compute-slow": f"factor={factor},", "comm-slow": f"rate={self.rate},{peer}"}
+        extra = {
+            "compute-slow": f"factor={factor},",
+            "device-slow": f"factor={factor},",
+            "comm-slow": f"rate={self.rate},{peer}",
+        }
         after = f",after_s={self.after_s:g}" if self.after_s else ""
         return f"{self.kind}@{self.rank}:{extra.get(self.kind, '')}step={self.step}{after}"
 
@@ -115,7 +129,7 @@ def parse_fault(text: str) -> FaultSpec:
             f"fault {spec!r}: step must be a whole number and factor a decimal number (2.5)"
         )
     step, factor = int(step_s), float(factor_s)
-    if kind == "compute-slow" and not 1.0 < factor <= 100.0:
+    if kind in ("compute-slow", "device-slow") and not 1.0 < factor <= 100.0:
         raise FaultSpecError(f"fault {spec!r}: factor must be in (1, 100]")
     rate = values.get("rate", "")
     if kind == "comm-slow" and not _RATE.fullmatch(rate):

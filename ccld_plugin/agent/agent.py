@@ -24,6 +24,8 @@ from ccld_plugin.agent.board_summary import (
     MIN_SAMPLES,
     BoardSnapshot,
     arrival_samples,
+    arrival_source,
+    on_device,
     sampled,
     samples_per_group,
     stuck_s,
@@ -41,7 +43,15 @@ from ccld_plugin.errors import log, report_error
 from ccld_plugin.probes.nccl_channels import NcclChannels
 from ccld_plugin.probes.tcp_channels import ChannelSampler
 from ccld_plugin.topology import GroupInfo
-from ccld_plugin.wire.codes import FLAG_ASYNC, FLAG_P2P, FLAG_SEND, STATE_DONE
+from ccld_plugin.wire.codes import (
+    FLAG_ASYNC,
+    FLAG_DEVICE,
+    FLAG_P2P,
+    FLAG_SEND,
+    STATE_DONE,
+    TIME_EVENTS,
+    TIME_HOST,
+)
 from ccld_plugin.wire.peer_channels import MAX_ENTRIES, encode_channels, entry_order
 from ccld_plugin.wire.summary import (
     FLAG_CRASHED,
@@ -67,6 +77,7 @@ REPEAT_SAMPLES_MAX_RANKS = 4096
 MAX_P2P_SAMPLES, P2P_BUDGET = 32, 256
 STACK_FRAMES = 16
 MAX_BACKOFF_S = 30.0
+HOST_STEPS_HELD = 64  # a device-timed rank's host steps held for the device's measure
 
 
 class StepClock:
@@ -129,6 +140,7 @@ class Agent:
         self._published_groups: tuple = ()
         self.latest: LocalReport | None = None
         self._recent_steps = RecentSteps()  # the last ticks' steps go in every summary
+        self._host_steps: dict[int, StepStat] = {}  # held until the device measured them
         self._sent_tick: int | None = None  # the tick of the last summary
         # its new arrival and point-to-point samples
         self._previous: tuple[list[ArrivalSample], list[P2PSample]] = ([], [])
@@ -355,8 +367,10 @@ class Agent:
         # The board keeps 63 bytes of the host name; the diagnoser matches the full one.
         summary.host = self.host
         ops = snap.ops
-        done = ops[(ops["state"] == STATE_DONE) & (ops["exit_ns"] > since)]
+        done = on_device(ops[(ops["state"] == STATE_DONE) & (ops["exit_ns"] > since)])
         summary.steps = self._step_stats(ops, clock.to_diag)
+        device = TIME_EVENTS if getattr(self.tracer, "timeline", None) is not None else TIME_HOST
+        summary.time_source = device | arrival_source(done) << 4
         new, new_p2p = self._samples(done, clock.to_diag), self._p2p_samples(done, clock.to_diag)
         summary.samples, summary.p2p = self._previous[0] + new, self._previous[1] + new_p2p
         if self.control.world <= REPEAT_SAMPLES_MAX_RANKS:
@@ -401,9 +415,44 @@ class Agent:
         return encode_channels(entries[:MAX_ENTRIES], interval, conns)
 
     def _step_stats(self, ops: np.ndarray, diag: Any) -> list[StepStat]:
+        """The steps new this tick (and the last ticks', ``RecentSteps``): on host clocks,
+        or, where the device timeline measures them, on the device's (``_device_steps``)."""
+        host = self._host_step_stats(ops, diag)
+        timeline = getattr(self.tracer, "timeline", None)
+        steps = host if timeline is None else self._device_steps(timeline, host, diag)
+        return self._recent_steps.tick(steps)
+
+    def _device_steps(self, timeline: Any, host: list[StepStat], diag: Any) -> list[StepStat]:
+        """The steps the device timeline measured since the last tick: their span between
+        the device's step marks, their compute outside the current stream's waits in
+        communication, beside the host's own measure of the step (held until the device
+        has measured it; a step the device cannot measure is not reported)."""
+        self._host_steps.update((st.step, st) for st in host)
+        out = []
+        for d in timeline.take_steps():
+            h = self._host_steps.pop(d.step, None)
+            out.append(
+                StepStat(
+                    d.step,
+                    diag(d.start_ns),
+                    d.span_ns // 1000,
+                    (d.span_ns - d.blocked_ns) // 1000,
+                    0,  # a wait for a CPU is the host's: on a device it shows as compute
+                    h.compute_us if h is not None else 0,
+                )
+            )
+        for step in sorted(self._host_steps)[:-HOST_STEPS_HELD]:
+            del self._host_steps[step]
+        return out
+
+    def _host_step_stats(self, ops: np.ndarray, diag: Any) -> list[StepStat]:
         starts = list(self.steps.starts)
         stats = []
-        sync_done = ops[(ops["state"] == STATE_DONE) & ((ops["flags"] & FLAG_ASYNC) == 0)]
+        # the host's time blocked in communication: on a device it is blocked at sync points
+        # instead, and a device-timed op's own time is the device's
+        sync_done = ops[
+            (ops["state"] == STATE_DONE) & ((ops["flags"] & (FLAG_ASYNC | FLAG_DEVICE)) == 0)
+        ]
         waits = self.tracer.take_wait_ns(before_step=starts[-1][0] if starts else 0)
         for (step, t0, q0), (_, t1, q1) in zip(starts, starts[1:], strict=False):
             if step <= self._published_step:
@@ -423,7 +472,7 @@ class Agent:
             )
         if stats:
             self._published_step = stats[-1].step
-        return self._recent_steps.tick(stats)
+        return stats
 
     def _samples(self, done: np.ndarray, diag: Any) -> list[ArrivalSample]:
         """Arrival samples of the collectives completed this tick (``arrival_samples``)."""

@@ -13,7 +13,15 @@ from typing import Any
 import numpy as np
 
 from ccld_plugin.board.reader import BoardHeader, BoardReader
-from ccld_plugin.wire.codes import FLAG_ASYNC, FLAG_P2P, STATE_DONE, STATE_ERROR, STATE_IN_FLIGHT
+from ccld_plugin.wire.codes import (
+    FLAG_ASYNC,
+    FLAG_DEVICE,
+    FLAG_P2P,
+    STATE_DONE,
+    STATE_ERROR,
+    STATE_IN_FLIGHT,
+    TIME_HOST,
+)
 from ccld_plugin.wire.summary import (
     FLAG_ERRORED,
     FLAG_EXITED,
@@ -30,6 +38,7 @@ __all__ = [
     "final_summary",
     "in_flight_ops",
     "last_seen_ns",
+    "on_device",
     "sampled",
     "samples_per_group",
     "stuck_s",
@@ -94,16 +103,17 @@ def summarize_board(
     minus ``offset_ns``). Steps, arrival samples, channels and the stack are the caller's
     to add: they need the live process or a history the board does not keep."""
     h, ops = snap.header, snap.ops
-    done = ops[(ops["state"] == STATE_DONE) & (ops["exit_ns"] > since_ns)]
+    done = on_device(ops[(ops["state"] == STATE_DONE) & (ops["exit_ns"] > since_ns)])
     sync = (done["flags"] & FLAG_ASYNC) == 0
     dur_ns = done["exit_ns"] - done["enter_ns"]
+    flights, entered = _device_flights(ops[ops["state"] == STATE_IN_FLIGHT], snap.table)
     progress = []
     for slot, rec in enumerate(snap.table):
         mine = done["group_slot"] == slot
         progress.append(
             GroupProgress(
                 slot=slot,
-                entered_seq=int(rec["entered_seq"]),
+                entered_seq=entered[slot],
                 completed_seq=int(rec["completed_seq"]),
                 ops=int(mine.sum()),
                 # summed in floats: a ring of ops each as long as a corrupt (or remote)
@@ -113,9 +123,8 @@ def summarize_board(
                 max_dur_us=int(dur_ns[mine].max() // 1000) if mine.any() else 0,
             )
         )
-    flights = ops[ops["state"] == STATE_IN_FLIGHT][:MAX_IN_FLIGHT]
     errors = ops[ops["state"] == STATE_ERROR][-2:]
-    in_flight = in_flight_ops([*flights, *errors], offset_ns)
+    in_flight = in_flight_ops([*flights[:MAX_IN_FLIGHT], *errors], offset_ns)
     last_exit = int(ops["exit_ns"].max()) if len(ops) else 0
     last_progress = max(h.start_mono_ns, h.step_start_ns, last_exit)
     flags = (FLAG_EXITED if exited else 0) | (FLAG_ERRORED if len(errors) else 0)
@@ -133,6 +142,47 @@ def summarize_board(
         groups=progress,
         in_flight=in_flight,
     )
+
+
+def on_device(ops: np.ndarray) -> np.ndarray:
+    """Completed ops as the device ran them: one the device timeline follows (FLAG_DEVICE)
+    entered when the device reached it and left when it finished there, and is left out
+    while its device times are not known; others as the host saw them."""
+    dev = (ops["flags"] & FLAG_DEVICE) != 0
+    if not dev.any():
+        return ops
+    out = ops[~dev | ((ops["dev_start_ns"] > 0) & (ops["dev_end_ns"] > 0))].copy()
+    dev = (out["flags"] & FLAG_DEVICE) != 0
+    out["enter_ns"][dev] = out["dev_start_ns"][dev]
+    out["exit_ns"][dev] = out["dev_end_ns"][dev]
+    return out
+
+
+def _device_flights(flights: np.ndarray, table: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """Ops in flight as the device sees them, and each group's entered seq: a device-timed
+    op the device has not reached yet is not entered (the host only queued it: a device
+    stuck before it is the rank its peers wait for), one it has reached entered then."""
+    entered = [int(seq) for seq in table["entered_seq"]]
+    dev = (flights["flags"] & FLAG_DEVICE) != 0
+    if not dev.any():
+        return flights, entered
+    unreached = dev & (flights["dev_start_ns"] == 0)
+    for r in flights[unreached & ((flights["flags"] & FLAG_P2P) == 0)]:
+        slot = int(r["group_slot"])
+        if slot < len(entered):
+            entered[slot] = min(entered[slot], int(r["seq"]) - 1)
+    reached = flights[~unreached].copy()
+    dev = (reached["flags"] & FLAG_DEVICE) != 0
+    reached["enter_ns"][dev] = reached["dev_start_ns"][dev]
+    return reached, entered
+
+
+def arrival_source(done: np.ndarray) -> int:
+    """Where the arrival times of ``done`` (a tick's completed ops) come from: the source
+    of most of the device-timed ones' starts, or host clocks."""
+    src = done["dev_source"][(done["flags"] & FLAG_DEVICE) != 0] & 0xF
+    src = src[src > 0]
+    return int(np.bincount(src).argmax()) if len(src) else TIME_HOST
 
 
 def samples_per_group(world: int) -> int:
@@ -206,6 +256,7 @@ def final_summary(snap: BoardSnapshot, last: RankSummary, died: bool = True) -> 
     s = summarize_board(snap, max(last_seen_ns(snap), since), since, offset, last.groups_version)
     s.heartbeat_ns = last.heartbeat_ns
     s.host, s.steps, s.stack = last.host, last.steps, last.stack
+    s.time_source = last.time_source  # what its steps' figures are
     if snap.header.closed:
         s.flags |= FLAG_EXITED
     elif died:

@@ -33,6 +33,7 @@ from ccld_plugin.wire.codes import (
     DIRECTION_NAMES,
     FLAG_ASYNC,
     FLAG_CUDA,
+    FLAG_DEVICE,
     FLAG_P2P,
     FLAG_SEND,
     OP_NAMES,
@@ -40,6 +41,7 @@ from ccld_plugin.wire.codes import (
     SOURCE_TCP,
     STATE_ERROR,
     STATE_IN_FLIGHT,
+    TIME_POLL,
     WAIT_NAMES,
 )
 
@@ -86,7 +88,7 @@ MAX_STEP = 2**31 - 1  # an op record keeps its step in 32 bits
 MAX_TIME_NS = 1 << 60  # 36 years of a monotonic clock; also the largest clock offset
 MAX_WALL_NS = 1 << 62  # the year 2116
 LATE_NS = 1_000_000_000  # a local board's times may pass the reader's clock by this much
-_OP_FLAGS = FLAG_ASYNC | FLAG_P2P | FLAG_SEND | FLAG_CUDA
+_OP_FLAGS = FLAG_ASYNC | FLAG_P2P | FLAG_SEND | FLAG_CUDA | FLAG_DEVICE
 _COUNTS = (
     "steps_posted",
     "steps_done",
@@ -331,6 +333,20 @@ class BoardReader:
                 recs["exit_ns"] == 0,
                 (recs["exit_ns"] >= recs["enter_ns"]) & self._when_ok(recs["exit_ns"]),
             )
+            & self._device_ok(recs)
+        )
+
+    def _device_ok(self, recs: np.ndarray) -> np.ndarray:
+        """Device times: each unset or on this board's clock, from a known source, and an
+        end not before its start."""
+        start, end = recs["dev_start_ns"], recs["dev_end_ns"]
+        src = recs["dev_source"]
+        return (
+            ((src & 0xF) <= TIME_POLL)
+            & ((src >> 4) <= TIME_POLL)
+            & self._when_ok(start, unset_ok=True)
+            & self._when_ok(end, unset_ok=True)
+            & ((start == 0) | (end == 0) | (end >= start))
         )
 
     def _channels_ok(self, recs: np.ndarray) -> np.ndarray:

@@ -84,6 +84,10 @@ class Board {
   }
   void exit(uint64_t index, uint8_t state) { ccld_op_exit(live(), index, state); }
   void add_bytes(uint64_t index, uint64_t bytes) { ccld_op_add_bytes(live(), index, bytes); }
+  void set_device(uint64_t index, uint8_t source, int64_t start_ns, int64_t end_ns,
+                  uint32_t err_ns) {
+    ccld_op_set_device(live(), index, source, start_ns, end_ns, err_ns);
+  }
   void heartbeat() { ccld_heartbeat(live()); }
   void set_step(int64_t step) { ccld_set_step(live(), step); }
   void count_error() { ccld_count_error(live()); }
@@ -169,7 +173,10 @@ nb::dict codes() {
   d["op"] = op;
   d["state"] = ints(CCLD_STATE_EMPTY, CCLD_STATE_IN_FLIGHT, CCLD_STATE_DONE,
                               CCLD_STATE_ERROR);
-  d["flag"] = ints(CCLD_FLAG_ASYNC, CCLD_FLAG_P2P, CCLD_FLAG_SEND, CCLD_FLAG_CUDA);
+  d["flag"] = ints(CCLD_FLAG_ASYNC, CCLD_FLAG_P2P, CCLD_FLAG_SEND, CCLD_FLAG_CUDA,
+                   CCLD_FLAG_DEVICE);
+  d["time"] = ints(CCLD_TIME_NONE, CCLD_TIME_PROFILER, CCLD_TIME_EVENTS, CCLD_TIME_WORK,
+                   CCLD_TIME_POLL);
   d["source"] = ints(CCLD_SRC_NONE, CCLD_SRC_NCCL, CCLD_SRC_TCP);
   d["direction"] = ints(CCLD_DIR_SEND, CCLD_DIR_RECV);
   d["wait"] = ints(CCLD_WAIT_NONE, CCLD_WAIT_LOCAL, CCLD_WAIT_PEER, CCLD_WAIT_NETWORK);
@@ -206,11 +213,13 @@ nb::dict layout() {
   d["op"] = Layout{sizeof(ccld_op_record),
                    {F(ccld_op_record, lock, "<u4"), F(ccld_op_record, op, "<u2"),
                     F(ccld_op_record, state, "u1"), F(ccld_op_record, flags, "u1"),
-                    F(ccld_op_record, group_slot, "<u2"), F(ccld_op_record, index_lo, "<u4"),
+                    F(ccld_op_record, group_slot, "<u2"), F(ccld_op_record, dev_source, "u1"),
+                    F(ccld_op_record, index_lo, "<u4"),
                     F(ccld_op_record, peer, "<i4"), F(ccld_op_record, step, "<i4"),
                     F(ccld_op_record, group_id, "<u8"), F(ccld_op_record, seq, "<u8"),
                     F(ccld_op_record, bytes, "<u8"), F(ccld_op_record, enter_ns, "<i8"),
-                    F(ccld_op_record, exit_ns, "<i8")}};
+                    F(ccld_op_record, exit_ns, "<i8"), F(ccld_op_record, dev_start_ns, "<i8"),
+                    F(ccld_op_record, dev_end_ns, "<i8"), F(ccld_op_record, dev_err_ns, "<u4")}};
   d["channel"] = Layout{
       sizeof(ccld_channel),
       {F(ccld_channel, lock, "<u4"), F(ccld_channel, source, "u1"),
@@ -274,6 +283,7 @@ NB_MODULE(_native, m) {
       .def("enter_p2p", &Board::enter_p2p)
       .def("exit", &Board::exit)
       .def("add_bytes", &Board::add_bytes)
+      .def("set_device", &Board::set_device)
       .def("heartbeat", &Board::heartbeat)
       .def("set_step", &Board::set_step)
       .def("count_error", &Board::count_error)

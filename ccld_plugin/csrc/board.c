@@ -13,7 +13,7 @@
 
 _Static_assert(sizeof(ccld_header) % 8 == 0, "header must stay 8-byte aligned");
 _Static_assert(sizeof(ccld_group) == 64, "group record is 64 bytes");
-_Static_assert(sizeof(ccld_op_record) == 64, "op record is 64 bytes");
+_Static_assert(sizeof(ccld_op_record) == 88, "op record is 88 bytes");
 _Static_assert(sizeof(ccld_channel) == 128, "channel record is 128 bytes");
 
 struct ccld_board {
@@ -268,6 +268,10 @@ uint64_t ccld_op_enter(ccld_board* b, uint32_t group_slot, uint16_t op, uint8_t 
   r->bytes = bytes;
   r->enter_ns = now;
   r->exit_ns = 0;
+  r->dev_source = CCLD_TIME_NONE;
+  r->dev_start_ns = 0;
+  r->dev_end_ns = 0;
+  r->dev_err_ns = 0;
   write_end(&r->lock, l);
   t_current.group_id = g->group_id;
   t_current.seq = seq;
@@ -305,6 +309,36 @@ void ccld_op_add_bytes(ccld_board* b, uint64_t index, uint64_t bytes) {
   ccld_op_record* r = &ring(b)[index & b->ring_mask];
   uint32_t l = write_begin(&r->lock);
   if (r->index_lo == (uint32_t)index) r->bytes += bytes;
+  write_end(&r->lock, l);
+}
+
+/* Whether `source` may set a time whose current source is `have` (0: none): a better
+ * (lower) or equal one. */
+static int takes(uint8_t have, uint8_t source) { return have == CCLD_TIME_NONE || source <= have; }
+
+void ccld_op_set_device(ccld_board* b, uint64_t index, uint8_t source, int64_t start_ns,
+                        int64_t end_ns, uint32_t err_ns) {
+  if (source == CCLD_TIME_NONE || source > CCLD_TIME_POLL) return;
+  ccld_op_record* r = &ring(b)[index & b->ring_mask];
+  uint32_t l = write_begin(&r->lock);
+  if (r->index_lo == (uint32_t)index && r->state != CCLD_STATE_EMPTY) {
+    uint8_t start_src = r->dev_source & 0xF, end_src = r->dev_source >> 4;
+    /* from the same source (an op's channels, each with its own times): the earliest
+     * start and the latest end */
+    if (start_ns > 0 && takes(start_src, source) &&
+        !(source == start_src && r->dev_start_ns && r->dev_start_ns < start_ns)) {
+      r->dev_start_ns = start_ns;
+      start_src = source;
+    }
+    if (end_ns > 0 && takes(end_src, source) && !(source == end_src && r->dev_end_ns > end_ns)) {
+      r->dev_end_ns = end_ns;
+      end_src = source;
+    }
+    if (r->dev_start_ns && r->dev_end_ns && r->dev_end_ns < r->dev_start_ns)
+      r->dev_end_ns = r->dev_start_ns; /* two sources that disagree by their errors */
+    if (err_ns > r->dev_err_ns) r->dev_err_ns = err_ns;
+    r->dev_source = (uint8_t)(start_src | (end_src << 4));
+  }
   write_end(&r->lock, l);
 }
 

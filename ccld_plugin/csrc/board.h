@@ -20,7 +20,7 @@ extern "C" {
 #endif
 
 #define CCLD_BOARD_MAGIC 0x445241424C444343ULL /* "CCLDBARD" little-endian */
-#define CCLD_BOARD_VERSION 1u
+#define CCLD_BOARD_VERSION 2u /* 2: device times on op records */
 #define CCLD_NO_RANK (-1)
 /* channel_id of an NCCL record that totals one (comm, peer, direction) since it began */
 #define CCLD_CHANNEL_TOTAL 0xFF
@@ -69,6 +69,21 @@ enum ccld_op_flags {
   CCLD_FLAG_P2P = 1u << 1,  /* seq counts per (group, peer, direction); peer is valid */
   CCLD_FLAG_SEND = 1u << 2, /* with P2P: this rank sends */
   CCLD_FLAG_CUDA = 1u << 3, /* exit is stamped by the completion poller */
+  /* the device timeline follows this op: its dev_* times come when the device reaches it
+   * and when it finishes it there (an op in flight with no dev_start_ns: not reached yet) */
+  CCLD_FLAG_DEVICE = 1u << 4,
+};
+
+/* Where an op record's device times come from, best first (a record keeps, per time, the
+ * best source that gave it): the NCCL profiler plugin's kernel-channel GPU clocks, timing
+ * events recorded on the op's stream, the process group's own work timing (start plus
+ * duration), the host time a poller saw the work complete. */
+enum ccld_time_source {
+  CCLD_TIME_NONE = 0,
+  CCLD_TIME_PROFILER = 1,
+  CCLD_TIME_EVENTS = 2,
+  CCLD_TIME_WORK = 3,
+  CCLD_TIME_POLL = 4,
 };
 
 /* Who filled a channel record, and what it is waiting on. */
@@ -135,7 +150,8 @@ typedef struct ccld_op_record {
   uint8_t state;
   uint8_t flags;
   uint16_t group_slot;
-  uint16_t _pad;
+  uint8_t dev_source; /* ccld_time_source of dev_start_ns (low nibble) and dev_end_ns (high) */
+  uint8_t _pad;
   uint32_t index_lo; /* low bits of the ring index: tells a late exit from a reused slot */
   int32_t peer;      /* global rank of the P2P peer; CCLD_NO_RANK for collectives */
   int32_t step;
@@ -144,6 +160,13 @@ typedef struct ccld_op_record {
   uint64_t bytes;
   int64_t enter_ns;
   int64_t exit_ns;
+  /* Ops flagged CCLD_FLAG_DEVICE: when the device reached the op and when it finished it
+   * there, mapped to this board's monotonic clock (0: not known yet), and the error of
+   * that mapping (saturated at 2^32-1 ns). */
+  int64_t dev_start_ns;
+  int64_t dev_end_ns;
+  uint32_t dev_err_ns;
+  uint32_t _pad2;
 } ccld_op_record;
 
 typedef struct ccld_channel {
@@ -212,6 +235,12 @@ uint64_t ccld_op_enter(ccld_board* b, uint32_t group_slot, uint16_t op, uint8_t 
 void ccld_op_exit(ccld_board* b, uint64_t index, uint8_t state);
 /* Add bytes to an in-flight record (coalesced ops learn their size while they run). */
 void ccld_op_add_bytes(ccld_board* b, uint64_t index, uint64_t bytes);
+/* Set the device times of a record from `source` (ccld_time_source): a time of 0 is left
+ * as it is, a time already given by a better source is kept, and of the same source the
+ * earliest start and the latest end are kept. A no-op if the ring has wrapped past the
+ * record. */
+void ccld_op_set_device(ccld_board* b, uint64_t index, uint8_t source, int64_t start_ns,
+                        int64_t end_ns, uint32_t err_ns);
 
 void ccld_heartbeat(ccld_board* b);
 void ccld_set_step(ccld_board* b, int64_t step);

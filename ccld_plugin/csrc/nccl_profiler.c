@@ -123,6 +123,8 @@ struct task {
   uint64_t ticket; /* unique per task: keys the channel records its proxy ops share */
   uint64_t group_id;
   uint64_t seq;
+  uint64_t index;  /* traced: the ring index of the tracer's op record */
+  int64_t host_ns; /* when the caller raised it: before its kernel was launched */
 };
 
 enum { EV_FREE = 0, EV_PROXY_OP = 1, EV_PROXY_STEP = 2, EV_KERNEL_CH = 3 };
@@ -146,6 +148,10 @@ struct event {
     } step;
     struct {
       uint32_t tracker;
+      uint8_t traced;    /* its task is a traced op: its GPU times go on the op record */
+      uint64_t index;    /* that op record's ring index */
+      int64_t launch_ns; /* the task's host time, before the kernel started */
+      uint64_t start;    /* GPU timer at the channel's start */
     } kernel;
   } u;
 };
@@ -273,6 +279,7 @@ static void capture_trace(struct comm* c, ccld_board* b, struct task* t) {
   if (LOAD(&c->map) == MAP_NONE) bind_ranks(c, b, gid, index);
   t->group_id = gid;
   t->seq = seq;
+  t->index = index;
   t->traced = 1;
   COUNT(traced);
 }
@@ -290,6 +297,8 @@ static struct task* task_publish(const struct comm* c, uint8_t kind, const struc
   t->ticket = ticket;
   t->group_id = v->group_id;
   t->seq = v->seq;
+  t->index = v->index;
+  t->host_ns = v->host_ns;
   STORE(&t->lock, l + 2);
   return t;
 }
@@ -316,11 +325,13 @@ static void* task_start(struct comm* c, uint8_t kind, const void* parent) {
     return NULL;
   }
   struct task v = {0}, api;
+  v.host_ns = ccld_now_ns();
   /* v5+: a Coll/P2p names its API event as parent; the trace was taken there. */
   if ((kind == TASK_COLL || kind == TASK_P2P) && parent_task(parent, c, &api) &&
       (api.kind == TASK_COLL_API || api.kind == TASK_P2P_API)) {
     v.group_id = api.group_id;
     v.seq = api.seq;
+    v.index = api.index;
     v.traced = api.traced;
   } else {
     capture_trace(c, b, &v);
@@ -641,7 +652,8 @@ static void* kernel_ch_start(struct comm* c, const void* parent,
   }
   struct task p;
   uint64_t group_id = c ? LOAD(&c->group_id) : 0, seq = 0;
-  if (parent_task(parent, c, &p)) {
+  int traced = parent_task(parent, c, &p);
+  if (traced) {
     group_id = p.group_id;
     seq = p.seq;
   }
@@ -654,15 +666,77 @@ static void* kernel_ch_start(struct comm* c, const void* parent,
   struct tracker* t = track(b, &k, e, CCLD_NO_RANK, (uint32_t)RLOAD(&g_pid), group_id, seq);
   if (!t) return drop_channel(b);
   e->u.kernel.tracker = (uint32_t)(t - g_trk);
+  e->u.kernel.traced = (uint8_t)(traced && p.traced);
+  e->u.kernel.index = traced ? p.index : 0;
+  e->u.kernel.launch_ns = traced ? p.host_ns : 0;
+  e->u.kernel.start = d->pTimer;
   return e;
 }
 
-static void kernel_ch_state(struct event* e, int state) {
+/* ---------------------------------------------------------------- the GPU clock
+ * The kernel stamps each channel's start and stop with the GPU's global timer (ns, its
+ * own epoch). Each KernelCh bounds the offset GPU timer - host monotonic clock: the start
+ * came after the host raised the op (offset <= start - launch), the stop before the
+ * proxy saw it (offset >= stop - now). The tightest bounds of the last two windows of
+ * GPU_WINDOW kernels (older ones are let go: the two clocks drift) give the offset, their
+ * middle, and its error, half their gap. Bounds that contradict the window by more than
+ * GPU_JUMP_NS say the timer jumped: the windows start again. */
+#define GPU_WINDOW 128
+#define GPU_JUMP_NS 1000000LL
+struct bounds {
+  int64_t lo, hi;
+};
+static const struct bounds NO_BOUNDS = {INT64_MIN, INT64_MAX};
+static struct {
+  uint32_t lock;
+  uint32_t count; /* kernels in the current window */
+  struct bounds now, before;
+} g_gpu = {0, 0, {INT64_MIN, INT64_MAX}, {INT64_MIN, INT64_MAX}};
+
+static struct bounds tighter(struct bounds a, struct bounds b) {
+  return (struct bounds){a.lo > b.lo ? a.lo : b.lo, a.hi < b.hi ? a.hi : b.hi};
+}
+
+static int known(struct bounds b) { return b.lo != INT64_MIN && b.hi != INT64_MAX && b.hi >= b.lo; }
+
+static int gpu_offset(struct bounds k, int64_t* offset, int64_t* err) {
+  ccld_spin_lock(&g_gpu.lock);
+  struct bounds both = tighter(g_gpu.now, g_gpu.before);
+  if (known(both) && (k.lo > both.hi + GPU_JUMP_NS || k.hi < both.lo - GPU_JUMP_NS)) {
+    g_gpu.now = g_gpu.before = NO_BOUNDS;
+    g_gpu.count = 0;
+  }
+  g_gpu.now = tighter(g_gpu.now, k);
+  if (++g_gpu.count >= GPU_WINDOW) {
+    g_gpu.before = g_gpu.now;
+    g_gpu.now = NO_BOUNDS;
+    g_gpu.count = 0;
+  }
+  both = tighter(g_gpu.now, g_gpu.before);
+  if (!known(both)) both = known(g_gpu.now) ? g_gpu.now : g_gpu.before; /* drifted apart */
+  ccld_spin_unlock(&g_gpu.lock);
+  if (!known(both)) return 0;
+  *offset = both.lo + (both.hi - both.lo) / 2;
+  *err = (both.hi - both.lo) / 2;
+  return 1;
+}
+
+static void kernel_ch_state(struct event* e, int state, const ccld_nccl_state_args_t* args) {
   if (state != CCLD_NCCL_STATE_KERNEL_CH_STOP) return;
   struct tracker* t = &g_trk[e->u.kernel.tracker];
+  int64_t now = ccld_now_ns();
   ccld_spin_lock(&t->lock);
-  tracker_publish(t, ccld_now_ns());
+  tracker_publish(t, now);
   ccld_spin_unlock(&t->lock);
+  uint64_t start = e->u.kernel.start, stop = args ? args->kernelCh.pTimer : 0;
+  if (!start || stop < start || !e->u.kernel.launch_ns) return; /* NCCL < 2.27: no timer */
+  int64_t offset, err;
+  struct bounds k = {(int64_t)stop - now, (int64_t)start - e->u.kernel.launch_ns};
+  if (!gpu_offset(k, &offset, &err)) return;
+  ccld_board* b = ccld_process_board();
+  if (b && e->u.kernel.traced)
+    ccld_op_set_device(b, e->u.kernel.index, CCLD_TIME_PROFILER, (int64_t)start - offset,
+                       (int64_t)stop - offset, err > UINT32_MAX ? UINT32_MAX : (uint32_t)err);
 }
 
 static void kernel_ch_stop(struct event* e) {
@@ -806,7 +880,7 @@ static ccld_nccl_result_t record_state(void* handle, int state, ccld_nccl_state_
       break;
     }
     case EV_KERNEL_CH:
-      kernel_ch_state(e, state);
+      kernel_ch_state(e, state, args);
       break;
   }
   return CCLD_NCCL_SUCCESS;

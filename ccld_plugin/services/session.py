@@ -42,6 +42,7 @@ from ccld_plugin.config import (
 from ccld_plugin.errors import log, report_error
 from ccld_plugin.services import job_folder
 from ccld_plugin.services.job_folder import FolderRefused, JobFolder
+from ccld_plugin.tracing.device import register_device
 from ccld_plugin.tracing.tracer import Tracer
 from ccld_plugin.wire.summary import MAX_FRAMES
 
@@ -57,6 +58,7 @@ __all__ = [
     "job_name",
     "job_seconds",
     "mark_step",
+    "register_device",
     "register_group",
 ]
 
@@ -182,7 +184,8 @@ def _start(cfg: CcldConfig) -> Session | None:
         _turn_off(rank, exc, path)
         return None
     errors.on_error(board.count_error)
-    tracer = Tracer(board, rank, cfg.tracer.poll_interval_ms / 1000.0)
+    tc = cfg.tracer
+    tracer = Tracer(board, rank, tc.poll_interval_ms / 1000.0, tc.device_time, tc.work_timing)
     tracer.register_group(None, "world")
     tracer.install()
     _session = Session(

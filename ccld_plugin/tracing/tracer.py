@@ -13,7 +13,6 @@ is rebound to its wrapper, and ``uninstall`` rebinds everything back.
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +26,10 @@ import ccld_plugin._native as _native
 from ccld_plugin.errors import report_error
 from ccld_plugin.topology import GroupInfo, Topology, group_id_of, more_specific, role_index
 from ccld_plugin.tracing.cpu_wait import ThreadCpuWait
+from ccld_plugin.tracing.device import DeviceKind, group_device
 from ccld_plugin.tracing.functional_ops import FunctionalOps
+from ccld_plugin.tracing.rebind import rebind
+from ccld_plugin.tracing.timeline import POLL_NS, DeviceOp, DeviceTimeline
 from ccld_plugin.tracing.work import (
     CompletionPoller,
     ThreadState,
@@ -38,6 +40,7 @@ from ccld_plugin.tracing.work import (
 from ccld_plugin.wire.codes import (
     FLAG_ASYNC,
     FLAG_CUDA,
+    FLAG_DEVICE,
     FLAG_P2P,
     FLAG_SEND,
     OP_CODES,
@@ -113,14 +116,22 @@ class GroupEntry:
 
     slot: int
     info: GroupInfo
-    cuda: bool  # NCCL group: exits are stamped at GPU completion by the poller
+    cuda: bool  # a device group (NCCL, a registered device): exits come from the device
     mixed: bool  # a group with several backends: the tensor's device decides
+    timeline: DeviceTimeline | None = None  # where its device ops are timed, if they are
 
 
 class Tracer:
     """Wraps torch.distributed for one board. At most one is installed at a time."""
 
-    def __init__(self, board: Any, rank: int, poll_interval_s: float = 0.005) -> None:
+    def __init__(
+        self,
+        board: Any,
+        rank: int,
+        poll_interval_s: float = 0.005,
+        device_time: bool = True,
+        work_timing: bool = True,
+    ) -> None:
         self.board = board
         self.rank = rank
         self.topology = Topology()
@@ -140,6 +151,10 @@ class Tracer:
         # to stretch the compute that precedes each communication.
         self.before_op: Callable[[], None] | None = None
         self._wait_ns: dict[int, int] = {}
+        # The device timeline (made with the first device group, when device_time is on),
+        # and whether device groups' own work timing is turned on for it.
+        self.timeline: DeviceTimeline | None = None
+        self._device_time, self._work_timing = device_time, work_timing
 
     # ----------------------------------------------------------------- groups
     def register_group(self, group: Any, role: str) -> GroupEntry | None:
@@ -172,8 +187,10 @@ class Tracer:
             raise RuntimeError("board group table is full; raise board.max_groups")
         # The same ranks may already be on the board under another role: keep the best.
         self.board.set_group_role(slot, role_index(info.role))
-        device = _device_of(pg)
+        device, kind = group_device(pg)
         entry = GroupEntry(slot, info, device == "cuda", device == "mixed")
+        if kind is not None and self._device_time:
+            entry.timeline = self._timeline_for(pg, kind)
         self._entries[pg] = entry
         if group is None:
             self._entries[None] = entry
@@ -188,6 +205,21 @@ class Tracer:
 
     def groups(self) -> list[GroupInfo]:
         return list(self.topology.groups.values())
+
+    def _timeline_for(self, pg: Any, kind: DeviceKind) -> DeviceTimeline | None:
+        """The timeline of a device group's ops (one per rank, of the first device kind;
+        a group of another kind goes untimed), with the group's work timing turned on."""
+        if self.timeline is None:
+            self.timeline = DeviceTimeline(kind, self.board, self.exit_many)
+            self._poller.add(self.timeline.poll, POLL_NS / 1e9)
+        if self.timeline.kind is not kind:
+            return None
+        if self._work_timing and kind.enable_work_timing is not None:
+            try:  # before the group's first op: works created after it carry the timing
+                kind.enable_work_timing(pg)
+            except Exception as exc:  # noqa: BLE001 - async ends then come from the poller
+                report_error("tracer.work_timing", exc)
+        return self.timeline
 
     # ----------------------------------------------------------------- steps
     def add_wait(self, ns: int) -> None:
@@ -206,6 +238,8 @@ class Tracer:
         WATCH_QUEUED_SHARE of the time: on a node with a core per rank, never; what a step
         that queued less leaves in its compute is below that share."""
         self.current_step = step
+        if self.timeline is not None:
+            self.timeline.mark(step)
         outside = self.cpu_wait_outside_ns()
         local = self._local
         now, total = time.monotonic_ns(), outside + local.cpu_wait_in_ops_ns
@@ -241,12 +275,37 @@ class Tracer:
         except Exception as exc:  # noqa: BLE001
             report_error("tracer.exit", exc)
 
-    def _track(self, work: Any, indices: tuple[int, ...], cuda: bool) -> TracedWork:
+    def _track(
+        self, work: Any, indices: tuple[int, ...], cuda: bool, dev: DeviceOp | None = None
+    ) -> TracedWork:
+        """Async work, its exit stamped when it completes: by the poller, or by the device
+        timeline for an op it follows (``dev``)."""
         # The call has returned: later NCCL calls on this thread are not part of this op.
         _native.clear_current_trace()
-        tw = TracedWork(work, indices, self, cuda)
-        self._poller.watch(tw)
+        tw = TracedWork(work, indices, self, cuda, dev)
+        if dev is None:
+            self._poller.watch(tw)
         return tw
+
+    def _arrive(self, tl: DeviceTimeline | None) -> int:
+        """The event before a device op (-1: none, the op goes untimed)."""
+        return -1 if tl is None else tl.arrive(self.current_step)
+
+    def _follow(
+        self, tl: Any, indices: tuple[int, ...], pre: int, works: list[Any], blocking: bool
+    ) -> DeviceOp | None:
+        """Hand a timed device op (``pre`` >= 0) to the timeline, which stamps its exit: a
+        blocking op with an event after it, async ones (or a blocking one without that
+        event) with their works. None for an untimed op."""
+        if pre < 0:
+            return None
+        _native.clear_current_trace()  # the call has returned (as _track says)
+        step = self.current_step
+        post = tl.arrive(step) if blocking else -1
+        parts = [] if post >= 0 else list(zip(indices, works, strict=True))
+        dev = DeviceOp(indices, step, pre, post, parts)
+        tl.follow(dev)
+        return dev
 
     def _next_p2p_seq(self, slot: int, peer: int, send: bool) -> int:
         key = (slot, peer, send)
@@ -297,7 +356,9 @@ class Tracer:
                     args[async_at] if len(args) > async_at else kwargs.get("async_op", False)
                 )
                 cuda = e.cuda or (e.mixed and _first_is_cuda(args))
+                pre = self._arrive(e.timeline) if cuda else -1
                 flags = (FLAG_ASYNC if asked_async else 0) | (FLAG_CUDA if cuda else 0)
+                flags |= FLAG_DEVICE if pre >= 0 else 0
                 if tensor_at is None:
                     nbytes = 0
                 else:  # inlined: this is the hot path of every collective
@@ -311,10 +372,12 @@ class Tracer:
                 args, kwargs = _force_async(args, kwargs, async_at)
             result = self._call(orig, args, kwargs, (index,), not (asked_async or cuda))
             if cuda and async_at is not None:
-                tw = self._track(result, (index,), True)
                 if asked_async:
-                    return tw
-                result.wait()
+                    dev = self._follow(e.timeline, (index,), pre, [result], False)
+                    return self._track(result, (index,), True, dev)
+                result.wait()  # orders the streams; timed: the event after it ends the op
+                if self._follow(e.timeline, (index,), pre, [result], True) is None:
+                    self._track(result, (index,), True)
                 return None
             if asked_async and result is not None:
                 return self._track(result, (index,), False)
@@ -344,17 +407,19 @@ class Tracer:
                 )
                 tensor = _arg(args, kwargs, 0, "tensor")
                 cuda = e.cuda or (e.mixed and tensor.is_cuda)
+                pre = self._arrive(e.timeline) if cuda else -1
+                flags = flag | (FLAG_CUDA if cuda else 0) | (FLAG_DEVICE if pre >= 0 else 0)
                 seq = self._next_p2p_seq(e.slot, peer, sends)
-                index = board.enter_p2p(
-                    e.slot, code, flag | (FLAG_CUDA if cuda else 0), _nbytes(tensor), peer, seq
-                )
+                index = board.enter_p2p(e.slot, code, flags, _nbytes(tensor), peer, seq)
             except Exception as exc:  # noqa: BLE001
                 report_error(f"tracer.{name}", exc)
                 return orig(*args, **kwargs)
             result = self._call(orig, args, kwargs, (index,), not (always_async or cuda))
             if always_async and result is not None:
-                return self._track(result, (index,), cuda)
-            board.exit(index, STATE_DONE)
+                dev = self._follow(e.timeline, (index,), pre, [result], False)
+                return self._track(result, (index,), cuda, dev)
+            if self._follow(e.timeline, (index,), pre, [None], True) is None:
+                board.exit(index, STATE_DONE)
             return result
 
         return traced
@@ -372,7 +437,7 @@ class Tracer:
                     self.before_op()
                 if isend is None:
                     isend, orig_isend = self._wrappers["isend"], self._originals["isend"]
-                indices, cuda = [], False
+                indices, cuda, tl, pre = [], False, None, -1
                 for op in p2p_op_list:
                     e = self._entries.get(op.group) or self.entry(op.group)
                     if e is None:
@@ -380,12 +445,15 @@ class Tracer:
                     sends = op.op is isend or op.op is orig_isend
                     peer = _peer_rank(op.group, op.peer, getattr(op, "group_peer", None))
                     op_cuda = e.cuda or (e.mixed and op.tensor.is_cuda)
+                    if op_cuda and tl is None and e.timeline is not None:  # one event: the batch's
+                        tl, pre = e.timeline, self._arrive(e.timeline)
                     cuda = cuda or op_cuda
                     flags = (
                         FLAG_P2P
                         | FLAG_ASYNC
                         | (FLAG_SEND if sends else 0)
                         | (FLAG_CUDA if op_cuda else 0)
+                        | (FLAG_DEVICE if op_cuda and pre >= 0 else 0)
                     )
                     code = OP_CODES["isend" if sends else "irecv"]
                     seq = self._next_p2p_seq(e.slot, peer, sends)
@@ -396,14 +464,20 @@ class Tracer:
                 report_error("tracer.batch_isend_irecv", exc)
                 return orig(p2p_op_list)
             works = self._call(orig, (p2p_op_list,), {}, tuple(indices), False)
+            one_each = bool(works) and len(works) == len(indices)
+            # coalesced into fewer works: every record completes with the last of them
+            last = [works[-1] if works else None] * len(indices)
+            dev = self._follow(tl, tuple(indices), pre, works if one_each else last, False)
             if not works:
-                self.exit_many(tuple(indices), STATE_DONE)
+                if dev is None:
+                    self.exit_many(tuple(indices), STATE_DONE)
                 return works
-            if len(works) == len(indices):
-                return [self._track(w, (i,), cuda) for w, i in zip(works, indices, strict=True)]
-            # Coalesced into fewer works: every record completes with the last of them.
-            tracked = [self._track(w, (), cuda) for w in works[:-1]]
-            tracked.append(self._track(works[-1], tuple(indices), cuda))
+            if one_each:
+                return [
+                    self._track(w, (i,), cuda, dev) for w, i in zip(works, indices, strict=True)
+                ]
+            tracked = [self._track(w, (), cuda, dev) for w in works[:-1]]
+            tracked.append(self._track(works[-1], tuple(indices), cuda, dev))
             return tracked
 
         return traced
@@ -473,27 +547,17 @@ class Tracer:
             w.__doc__ = orig.__doc__
             w.__wrapped__ = orig  # type: ignore[attr-defined]  # as functools.wraps sets it
             self._wrappers[name] = w
-        _rebind({id(o): (o, self._wrappers[n]) for n, o in self._originals.items()})
+        rebind({id(o): (o, self._wrappers[n]) for n, o in self._originals.items()})
         self._functional.install()
 
     def uninstall(self) -> None:
         self._functional.uninstall()
-        _rebind({id(w): (w, self._originals[n]) for n, w in self._wrappers.items()})
+        rebind({id(w): (w, self._originals[n]) for n, w in self._wrappers.items()})
         self._poller.stop()
         self._wrappers.clear()
 
 
 # ---------------------------------------------------------------------- helpers
-def _device_of(pg: Any) -> str:
-    try:
-        backend = str(dist.get_backend(pg)).lower()
-    except Exception:  # noqa: BLE001
-        return "cpu"
-    if "nccl" not in backend:
-        return "cpu"
-    return "cuda" if ":" not in backend else "mixed"
-
-
 def _first_is_cuda(args: tuple) -> bool:
     first = args[0] if args else None
     if isinstance(first, (list, tuple)):
@@ -532,32 +596,3 @@ def _add_coalesced_bytes(
         )
     except Exception as exc:  # noqa: BLE001
         report_error("tracer.coalesced", exc)
-
-
-def _holders() -> list[Any]:
-    """Objects known to keep collectives as attributes, captured at their init."""
-    found = []
-    ds_comm = sys.modules.get("deepspeed.comm.comm")
-    cdb = getattr(ds_comm, "cdb", None) if ds_comm is not None else None
-    if cdb is not None:
-        found.append(cdb)
-    return found
-
-
-def _rebind(replacements: dict[int, tuple[Any, Any]]) -> int:
-    """Replace every reference to an old function found in loaded modules' globals and in
-    known holder objects. Returns how many references were rebound."""
-    count = 0
-    namespaces = [vars(m) for m in list(sys.modules.values()) if hasattr(m, "__dict__")]
-    namespaces += [vars(h) for h in _holders() if hasattr(h, "__dict__")]
-    for ns in namespaces:
-        try:
-            items = list(ns.items())
-        except Exception:  # noqa: BLE001 - a module with an odd namespace
-            continue
-        for key, value in items:
-            hit = replacements.get(id(value))
-            if hit is not None and hit[0] is value:
-                ns[key] = hit[1]
-                count += 1
-    return count

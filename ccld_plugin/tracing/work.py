@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ccld_plugin.errors import report_error
@@ -13,6 +14,7 @@ from ccld_plugin.tracing.cpu_wait import ThreadCpuWait
 from ccld_plugin.wire.codes import STATE_DONE, STATE_ERROR
 
 if TYPE_CHECKING:
+    from ccld_plugin.tracing.timeline import DeviceOp
     from ccld_plugin.tracing.tracer import Tracer
 
 __all__ = [
@@ -53,29 +55,44 @@ def book_cpu_wait(local: ThreadState, before: int) -> None:
 
 
 class TracedWork:
-    """Delegates to the real work object; stamps the op's exit when it completes."""
+    """Delegates to the real work object; stamps the op's exit when it completes (or the
+    device timeline does, for an op it follows: ``dev``)."""
 
-    __slots__ = ("_work", "_indices", "_tracer", "_cuda", "_done")
+    __slots__ = ("_work", "_indices", "_tracer", "_cuda", "_done", "_dev")
 
-    def __init__(self, work: Any, indices: tuple[int, ...], tracer: Tracer, cuda: bool) -> None:
+    def __init__(
+        self,
+        work: Any,
+        indices: tuple[int, ...],
+        tracer: Tracer,
+        cuda: bool,
+        dev: DeviceOp | None = None,
+    ) -> None:
         self._work = work
         self._indices = indices
         self._tracer = tracer
         self._cuda = cuda
         self._done = False
+        self._dev = dev
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         t0 = time.monotonic_ns()
-        local = self._tracer._local
+        tracer = self._tracer
+        local = tracer._local
         queued = -1 if self._cuda else cpu_wait_now(local)
+        # On a device, wait() makes the current stream wait: events around it tell how long
+        timeline = tracer.timeline if self._dev is not None else None
+        w0 = timeline.arrive(tracer.current_step) if timeline is not None else -1
         try:
             result = self._work.wait(*args, **kwargs)
         except BaseException:
             self._finish(STATE_ERROR)
             raise
         finally:
-            self._tracer.add_wait(time.monotonic_ns() - t0)
+            tracer.add_wait(time.monotonic_ns() - t0)
             book_cpu_wait(local, queued)
+            if timeline is not None:
+                timeline.waited_from(tracer.current_step, w0)
         if not self._cuda:  # on GPU, wait() only orders streams: the poller stamps exit
             self._finish(STATE_DONE)
         return result
@@ -102,6 +119,8 @@ class CompletionPoller:
     def __init__(self, interval_s: float) -> None:
         self._interval = interval_s
         self._pending: list[Any] = []
+        self._also: list[Callable[[], None]] = []  # polled too: device timelines
+        self._also_s = float("inf")  # ... this often
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
@@ -111,6 +130,12 @@ class CompletionPoller:
     def watch(self, work: Any) -> None:
         with self._lock:
             self._pending.append(work)
+        self._wake.set()
+
+    def add(self, poll: Callable[[], None], period_s: float) -> None:
+        """Call ``poll`` about every ``period_s`` from now on (it must never block)."""
+        self._also.append(poll)
+        self._also_s = min(self._also_s, max(period_s, self._interval))
         self._wake.set()
 
     def stop(self) -> None:
@@ -123,7 +148,12 @@ class CompletionPoller:
             with self._lock:
                 pending = self._pending
                 self._pending = []
-            if not pending:
+            for poll in self._also:
+                try:
+                    poll()
+                except Exception as exc:  # noqa: BLE001
+                    report_error("tracer.device_poll", exc)
+            if not pending and not self._also:
                 self._wake.wait()
                 self._wake.clear()
                 continue
@@ -136,7 +166,7 @@ class CompletionPoller:
                     report_error("tracer.poller", exc)
             with self._lock:
                 self._pending.extend(still)
-            self._wake.wait(self._interval)
+            self._wake.wait(self._interval if still else self._also_s)
             self._wake.clear()
 
 

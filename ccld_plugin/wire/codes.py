@@ -16,6 +16,7 @@ __all__ = [
     "DIRECTION_SEND",
     "FLAG_ASYNC",
     "FLAG_CUDA",
+    "FLAG_DEVICE",
     "FLAG_P2P",
     "FLAG_SEND",
     "OP_CODES",
@@ -29,6 +30,12 @@ __all__ = [
     "STATE_ERROR",
     "STATE_IN_FLIGHT",
     "STATE_NAMES",
+    "TIME_EVENTS",
+    "TIME_HOST",
+    "TIME_NAMES",
+    "TIME_POLL",
+    "TIME_PROFILER",
+    "TIME_WORK",
     "WAIT_CODES",
     "WAIT_LOCAL",
     "WAIT_NAMES",
@@ -79,7 +86,18 @@ STATE_NAMES = {
 }
 
 # enum ccld_op_flags
-FLAG_ASYNC, FLAG_P2P, FLAG_SEND, FLAG_CUDA = 1, 2, 4, 8
+FLAG_ASYNC, FLAG_P2P, FLAG_SEND, FLAG_CUDA, FLAG_DEVICE = 1, 2, 4, 8, 16
+
+# enum ccld_time_source: where an op's device times come from, best first; 0 on the board
+# is "no device time", and in a summary "host clocks" (a CPU job, or no device timeline)
+TIME_HOST, TIME_PROFILER, TIME_EVENTS, TIME_WORK, TIME_POLL = 0, 1, 2, 3, 4
+TIME_NAMES = {
+    TIME_HOST: "host",
+    TIME_PROFILER: "nccl-profiler",
+    TIME_EVENTS: "device-events",
+    TIME_WORK: "work-timing",
+    TIME_POLL: "host-poll",
+}
 
 # enum ccld_channel_source
 SOURCE_NONE, SOURCE_NCCL, SOURCE_TCP = 0, 1, 2

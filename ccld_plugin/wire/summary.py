@@ -11,23 +11,54 @@ value without the diagnoser's analysis changing.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from ccld_plugin.wire.codes import (
     FLAG_ASYNC,
     FLAG_CUDA,
+    FLAG_DEVICE,
     FLAG_P2P,
     FLAG_SEND,
     OP_NAMES,
     STATE_ERROR,
     STATE_IN_FLIGHT,
+    TIME_EVENTS,
+    TIME_HOST,
+    TIME_POLL,
+)
+from ccld_plugin.wire.summary_layout import (
+    FLIGHT_DTYPE,
+    FLIGHT_ROW,
+    FRAME_LEN,
+    GROUP_DTYPE,
+    GROUP_ROW,
+    HEAD_DTYPE,
+    HEAD_ROW,
+    MAX_FRAME,
+    MAX_FRAMES,
+    MAX_HOST,
+    NOT_THIS_VERSION,
+    P2P_DTYPE,
+    P2P_ROW,
+    SAMPLE_DTYPE,
+    SAMPLE_ROW,
+    STEP_DTYPE,
+    STEP_ROW,
+    STEP_ROW_OF_VERSION,
+    SUMMARY_VERSION,
+    Sections,
+    SummaryError,
+    read_frames,
+    sections,
 )
 
 __all__ = [
+    "ARRIVALS_SHIFT",
+    "FLAG_DEVICE_TIME",
     "FLIGHT_DTYPE",
     "FRAME_LEN",
     "GROUP_DTYPE",
@@ -60,29 +91,20 @@ __all__ = [
     "without_channels",
 ]
 
-# 2: a step's wait for a CPU (StepStat.cpu_wait_us). 3: point-to-point samples, after the
-# channel evidence. Values of versions 1 and 2 still decode (a recording made before),
-# with no wait and no point-to-point samples.
-SUMMARY_VERSION = 3
 FLAG_EXITED = 1  # the rank left through the plugin's exit path
 FLAG_ERRORED = 2  # ...after a collective raised
 # made from its board by its node's leader after its process died (agent.node_share)
 FLAG_LAST_WORDS = 4
 # ...on an uncaught exception (the summary's stack: where it was raised, then the exception)
 FLAG_CRASHED = 8
+# its steps are the device's (its compute from the device timeline: ``time_source``)
+FLAG_DEVICE_TIME = 16
+ARRIVALS_SHIFT = 5  # flags bits 5-7: where its arrival samples' times come from (TIME_*)
 KNOWN_FLAGS = FLAG_EXITED | FLAG_ERRORED | FLAG_LAST_WORDS | FLAG_CRASHED
-MAX_HOST = 255  # bytes of the host name kept
-MAX_FRAMES, MAX_FRAME = 32, 400  # stack frames kept, bytes per frame
-OP_FLAGS = FLAG_ASYNC | FLAG_P2P | FLAG_SEND | FLAG_CUDA  # the flags an op record may have
+_TIME_FLAGS = FLAG_DEVICE_TIME | 7 << ARRIVALS_SHIFT
+OP_FLAGS = FLAG_ASYNC | FLAG_P2P | FLAG_SEND | FLAG_CUDA | FLAG_DEVICE  # an op record's
 _OP_CODES = np.array(sorted(OP_NAMES), np.int64)
 LATE_NS = 10**9  # a time in a summary may pass its own time_ns by this much (a racing step)
-
-
-NOT_THIS_VERSION = "corrupt ccld summary: not a ccld summary of this version"
-
-
-class SummaryError(ValueError):
-    """A value that is not a summary of this version, or one that fails its own checks."""
 
 
 class GroupProgress(NamedTuple):
@@ -107,12 +129,19 @@ class InFlightOp(NamedTuple):
 
 
 class StepStat(NamedTuple):
+    """One step of a rank, on the clock its ``source`` names: host clocks (a CPU job), or
+    the device timeline (its step marks and ops on the device; the step's start mapped to
+    the host's clock), where the host only launches and waits at sync points."""
+
     step: int
     start_ns: int
     step_us: int
     compute_us: int  # step time minus time blocked in collectives and queued for a CPU
     # outside them, the training thread's wait runnable for a CPU (the host's, not compute)
     cpu_wait_us: int = 0
+    # where the summary's time_source is the device's: the host's own measure of the
+    # step's compute, beside the device's (0 on host clocks: compute_us is the host's)
+    host_compute_us: int = 0
 
 
 class ArrivalSample(NamedTuple):
@@ -164,134 +193,13 @@ class RankSummary:
     # Point-to-point samples, the same way (``p2p_samples`` decodes them).
     p2p: list[P2PSample] = field(default_factory=list)
     p2p_rows: bytes = b""
+    # Where its times come from: its steps' compute (low nibble: TIME_HOST or, with a
+    # device timeline, TIME_EVENTS) and its arrival samples (high nibble), wire.codes TIME_*
+    time_source: int = TIME_HOST
 
     @property
     def exited(self) -> bool:
         return bool(self.flags & FLAG_EXITED)
-
-
-# The records of a value, defined once: numpy rows for the decoders that read many values
-# at once (summary_batch), and the structs made from them for one value at a time. Step
-# starts and sample times go relative to the summary's time, in microseconds, and a
-# sample's seq as its distance below the group's completed seq: that keeps a steady-state
-# summary under 1 KB.
-HEAD_DTYPE = np.dtype(
-    [
-        ("version", "u1"),
-        ("flags", "u1"),
-        ("rank", "<i4"),
-        ("pid", "<i4"),
-        ("time_ns", "<i8"),
-        ("heartbeat_ns", "<i8"),
-        ("last_progress_ns", "<i8"),
-        ("step", "<i4"),
-        ("groups_version", "<u2"),
-        ("errors", "<u4"),
-        ("n_groups", "<u2"),
-        ("n_flights", "<u2"),
-        ("n_steps", "<u2"),
-        ("n_samples", "<u2"),
-        ("n_frames", "<u2"),
-        ("n_host", "<u2"),
-        ("n_channels", "<u4"),
-    ]
-)
-GROUP_DTYPE = np.dtype(
-    [
-        ("slot", "<u2"),
-        ("entered_seq", "<u8"),
-        ("completed_seq", "<u8"),
-        ("ops", "<u4"),
-        ("blocked_us", "<u4"),
-        ("bytes", "<u8"),
-        ("max_dur_us", "<u4"),
-    ]
-)
-FLIGHT_DTYPE = np.dtype(
-    [
-        ("slot", "<u2"),
-        ("op", "u1"),
-        ("flags", "u1"),
-        ("peer", "<i4"),
-        ("seq", "<u8"),
-        ("bytes", "<u8"),
-        ("enter_ns", "<i8"),
-        ("state", "u1"),
-    ]
-)
-_STEP_V1_FIELDS = [("step", "<i4"), ("rel_us", "<i4"), ("step_us", "<u4"), ("compute_us", "<u4")]
-STEP_DTYPE = np.dtype([*_STEP_V1_FIELDS, ("cpu_wait_us", "<u4")])
-_STEP_V1_DTYPE = np.dtype(_STEP_V1_FIELDS)  # without the wait for a CPU
-SAMPLE_DTYPE = np.dtype(
-    [("slot", "<u2"), ("back", "<u4"), ("rel_us", "<i4"), ("dur_us", "<u4"), ("bytes", "<u4")]
-)
-P2P_DTYPE = np.dtype(
-    [
-        ("slot", "<u2"),
-        ("peer", "<i4"),
-        ("sends", "u1"),
-        ("seq", "<u4"),
-        ("rel_us", "<i4"),
-        ("dur_us", "<u4"),
-        ("bytes", "<u4"),
-    ]
-)
-FRAME_LEN = struct.Struct("<H")  # before each stack frame's bytes
-_STRUCT_CODES = {"u1": "B", "u2": "H", "u4": "I", "u8": "Q", "i4": "i", "i8": "q"}
-
-
-def _struct(dtype: np.dtype) -> struct.Struct:
-    """The struct of one row of ``dtype`` (packed, little-endian)."""
-    assert dtype.fields is not None
-    codes = [_STRUCT_CODES[f"{t.kind}{t.itemsize}"] for t, *_ in dtype.fields.values()]
-    return struct.Struct("<" + "".join(codes))
-
-
-_HEAD_FIELDS = ("rank", "pid", "flags", "step", "heartbeat_ns", "last_progress_ns")
-_HEAD, _GROUP, _FLIGHT = _struct(HEAD_DTYPE), _struct(GROUP_DTYPE), _struct(FLIGHT_DTYPE)
-_STEP, _STEP_V1 = _struct(STEP_DTYPE), _struct(_STEP_V1_DTYPE)
-_SAMPLE, _P2P = _struct(SAMPLE_DTYPE), _struct(P2P_DTYPE)
-
-
-class Sections(NamedTuple):
-    """Where a value's sections start: host name, group progress, in-flight ops, steps,
-    arrival samples, stack frames. After the frames: the channel evidence
-    (``n_channels`` bytes), then point-to-point samples to the end."""
-
-    host: Any
-    groups: Any
-    flights: Any
-    steps: Any
-    samples: Any
-    frames: Any
-
-
-def sections(head_end: Any, counts: Sequence[Any], step_size: int = _STEP.size) -> Sections:
-    """The sections of values whose heads end at ``head_end``, from their heads' counts of
-    host bytes, groups, in-flight ops, steps and samples: ints for one value, numpy arrays
-    for many alike. ``step_size``: a step record's size in the values' version."""
-    n_host, n_groups, n_flights, n_steps, n_samples = counts
-    groups = head_end + n_host
-    flights = groups + _GROUP.size * n_groups
-    steps = flights + _FLIGHT.size * n_flights
-    samples = steps + step_size * n_steps
-    return Sections(head_end, groups, flights, steps, samples, samples + _SAMPLE.size * n_samples)
-
-
-def read_frames(value: bytes, at: int, count: int) -> tuple[list[str], int]:
-    """The ``count`` stack frames of ``value`` from ``at``, and where they end. Raises
-    :class:`SummaryError` on frames that are not what the encoder writes."""
-    frames = []
-    try:
-        for _ in range(count):
-            (n,) = FRAME_LEN.unpack_from(value, at)
-            if n > MAX_FRAME:
-                raise SummaryError("corrupt ccld summary (a stack frame longer than encoded)")
-            frames.append(value[at + 2 : at + 2 + n].decode())
-            at += 2 + n
-    except (struct.error, UnicodeDecodeError) as exc:
-        raise SummaryError(f"corrupt ccld summary ({exc})") from None
-    return frames, at
 
 
 def _clip32(v: int) -> int:
@@ -310,11 +218,12 @@ def _utf8(text: str, limit: int) -> bytes:
 def encode_summary(s: RankSummary) -> bytes:
     host = _utf8(s.host, MAX_HOST)
     stack = [_utf8(f, MAX_FRAME) for f in s.stack[:MAX_FRAMES]]
-    n_samples = len(s.samples) if s.samples else len(s.sample_rows) // _SAMPLE.size
+    n_samples = len(s.samples) if s.samples else len(s.sample_rows) // SAMPLE_ROW.size
+    device = bool(s.time_source & 0xF)
     parts = [
-        _HEAD.pack(
+        HEAD_ROW.pack(
             SUMMARY_VERSION,
-            s.flags,
+            _sent_flags(s),
             s.rank,
             s.pid,
             s.time_ns,
@@ -334,7 +243,7 @@ def encode_summary(s: RankSummary) -> bytes:
         host,
     ]
     parts += [
-        _GROUP.pack(
+        GROUP_ROW.pack(
             g.slot,
             g.entered_seq,
             g.completed_seq,
@@ -346,16 +255,16 @@ def encode_summary(s: RankSummary) -> bytes:
         for g in s.groups
     ]
     parts += [
-        _FLIGHT.pack(o.slot, o.op, o.flags, o.peer, o.seq, o.bytes, o.enter_ns, o.state)
+        FLIGHT_ROW.pack(o.slot, o.op, o.flags, o.peer, o.seq, o.bytes, o.enter_ns, o.state)
         for o in s.in_flight
     ]
     parts += [
-        _STEP.pack(
+        STEP_ROW.pack(
             t.step,
             _rel_us(t.start_ns, s.time_ns),
             _clip32(t.step_us),
             _clip32(t.compute_us),
-            _clip32(t.cpu_wait_us),
+            _clip32(t.host_compute_us if device else t.cpu_wait_us),
         )
         for t in s.steps
     ]
@@ -385,7 +294,7 @@ def upgraded_summary(data: bytes) -> bytes:
     """A summary value in this version's encoding: one of an earlier version (a recording
     made before) re-encoded, without what that version lacked; any other (a corrupt one
     included, which the decoders refuse with their reason) as it is."""
-    if data[:1] not in (b"\x01", b"\x02"):
+    if data[:1] not in (b"\x01", b"\x02", b"\x03"):
         return data
     try:
         return encode_summary(decode_summary(data))
@@ -403,25 +312,25 @@ def read_summary(data: bytes) -> RankSummary:
     :func:`decode_summary` or ``SummaryTable.decode``, or one on its way through them.
     Raises :class:`SummaryError`, struct.error or UnicodeDecodeError where the value's
     shape is not the encoder's."""
-    if len(data) < _HEAD.size or data[0] not in (1, 2, SUMMARY_VERSION):
+    if len(data) < HEAD_ROW.size or data[0] not in STEP_ROW_OF_VERSION:
         raise SummaryError(NOT_THIS_VERSION)
-    step_record = _STEP_V1 if data[0] == 1 else _STEP
-    (_, flags, rank, pid, time_ns, hb, progress, step, gver, errors, *counts) = _HEAD.unpack_from(
-        data
-    )
+    step_record = STEP_ROW_OF_VERSION[data[0]]
+    head = HEAD_ROW.unpack_from(data)
+    (_, flags, rank, pid, time_ns, hb, progress, step, gver, errors, *counts) = head
     ng, nf, nst, nsa, nframes, nhost, nchan = counts
     if nhost > MAX_HOST or nframes > MAX_FRAMES:
         raise SummaryError("corrupt ccld summary (host or stack longer than encoded)")
-    at = sections(_HEAD.size, (nhost, ng, nf, nst, nsa), step_record.size)
+    at = sections(HEAD_ROW.size, (nhost, ng, nf, nst, nsa), step_record.size)
     if at.frames + 2 * nframes + nchan > len(data):
         raise SummaryError("corrupt ccld summary (shorter than its counts)")
+    device = bool(flags & FLAG_DEVICE_TIME)
     steps = [
-        StepStat(step_, time_ns + rel * 1000, *times)
+        _step(step_, time_ns + rel * 1000, times, device)
         for step_, rel, *times in step_record.iter_unpack(data[at.steps : at.samples])
     ]
     stack, off = read_frames(data, at.frames, nframes)
     p2p_bytes = len(data) - off - nchan
-    if p2p_bytes < 0 or p2p_bytes % _P2P.size or (p2p_bytes and data[0] != SUMMARY_VERSION):
+    if p2p_bytes < 0 or p2p_bytes % P2P_ROW.size or (p2p_bytes and data[0] < 3):
         raise SummaryError("corrupt ccld summary (length mismatch)")
     return RankSummary(
         rank=rank,
@@ -432,16 +341,35 @@ def read_summary(data: bytes) -> RankSummary:
         step=step,
         last_progress_ns=progress,
         groups_version=gver,
-        flags=flags,
+        flags=flags & ~_TIME_FLAGS,
         errors=errors,
-        groups=[GroupProgress(*r) for r in _GROUP.iter_unpack(data[at.groups : at.flights])],
-        in_flight=[InFlightOp(*r) for r in _FLIGHT.iter_unpack(data[at.flights : at.steps])],
+        groups=[GroupProgress(*r) for r in GROUP_ROW.iter_unpack(data[at.groups : at.flights])],
+        in_flight=[InFlightOp(*r) for r in FLIGHT_ROW.iter_unpack(data[at.flights : at.steps])],
         steps=steps,
         stack=stack,
         channels=data[off : off + nchan],
         sample_rows=data[at.samples : at.frames],
         p2p_rows=data[off + nchan :],
+        time_source=(TIME_EVENTS if device else TIME_HOST) | (flags >> ARRIVALS_SHIFT) << 4,
     )
+
+
+_HEAD_FIELDS = ("rank", "pid", "flags", "step", "heartbeat_ns", "last_progress_ns")
+
+
+def _sent_flags(s: RankSummary) -> int:
+    """The summary's flags as sent: with where its times come from."""
+    device = FLAG_DEVICE_TIME if s.time_source & 0xF else 0
+    return s.flags | device | (s.time_source >> 4) << ARRIVALS_SHIFT
+
+
+def _step(step: int, start_ns: int, times: list[int], device: bool) -> StepStat:
+    """A step record of any version (its times after its start; ``device``: in a summary
+    of device time, its last figure is the host's compute)."""
+    step_us, compute_us, aside_us = [*times, 0][:3]
+    if device:
+        return StepStat(step, start_ns, step_us, compute_us, 0, aside_us)
+    return StepStat(step, start_ns, step_us, compute_us, aside_us)
 
 
 # what problems() reads of a summary object's head and steps
@@ -453,6 +381,7 @@ Records = tuple[np.ndarray, np.ndarray]  # a summary's records of one kind, and 
 def _records_of(s: RankSummary) -> tuple[np.ndarray, Records, Records, Records, Records]:
     """One summary object's fields as :func:`problems` reads them: a row of one table."""
     head = np.array([tuple(getattr(s, f) for f in _HEAD_RULED.names or ())], _HEAD_RULED)
+    head["flags"] = _sent_flags(s)
     flights = np.array([tuple(o) for o in s.in_flight], FLIGHT_DTYPE)
     steps = np.array(
         [(t.step, t.step_us, t.compute_us, t.cpu_wait_us) for t in s.steps], _STEP_RULED
@@ -489,7 +418,11 @@ def problems(
         lambda i: f"rank {heads['rank'][i]}, pid {heads['pid'][i]}",
     )
     flag(
-        np.flatnonzero(((heads["flags"] & ~KNOWN_FLAGS) != 0) | (heads["step"] < 0)),
+        np.flatnonzero(
+            ((heads["flags"] & ~(KNOWN_FLAGS | _TIME_FLAGS)) != 0)
+            | (heads["flags"] >> ARRIVALS_SHIFT > TIME_POLL)
+            | (heads["step"] < 0)
+        ),
         lambda i: f"flags {heads['flags'][i]:#x}, step {heads['step'][i]}",
     )
     flag(
@@ -545,7 +478,7 @@ def encoded_samples(s: RankSummary) -> bytes:
         return s.sample_rows
     completed = {g.slot: g.completed_seq for g in s.groups}
     return b"".join(
-        _SAMPLE.pack(
+        SAMPLE_ROW.pack(
             a.slot,
             _clip32(completed.get(a.slot, a.seq) - a.seq),
             _rel_us(a.enter_ns, s.time_ns),
@@ -563,7 +496,7 @@ def arrival_samples(s: RankSummary) -> list[ArrivalSample]:
     completed = {g.slot: g.completed_seq for g in s.groups}
     return [
         ArrivalSample(slot, completed.get(slot, 0) - back, s.time_ns + rel * 1000, d, b)
-        for slot, back, rel, d, b in _SAMPLE.iter_unpack(s.sample_rows)
+        for slot, back, rel, d, b in SAMPLE_ROW.iter_unpack(s.sample_rows)
     ]
 
 
@@ -573,7 +506,7 @@ def encoded_p2p(s: RankSummary) -> bytes:
     if not s.p2p:
         return s.p2p_rows
     return b"".join(
-        _P2P.pack(
+        P2P_ROW.pack(
             p.slot,
             p.peer,
             int(p.sends),
@@ -592,5 +525,5 @@ def p2p_samples(s: RankSummary) -> list[P2PSample]:
         return list(s.p2p)
     return [
         P2PSample(slot, peer, bool(sends), seq, s.time_ns + rel * 1000, d, b)
-        for slot, peer, sends, seq, rel, d, b in _P2P.iter_unpack(s.p2p_rows)
+        for slot, peer, sends, seq, rel, d, b in P2P_ROW.iter_unpack(s.p2p_rows)
     ]

@@ -19,6 +19,7 @@ from ccld_plugin.wire.packed import PackedSummaries, gather, records
 from ccld_plugin.wire.peer_channels import ChannelRows, channel_rows, channel_rows_at
 from ccld_plugin.wire.summary import (
     FLAG_CRASHED,
+    FLAG_DEVICE_TIME,
     FLAG_ERRORED,
     FLAG_EXITED,
     FLIGHT_DTYPE,
@@ -64,6 +65,7 @@ _STEPS = np.dtype(
         ("step_us", "<i8"),
         ("compute_us", "<i8"),
         ("cpu_wait_us", "<i8"),
+        ("host_compute_us", "<i8"),
     ]
 )
 
@@ -178,9 +180,11 @@ class SummaryTable(Mapping[int, RankSummary]):
         steps["row"] = s_row
         steps["step"] = s_raw["step"]
         steps["start_ns"] = heads["time_ns"][s_row] + s_raw["rel_us"].astype(np.int64) * 1000
-        steps["step_us"] = s_raw["step_us"]
-        steps["compute_us"] = s_raw["compute_us"]
-        steps["cpu_wait_us"] = s_raw["cpu_wait_us"]
+        steps["step_us"], steps["compute_us"] = s_raw["step_us"], s_raw["compute_us"]
+        # the last figure: the host's compute in a summary of device time, else a CPU wait
+        device = (heads["flags"][s_row] & FLAG_DEVICE_TIME) != 0
+        steps["cpu_wait_us"] = np.where(device, 0, s_raw["aside_us"])
+        steps["host_compute_us"] = np.where(device, s_raw["aside_us"], 0)
         spans = np.stack([channels_at - starts, p2p_at - starts], axis=1)
         table = cls(
             packed.ranks,

@@ -509,6 +509,55 @@ static int scenario_p2p(const char* path, int side) {
   return 0;
 }
 
+/* ------------------------------------------------------------------ the GPU clock */
+/* Traced all-reduces whose two kernel channels carry GPU timer stamps: the timer is the
+ * host's monotonic clock from another epoch (and, with `jump`, moved by 5 s before the
+ * second half of the ops). Each kernel starts 200 us after the call, channel 1 later than
+ * channel 0 and stopping first. Prints, per op, its ring index and its true host-time
+ * start and end (channel 0's start, channel 0's stop). */
+static void* kernel_ch_at(void* ctx, void* parent, int ch, uint64_t timer) {
+  struct ev e = {.type = CCLD_NCCL_EV_KERNEL_CH, .parent = parent};
+  e.kch.channelId = (uint8_t)ch;
+  e.kch.pTimer = timer;
+  return ev_start(ctx, &e);
+}
+
+static void kernel_ch_stop_at(void* h, uint64_t timer) {
+  ev_state(h, CCLD_NCCL_STATE_KERNEL_CH_STOP, timer);
+  ev_stop(h);
+}
+
+static int scenario_gpuclock(const char* path, int jump) {
+  int32_t world[2] = {0, 1};
+  ccld_board* b = make_board(path, 0, 2, 64);
+  int32_t slot = p_ccld_group_register(b, 0x61C10C, 0, world, 2, 0);
+  void* ctx = nccl_init(0x31, 2, 0, NULL);
+  printf("{\"scenario\": \"gpuclock\", \"version\": %d, \"ops\": [", g_version);
+  for (int i = 0; i < 12; i++) {
+    uint64_t epoch = 1700000000000000000ull + (jump && i >= 6 ? 5000000000ull : 0);
+    uint64_t index = p_ccld_op_enter(b, (uint32_t)slot, CCLD_OP_ALL_REDUCE,
+                                     CCLD_FLAG_CUDA | CCLD_FLAG_DEVICE, 1024, CCLD_NO_RANK, 0);
+    void* task = nccl_task(ctx, 0, -1, 2);
+    usleep(200);
+    int64_t start = p_ccld_now_ns();
+    void* ch0 = kernel_ch_at(ctx, task, 0, (uint64_t)start + epoch);
+    usleep(100);
+    void* ch1 = kernel_ch_at(ctx, task, 1, (uint64_t)p_ccld_now_ns() + epoch);
+    usleep(500);
+    kernel_ch_stop_at(ch1, (uint64_t)p_ccld_now_ns() + epoch);
+    usleep(100);
+    int64_t end = p_ccld_now_ns();
+    kernel_ch_stop_at(ch0, (uint64_t)end + epoch);
+    p_ccld_op_exit(b, index, CCLD_STATE_DONE);
+    printf("%s[%llu, %lld, %lld]", i ? ", " : "", (unsigned long long)index, (long long)start,
+           (long long)end);
+  }
+  printf("], ");
+  print_stats();
+  printf("}\n");
+  return 0;
+}
+
 /* ------------------------------------------------------------------ edge cases */
 struct launch_arg {
   void* ctx;
@@ -965,6 +1014,7 @@ int main(int argc, char** argv) {
   if (!strcmp(scenario, "ringfault"))
     return scenario_ring(board, arg, argc > 6 ? atoi(argv[6]) : 0, argc > 7 ? atoi(argv[7]) : 0);
   if (!strcmp(scenario, "p2p")) return scenario_p2p(board, arg);
+  if (!strcmp(scenario, "gpuclock")) return scenario_gpuclock(board, arg);
   if (!strcmp(scenario, "edge")) return scenario_edge(board);
   if (!strcmp(scenario, "threads")) return scenario_threads(board);
   if (!strcmp(scenario, "bench")) return scenario_bench(board);

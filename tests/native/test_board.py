@@ -67,7 +67,14 @@ def test_wire_codes_agree_with_the_native_enums():
         codes.STATE_DONE,
         codes.STATE_ERROR,
     )
-    assert native["flag"] == (codes.FLAG_ASYNC, codes.FLAG_P2P, codes.FLAG_SEND, codes.FLAG_CUDA)
+    assert native["flag"] == (
+        codes.FLAG_ASYNC,
+        codes.FLAG_P2P,
+        codes.FLAG_SEND,
+        codes.FLAG_CUDA,
+        codes.FLAG_DEVICE,
+    )
+    assert native["time"] == tuple(codes.TIME_NAMES)
     assert native["source"] == (codes.SOURCE_NONE, codes.SOURCE_NCCL, codes.SOURCE_TCP)
     assert native["direction"] == (codes.DIRECTION_SEND, codes.DIRECTION_RECV)
     assert native["wait"] == tuple(codes.WAIT_CODES[w] for w in codes.WAIT_NAMES)

@@ -375,6 +375,30 @@ def test_p2p_pair_maps_peers_to_global_ranks(build: Build, tmp_path: Path, versi
         assert {(r["group_id"], r["seq"]) for r in recs} == {(0x778899, 4)}
 
 
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("jump", [0, 1], ids=["steady", "timer-jumps"])
+def test_kernel_channel_gpu_times_land_on_the_traced_op(
+    build: Build, tmp_path: Path, version: int, jump: int
+) -> None:
+    """A traced op's device start and end are its channels' GPU timer stamps (the earliest
+    start, the latest stop), mapped from the timer's epoch to the host's monotonic clock
+    within the error written beside them, also across a jump of the timer."""
+    from ccld_plugin.board.reader import BoardReader
+    from ccld_plugin.wire.codes import TIME_PROFILER
+
+    board = tmp_path / "gpuclock.board"
+    out = run(build, "gpuclock", board, version, jump)
+    with BoardReader(board) as r:
+        recs = {int(o["index_lo"]): o for o in r.ops()}
+    for index, start, end in out["ops"]:
+        rec = recs[index]
+        assert rec["dev_source"] == TIME_PROFILER | TIME_PROFILER << 4
+        err = int(rec["dev_err_ns"])
+        assert abs(int(rec["dev_start_ns"]) - start) <= err
+        assert abs(int(rec["dev_end_ns"]) - end) <= err
+        assert err < 1_000_000  # the 200 us between the call and the kernel, and the wakeups
+
+
 # ----------------------------------------------------------------------------- edge cases
 EDGE_GROUP = 0xE00E00
 

@@ -262,7 +262,7 @@ def test_fault_specs_give_a_fault_or_a_one_line_error(text):
         return
     assert f.kind in FAULT_KINDS and f.rank >= 0 and f.step >= 0
     assert parse_fault(str(f)) == f  # the canonical form names the same fault
-    if f.kind == "compute-slow":
+    if f.kind in ("compute-slow", "device-slow"):
         assert 1 < f.factor <= 100
     if f.kind == "comm-slow":
         assert f.rate.isascii() and f.rate[0].isdigit()
@@ -276,13 +276,14 @@ def test_fault_specs_give_a_fault_or_a_one_line_error(text):
     st.floats(1.001, 100),
 )
 def test_a_well_formed_spec_is_read_as_written(kind, rank, step, factor):
-    params = {"compute-slow": f"factor={factor!r},", "comm-slow": "rate=20mbit,"}
+    slowed = ("compute-slow", "device-slow")
+    params = {k: f"factor={factor!r}," for k in slowed} | {"comm-slow": "rate=20mbit,"}
     f = parse_fault(f"{kind}@{rank}:{params.get(kind, '')}step={step}")
     expected = FaultSpec(
         kind,
         rank,
         step,
-        factor if kind == "compute-slow" else 1.0,
+        factor if kind in slowed else 1.0,
         "20mbit" if kind == "comm-slow" else "",
     )
     assert f == expected
