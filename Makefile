@@ -33,7 +33,7 @@ $(PY_FILES): FORCE | $(VPY)
 	@rm -f $@.new
 
 # Rebuild the native probe when its sources change.
-$(NATIVE): $(DEPS) CMakeLists.txt $(wildcard ccld_plugin/csrc/*) $(PY_FILES)
+$(NATIVE): $(DEPS) CMakeLists.txt $(wildcard ccld_plugin/csrc/*) $(wildcard startup/*) $(PY_FILES)
 	$(VPY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
@@ -54,7 +54,7 @@ native: $(NATIVE)
 jobs: $(NATIVE)
 	$(VPY) -m pytest -q tests/jobs
 
-LINTED := ccld_plugin ccld_harness tests benchmarks examples tools
+LINTED := ccld_plugin ccld_harness startup tests benchmarks examples tools
 
 # Lint, format and types.
 check: $(NATIVE)
