@@ -10,7 +10,7 @@ NATIVE := $(VENV)/.native-built
 
 PY_FILES := $(VENV)/.py-files
 
-.PHONY: demo test unit native jobs check lint bench clean FORCE
+.PHONY: demo test unit native jobs check lint bench clean wheel-check FORCE
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,11 @@ check: $(NATIVE)
 	$(VENV)/bin/mypy
 
 lint: check
+
+# The wheel as a user gets it: built, installed into a fresh venv outside the tree (torch
+# first), then ccld demo, ccld run and ccld diagnose from another folder (~3-4 min).
+wheel-check: $(NATIVE)
+	$(PYTHON) tools/wheel_check.py --build-python $(VPY) --torch "$(TORCH_SPEC)"
 
 bench: $(NATIVE)
 	$(VPY) benchmarks/hook_overhead.py

@@ -34,9 +34,6 @@ from ccld_plugin.errors import report_error
 
 __all__ = ["PATCHES", "after_import", "patch"]
 
-# [True] while deepspeed.initialize runs through the plugin's own initialize, which calls
-# deepspeed.initialize itself
-_ds_inside: list[bool] = []
 # [session started] once --ccld installed the plugin in Megatron-LM
 _megatron_lm: list[bool] = []
 
@@ -52,20 +49,16 @@ def _patch_deepspeed(ds: Any) -> None:
 
     @functools.wraps(original)
     def initialize(*args: Any, **kwargs: Any) -> Any:
-        if _ds_inside:
-            return original(*args, **kwargs)
         from ccld_plugin.integrations.deepspeed import engine
         from ccld_plugin.integrations.deepspeed.config import read_config
 
+        if engine.building():  # ccld_plugin.deepspeed.initialize's own call
+            return original(*args, **kwargs)
         # a bad block raises ConfigError here, before any engine: the job must not start
         cfg = read_config(engine._ds_config_arg(engine._bound_args(original, args, kwargs)))
         if cfg is None or not cfg.enabled:
             return original(*args, **kwargs)
-        _ds_inside.append(True)
-        try:
-            return engine.initialize(*args, **kwargs)
-        finally:
-            _ds_inside.pop()
+        return engine.initialize(*args, **kwargs)
 
     ds.initialize = initialize
 

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -181,3 +182,45 @@ def netns_demo(
     )
     assert leftover_networks() == [], "the run left its network behind"
     return result
+
+
+# A verdict after which the job will not go on by itself.
+TERMINAL = {"hang", "deadlock", "mismatch", "unresponsive", "crash"}
+
+
+def run_until_verdict(
+    cmd: list[str],
+    env: dict[str, str],
+    verdicts: Path,
+    log: Path,
+    timeout_s: float,
+    end_on_verdict: bool = True,
+    cwd: Path | None = None,
+) -> tuple[list[dict], int | None]:
+    """Run a launcher command (its own session: every process it starts ends with it) until
+    it exits, or, unless not ``end_on_verdict``, until ``verdicts`` holds a verdict after
+    which the job will not recover; then SIGTERM, SIGKILL after 15 s. The verdicts, and the
+    exit code (None where the job was ended)."""
+    from ccld_plugin.sinks.jsonl import read_verdicts
+
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
+        )
+        deadline = time.monotonic() + timeout_s
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                if end_on_verdict and any(v["kind"] in TERMINAL for v in read_verdicts(verdicts)):
+                    time.sleep(1)  # its last records
+                    break
+                time.sleep(0.3)
+        finally:
+            code = proc.poll()
+            if code is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(5)
+    return read_verdicts(verdicts), code

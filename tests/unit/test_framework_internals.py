@@ -91,3 +91,18 @@ def test_a_changed_internal_is_found():
     assert problems(engine, SimpleNamespace(), "step") == [
         "deepspeed.runtime.engine: no DeepSpeedEngine.step"
     ]
+
+
+def test_the_table_in_the_docs_is_the_list():
+    import importlib.util as iu
+
+    from paths import REPO
+
+    spec = iu.spec_from_file_location("internals_table", REPO / "tools" / "internals_table.py")
+    assert spec is not None and spec.loader is not None
+    tool = iu.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    text = tool.DOC.read_text()
+    assert tool.with_table(text, tool.table()) == text, (
+        "docs/integrations.md's internals table is stale: run python tools/internals_table.py"
+    )
