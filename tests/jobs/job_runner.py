@@ -14,6 +14,7 @@ from typing import Any
 from ccld_harness.demo import DemoOptions, run_demo
 from ccld_harness.faults import netns
 from ccld_harness.launch import LocalJob
+from ccld_plugin.board.reader import BoardReader, board_files
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -182,6 +183,15 @@ def netns_demo(
     )
     assert leftover_networks() == [], "the run left its network behind"
     return result
+
+
+def board_roles(folder: Path) -> dict[int, set[str]]:
+    """The roles of the groups on each rank's board in ``folder``."""
+    out = {}
+    for f in board_files(folder):
+        with BoardReader(f) as r:
+            out[r.header().rank] = {g.role for g in r.groups()}
+    return out
 
 
 # A verdict after which the job will not go on by itself.

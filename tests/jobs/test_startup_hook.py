@@ -14,13 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from job_runner import FAST, NO_SHORT_HANGS, SCRIPTS, run_until_verdict
+from job_runner import FAST, NO_SHORT_HANGS, SCRIPTS, board_roles, run_until_verdict
 from omegaconf import OmegaConf
 from paths import MEGATRON_LM
 
 import ccld_harness
 from ccld_harness.launch import free_port
-from ccld_plugin.board.reader import BoardReader, board_files
 
 BIN = Path(sys.executable).parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--master-addr", "127.0.0.1"]
@@ -55,14 +54,6 @@ def _settings(tmp: Path, *sets: str) -> list[str]:
     ]
 
 
-def _roles(tmp: Path) -> dict[int, set[str]]:
-    out = {}
-    for f in board_files(tmp / "j"):
-        with BoardReader(f) as r:
-            out[r.header().rank] = {g.role for g in r.groups()}
-    return out
-
-
 def _log(tmp: Path) -> str:
     return (tmp / "job.log").read_text(errors="replace")[-4000:]
 
@@ -93,7 +84,7 @@ def test_deepspeed_block_alone_hang_under_the_deepspeed_launcher(tmp_path):
     (v,) = verdicts
     assert (v["group"]["role"], v["group"]["ranks"]) == ("dp", [0, 1, 2, 3])
     assert v["step"] == 5  # steps from the engine (global_steps)
-    roles = _roles(tmp_path)
+    roles = board_roles(tmp_path / "j")
     assert sorted(roles) == [0, 1, 2, 3] and all("dp" in roles[r] for r in roles), roles
 
 
@@ -148,7 +139,7 @@ def test_megatron_lm_pretrain_gpt_ccld_hang(tmp_path):
     assert (v["group"]["role"], v["group"]["ranks"]) == ("tp", [0, 1])
     assert v["step"] == 3  # Megatron-LM's iteration
     # every parallel_state group registered with its role, after initialize_model_parallel
-    roles = _roles(tmp_path)
+    roles = board_roles(tmp_path / "j")
     assert sorted(roles) == [0, 1, 2, 3] and all({"tp", "pp", "dp"} <= roles[r] for r in roles)
 
 
