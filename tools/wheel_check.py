@@ -6,11 +6,13 @@ of the boards it left, and the start-up hook in place. Exits 0 when every step d
 it should; prints each step and its time.
 
     python tools/wheel_check.py [--build-python .venv/bin/python] [--torch torch==2.13.0]
+                                [--keep DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -151,11 +153,23 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--build-python", default=str(REPO / ".venv" / "bin" / "python"))
     p.add_argument("--torch", default="torch==2.13.0", help="what pip installs first")
+    p.add_argument(
+        "--keep",
+        type=Path,
+        metavar="DIR",
+        help="work in DIR (a new folder) and keep it: the wheel, its venv (e.g. for "
+        "benchmarks/startup_hook.py) and what the jobs left",
+    )
     args = p.parse_args()
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="ccld-wheel-") as tmp:
+    with contextlib.ExitStack() as stack:
+        if args.keep is None:
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ccld-wheel-")))
+        else:
+            tmp = args.keep
+            tmp.mkdir(parents=True)
         try:
-            check(Path(tmp), args.build_python, args.torch)
+            check(tmp, args.build_python, args.torch)
         except (CheckFailed, subprocess.TimeoutExpired) as exc:
             print(f"wheel-check: FAILED: {exc}", file=sys.stderr)
             return 1
