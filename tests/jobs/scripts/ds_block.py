@@ -18,7 +18,9 @@ STEPS = int(os.environ.get("STEPS", "40"))
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--local_rank", type=int, default=0)
+    # the deepspeed launcher passes it; torchrun sets LOCAL_RANK, which DeepSpeed checks
+    # against it when args are given
+    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", "0")))
     args = deepspeed.add_config_arguments(p).parse_args()
     # DeepSpeed's CPU accelerator JIT-compiles a shared-memory op at init that gloo training
     # does not use (minutes on a loaded 2-core machine): skipped, as examples/deepspeed does.
