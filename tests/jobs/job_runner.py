@@ -204,13 +204,13 @@ def run_until_verdict(
     verdicts: Path,
     log: Path,
     timeout_s: float,
-    end_on_verdict: bool = True,
+    end_on: frozenset[str] | set[str] = TERMINAL,
     cwd: Path | None = None,
 ) -> tuple[list[dict], int | None]:
     """Run a launcher command (its own session: every process it starts ends with it) until
-    it exits, or, unless not ``end_on_verdict``, until ``verdicts`` holds a verdict after
-    which the job will not recover; then SIGTERM, SIGKILL after 15 s. The verdicts, and the
-    exit code (None where the job was ended)."""
+    it exits, or until ``verdicts`` holds a verdict of a kind in ``end_on`` (by default
+    those after which the job will not recover); then SIGTERM, SIGKILL after 15 s. The
+    verdicts, and the exit code (None where the job was ended)."""
     from ccld_plugin.sinks.jsonl import read_verdicts
 
     with open(log, "wb") as out:
@@ -220,7 +220,7 @@ def run_until_verdict(
         deadline = time.monotonic() + timeout_s
         try:
             while proc.poll() is None and time.monotonic() < deadline:
-                if end_on_verdict and any(v["kind"] in TERMINAL for v in read_verdicts(verdicts)):
+                if any(v["kind"] in end_on for v in read_verdicts(verdicts)):
                     time.sleep(1)  # its last records
                     break
                 time.sleep(0.3)

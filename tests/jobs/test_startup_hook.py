@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from job_runner import FAST, NO_SHORT_HANGS, SCRIPTS, board_roles, run_until_verdict
+from job_runner import FAST, NO_SHORT_HANGS, SCRIPTS, TERMINAL, board_roles, run_until_verdict
 from omegaconf import OmegaConf
 from paths import MEGATRON_LM
 
@@ -59,7 +59,9 @@ def _log(tmp: Path) -> str:
 
 
 # ---------------------------------------------------------------------- DeepSpeed
-def _ds_job(tmp: Path, launcher: list[str], fault: str, sets: tuple[str, ...] = ()) -> list[dict]:
+def _ds_job(
+    tmp: Path, launcher: list[str], fault: str, sets: tuple[str, ...] = (), end_on=TERMINAL
+) -> list[dict]:
     block = OmegaConf.to_container(OmegaConf.from_dotlist(_settings(tmp, *sets)))
     config = {
         "train_micro_batch_size_per_gpu": 16,
@@ -71,7 +73,7 @@ def _ds_job(tmp: Path, launcher: list[str], fault: str, sets: tuple[str, ...] = 
     config_arg = ["--deepspeed_config", str(tmp / "ds_config.json")]
     cmd = [*launcher, str(SCRIPTS / "ds_block.py"), *config_arg]
     env = _env(FAULT=fault, STEPS="60", DS_ACCELERATOR="cpu")
-    verdicts, _ = run_until_verdict(cmd, env, tmp / "verdicts.jsonl", tmp / "job.log", 240)
+    verdicts, _ = run_until_verdict(cmd, env, tmp / "verdicts.jsonl", tmp / "job.log", 240, end_on)
     return verdicts
 
 
@@ -89,7 +91,7 @@ def test_deepspeed_block_alone_hang_under_the_deepspeed_launcher(tmp_path):
 
 
 def test_deepspeed_block_alone_straggler_under_torchrun(tmp_path):
-    verdicts = _ds_job(tmp_path, _torchrun(4), "slow@1:0.15", NO_SHORT_HANGS)
+    verdicts = _ds_job(tmp_path, _torchrun(4), "slow@1:0.15", NO_SHORT_HANGS, {"slow"})
     slow = [v for v in verdicts if v["kind"] == "slow"]
     assert slow and (slow[0]["cause"], slow[0]["ranks"]) == ("compute", [1]), (
         verdicts,
@@ -118,13 +120,17 @@ needs_megatron_lm = pytest.mark.skipif(
 )
 
 
-def _pretrain_gpt(tmp: Path, faults: str, iterations: int, *sets: str) -> list[dict]:
+def _pretrain_gpt(
+    tmp: Path, faults: str, iterations: int, *sets: str, end_on=TERMINAL
+) -> list[dict]:
     site = Path(ccld_harness.__file__).parent / "megatron_lm_site"
     ccld = ["--ccld", *sum((["--ccld-set", s] for s in _settings(tmp, *sets)), [])]
     cmd = [*_torchrun(4), str(MEGATRON_LM / "pretrain_gpt.py"), *GPT]
     cmd += ["--train-iters", str(iterations), *ccld]
     env = _env(CCLD_FAULTS=faults, PYTHONPATH=os.pathsep.join([str(site), str(MEGATRON_LM)]))
-    verdicts, _ = run_until_verdict(cmd, env, tmp / "verdicts.jsonl", tmp / "job.log", 300, cwd=tmp)
+    verdicts, _ = run_until_verdict(
+        cmd, env, tmp / "verdicts.jsonl", tmp / "job.log", 300, end_on, cwd=tmp
+    )
     return verdicts
 
 
@@ -145,7 +151,9 @@ def test_megatron_lm_pretrain_gpt_ccld_hang(tmp_path):
 
 @needs_megatron_lm
 def test_megatron_lm_pretrain_gpt_ccld_straggler(tmp_path):
-    verdicts = _pretrain_gpt(tmp_path, "compute-slow@2:factor=4,step=2", 30, *NO_SHORT_HANGS)
+    verdicts = _pretrain_gpt(
+        tmp_path, "compute-slow@2:factor=4,step=2", 30, *NO_SHORT_HANGS, end_on={"slow"}
+    )
     slow = [v for v in verdicts if v["kind"] == "slow"]
     assert slow and (slow[0]["cause"], slow[0]["ranks"]) == ("compute", [2]), (
         verdicts,
