@@ -33,7 +33,7 @@ class CheckFailed(RuntimeError):
 
 
 def _step(name: str, cmd: list[str], timeout_s: float, **kwargs: object) -> str:
-    """Run one step; its output, or CheckFailed with the end of it."""
+    """Run one step; its standard output, or CheckFailed with the end of its output."""
     start = time.monotonic()
     proc = subprocess.run(
         cmd,
@@ -43,11 +43,11 @@ def _step(name: str, cmd: list[str], timeout_s: float, **kwargs: object) -> str:
         **kwargs,  # type: ignore[call-overload]
     )
     took = time.monotonic() - start
-    out = proc.stdout + proc.stderr
     if proc.returncode != 0:
+        out = proc.stdout + proc.stderr
         raise CheckFailed(f"{name}: exit {proc.returncode} after {took:.0f} s\n{out[-4000:]}")
     print(f"wheel-check: {name}: ok ({took:.0f} s)", flush=True)
-    return out
+    return proc.stdout
 
 
 def _hung_job(venv: Path, work: Path, env: dict[str, str]) -> None:
@@ -120,7 +120,9 @@ def check(tmp: Path, build_python: str, torch_spec: str) -> None:
     )
     (wheel,) = dist.glob("ccld_plugin-*.whl")
     _step("venv", [sys.executable, "-m", "venv", str(venv)], 120)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    # no byte-compiling of every file at install (most of torch's install time here):
+    # what a process imports is compiled when it is first imported
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile"]
     _step(f"pip install {torch_spec}", [*pip, torch_spec], 600)
     torch_version = "import torch; print(torch.__version__)"
     before = _step("torch", [str(venv / "bin" / "python"), "-c", torch_version], 120)
