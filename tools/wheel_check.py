@@ -120,9 +120,7 @@ def check(tmp: Path, build_python: str, torch_spec: str) -> None:
     )
     (wheel,) = dist.glob("ccld_plugin-*.whl")
     _step("venv", [sys.executable, "-m", "venv", str(venv)], 120)
-    # no byte-compiling of every file at install (most of torch's install time here):
-    # what a process imports is compiled when it is first imported
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile"]
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
     _step(f"pip install {torch_spec}", [*pip, torch_spec], 600)
     torch_version = "import torch; print(torch.__version__)"
     before = _step("torch", [str(venv / "bin" / "python"), "-c", torch_version], 120)
