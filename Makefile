@@ -10,7 +10,7 @@ NATIVE := $(VENV)/.native-built
 
 PY_FILES := $(VENV)/.py-files
 
-.PHONY: demo test unit native jobs check lint docs bench clean FORCE
+.PHONY: demo test unit native jobs check lint docs bench clean wheel-check FORCE
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -33,7 +33,7 @@ $(PY_FILES): FORCE | $(VPY)
 	@rm -f $@.new
 
 # Rebuild the native probe when its sources change.
-$(NATIVE): $(DEPS) CMakeLists.txt $(wildcard ccld_plugin/csrc/*) $(PY_FILES)
+$(NATIVE): $(DEPS) CMakeLists.txt $(wildcard ccld_plugin/csrc/*) $(wildcard startup/*) $(PY_FILES)
 	$(VPY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
@@ -54,7 +54,7 @@ native: $(NATIVE)
 jobs: $(NATIVE)
 	$(VPY) -m pytest -q tests/jobs
 
-LINTED := ccld_plugin ccld_harness tests benchmarks examples tools
+LINTED := ccld_plugin ccld_harness startup tests benchmarks examples tools
 
 # Lint, format and types.
 check: $(NATIVE)
@@ -69,6 +69,11 @@ lint: check
 docs: $(NATIVE)
 	$(VPY) tools/reference_pages.py --check
 	$(VENV)/bin/mkdocs build --strict --quiet
+
+# The wheel as a user gets it: built, installed into a fresh venv outside the tree (torch
+# first), then ccld demo, ccld run and ccld diagnose from another folder (~3-4 min).
+wheel-check: $(NATIVE)
+	$(PYTHON) tools/wheel_check.py --build-python $(VPY) --torch "$(TORCH_SPEC)"
 
 bench: $(NATIVE)
 	$(VPY) benchmarks/hook_overhead.py

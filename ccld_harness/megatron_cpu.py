@@ -8,19 +8,26 @@ objects found in ``sys.modules``, which is where Megatron looks names up at call
 
 It is test infrastructure: every torch call in the process passes through one
 ``TorchFunctionMode`` while it is active, which costs a few microseconds per op.
+
+``activate_megatron_lm()`` adds what Megatron-LM's own ``pretrain()`` (megatron/training)
+needs on top, and injects the compute faults of ``CCLD_FAULTS`` at its iterations; the
+``megatron_lm_site`` folder beside this module runs it at interpreter start in a rank.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import logging
-from types import ModuleType
+import os
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["activate", "is_active"]
+__all__ = ["activate", "activate_megatron_lm", "is_active"]
 
 _CPU = torch.device("cpu")
 # Megatron's optimizers and grad clipping assert on these type strings.
@@ -161,4 +168,107 @@ def activate() -> bool:
     # the schedules and the optimizer run (autograd's backward runs without it).
     _mode = _CudaToCpuMode()
     _mode.__enter__()
+    return True
+
+
+class _Stream:
+    """torch.cuda.Stream where CPU work is done when issued: every wait is over."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _Event:
+        return _Event()
+
+    def query(self) -> bool:
+        return True
+
+
+class _Event(_Stream):
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+
+def _allow_no_cuda(initialize: ModuleType) -> None:
+    # pretrain() asserts CUDA unless initialize_megatron gets allow_no_cuda; training.py
+    # imports the function by name, after this module has run
+    original = initialize.initialize_megatron
+
+    @functools.wraps(original)
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return original(*args, **kwargs)
+
+    initialize.initialize_megatron = initialize_megatron
+
+
+def _inject_faults(training: ModuleType) -> None:
+    """The rank's compute faults at iteration starts: inside the forward step function
+    that ``train_step`` calls, so after the plugin's own wrapper marked the iteration."""
+    original = training.train_step
+    injector: list[Any] = []
+
+    @functools.wraps(original)
+    def train_step(forward_step_func, *args, **kwargs):
+        if not injector:
+            from ccld_harness.faults.megatron import attach_faults
+
+            injector.append(attach_faults())
+        iteration = kwargs.get("iteration")
+        if injector[0] is None or iteration is None:
+            return original(forward_step_func, *args, **kwargs)
+
+        def forward_with_fault(*fargs, **fkwargs):
+            injector[0].before_step(iteration)
+            return forward_step_func(*fargs, **fkwargs)
+
+        return original(forward_with_fault, *args, **kwargs)
+
+    training.train_step = train_step
+
+
+def activate_megatron_lm() -> bool:
+    """``activate()``, and what Megatron-LM's ``pretrain()`` stops at on CPU, in the order
+    it meets them: its CUDA assertion, the device properties its argument checks read
+    with TP > 1, a device count of 0 (which skips ``initialize_model_parallel``), the
+    dataset helpers it compiles with make (the wheel ships them built, without their
+    Makefile), the fused kernels it builds with nvcc, and the CUDA streams of its DDP.
+    Needs ``--transformer-impl local --no-persist-layer-norm
+    --no-gradient-accumulation-fusion`` on its command line. False where CUDA is there."""
+    if not activate():
+        return False
+    from ccld_plugin.integrations.autoload import after_import
+
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # validate_args asserts it
+    cuda = torch.cuda
+    cuda.get_device_properties = lambda device=None: SimpleNamespace(
+        major=9, minor=0, name="cpu", total_memory=0, multi_processor_count=1
+    )
+    cuda.get_device_capability = lambda device=None: (9, 0)
+    cuda.device_count = lambda: 1
+    cuda.set_device = lambda device: None
+    cuda.Stream = _Stream
+    cuda.Event = _Event
+    cuda.current_stream = lambda device=None: _Stream()
+    cuda.default_stream = lambda device=None: _Stream()
+    cuda.stream = lambda stream: contextlib.nullcontext()
+    after_import("megatron.training.initialize", _allow_no_cuda)
+    after_import(
+        "megatron.core.datasets.utils", lambda m: setattr(m, "compile_helpers", lambda: None)
+    )
+    after_import("megatron.legacy.fused_kernels", lambda m: setattr(m, "load", lambda args: None))
+    if os.environ.get("CCLD_FAULTS"):
+        after_import("megatron.training.training", _inject_faults)
     return True

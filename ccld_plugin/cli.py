@@ -126,7 +126,13 @@ def _parser() -> argparse.ArgumentParser:
     dia = sub.add_parser(
         "diagnose", help="diagnose a job from the boards it left (hung, crashed or killed)"
     )
-    dia.add_argument("path", type=Path, help="the job's board directory (or one board file)")
+    dia.add_argument(
+        "path",
+        type=Path,
+        nargs="+",
+        help="the job's board directory (or one board file); one per host for a job whose "
+        "hosts kept their own boards",
+    )
     _verdict_options(dia)
 
     rp = sub.add_parser(
@@ -244,6 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console()
     from ccld_plugin.board.reader import BoardError
     from ccld_plugin.config import ConfigError
+    from ccld_plugin.integrations.slurm import SlurmError
     from ccld_plugin.postmortem.boards import PostmortemError
     from ccld_plugin.sinks.wandb.run_file import RunFileError
 
@@ -310,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 0
             print(to_yaml(load_config(args.config, args.overrides)), end="")
             return 0
-    except (ConfigError, BoardError, RunFileError, PostmortemError) as exc:
+    except (ConfigError, BoardError, RunFileError, PostmortemError, SlurmError) as exc:
         print(f"ccld: error: {exc}", file=sys.stderr)
         return 2
     return 1
@@ -414,7 +421,8 @@ def _run(config: Path | None, overrides: list[str], launch: list[str]) -> int:
 
     from ccld_plugin.config import check_world, load_config
     from ccld_plugin.integrations.autostart import run_env
-    from ccld_plugin.integrations.launch_world import launch_world
+    from ccld_plugin.integrations.launch_world import is_launcher, launch_world
+    from ccld_plugin.integrations.slurm import torch_env_from_slurm
 
     cmd = launch[1:] if launch[:1] == ["--"] else launch
     if not cmd:
@@ -428,10 +436,17 @@ def _run(config: Path | None, overrides: list[str], launch: list[str]) -> int:
     if shutil.which(cmd[0]) is None:
         print(f"ccld: error: command not found: {cmd[0]}", file=sys.stderr)
         return 2
-    world = launch_world(cmd) if cfg.enabled else None
+    if not cfg.enabled:
+        os.execvpe(cmd[0], cmd, dict(os.environ))
+    env = run_env(cfg, os.environ)
+    # under srun, one task per rank: torch's variables from Slurm's (a launcher sets them)
+    slurm = {} if is_launcher(cmd) else torch_env_from_slurm(env)
+    env.update(slurm)
+    world = launch_world(cmd)
     if world is not None:
         check_world(cfg, world.ranks, world.how)
-    env = run_env(cfg, os.environ) if cfg.enabled else dict(os.environ)
+    elif slurm:
+        check_world(cfg, int(slurm["WORLD_SIZE"]), f"srun: {slurm['WORLD_SIZE']} tasks")
     os.execvpe(cmd[0], cmd, env)
 
 

@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.abc
-import importlib.util
 import json
 import os
-import sys
-from collections.abc import Callable, Mapping, Sequence
-from types import ModuleType
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ccld_plugin.config import CcldConfig, load_config
 from ccld_plugin.errors import report_error
+from ccld_plugin.integrations.autoload import after_import
 
 __all__ = ["CONFIG_ENV", "mesh_roles", "run_env", "start"]
 
@@ -77,8 +74,8 @@ def start() -> None:
     ccld_plugin.enable(cfg)
     _watch_device_mesh()
     _trace_ddp_buckets()
-    _after_import("megatron.core.parallel_state", _watch_megatron)
-    _after_import("deepspeed", _watch_deepspeed)
+    after_import("megatron.core.parallel_state", _watch_megatron)
+    after_import("deepspeed", _watch_deepspeed)
     _mark_steps_from_optimizer()
 
 
@@ -242,41 +239,6 @@ def _mark_steps_from_optimizer() -> None:
             mark_step(done[0])
 
     register_optimizer_step_post_hook(hook)
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs a callback once a module has been imported (the scripts import Megatron or
-    DeepSpeed after interpreter start, when there is nothing to patch yet)."""
-
-    def __init__(self, name: str, callback: Callable[[ModuleType], None]) -> None:
-        self.name, self.callback = name, callback
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)  # once, and not for the look-up below
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-        callback = self.callback
-
-        def exec_then_call(module: ModuleType) -> None:
-            exec_module(module)
-            try:
-                callback(module)
-            except Exception as exc:  # noqa: BLE001
-                report_error(f"autostart.{fullname}", exc)
-
-        spec.loader.exec_module = exec_then_call  # type: ignore[method-assign]
-        return spec
-
-
-def _after_import(name: str, callback: Callable[[ModuleType], None]) -> None:
-    if name in sys.modules:
-        callback(sys.modules[name])
-    else:
-        sys.meta_path.insert(0, _AfterImport(name, callback))
 
 
 def run_env(cfg: CcldConfig, environ: Mapping[str, str]) -> dict[str, str]:

@@ -17,7 +17,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["LaunchWorld", "launch_world"]
+__all__ = ["LaunchWorld", "is_launcher", "launch_world"]
 
 TORCH_LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch")
 DEEPSPEED_RUNNER = "deepspeed.launcher.runner"
@@ -51,6 +51,20 @@ def launch_world(cmd: Sequence[str]) -> LaunchWorld | None:
         if module == DEEPSPEED_RUNNER:
             return _deepspeed(args)
     return None
+
+
+def is_launcher(cmd: Sequence[str]) -> bool:
+    """Whether ``cmd`` is a launcher that starts the ranks and sets their variables itself
+    (torchrun, ``python -m torch.distributed.run`` / ``.launch``, the deepspeed launcher)."""
+    if not cmd:
+        return False
+    program = os.path.basename(cmd[0])
+    if program in ("torchrun", "deepspeed"):
+        return True
+    return program.startswith("python") and _python_module(cmd[1:])[0] in (
+        *TORCH_LAUNCHERS,
+        DEEPSPEED_RUNNER,
+    )
 
 
 def _python_module(args: Sequence[str]) -> tuple[str | None, Sequence[str]]:

@@ -135,31 +135,25 @@ class JobBoards:
         return [b for _, b in sorted(self.ranks.items()) if b.corrupt]
 
 
-def load_boards(path: Path) -> JobBoards:
-    """Read every board at ``path`` (a board file or a directory of them)."""
-    try:
-        os.stat(path)
-    except FileNotFoundError:
-        raise PostmortemError(f"{path} does not exist; pass a job's board directory") from None
-    except OSError:
-        pass  # the reader says why it cannot be read
+def load_boards(path: Path, *more: Path) -> JobBoards:
+    """Read every board at ``path`` (a board file or a directory of them) and at ``more``
+    (the folders of the job's other hosts, each kept on its own host)."""
     read: list[RankBoard] = []
     unreadable: list[str] = []
-    try:
-        files = board_files(path, unreadable)
-    except BoardError as exc:
-        raise PostmortemError(str(exc)) from None
-    for f in files:
-        try:
-            read.append(_read(f, unreadable))
-        except BoardError as exc:
-            unreadable.append(str(exc))
-    if files == [path] and unreadable:
-        raise PostmortemError(unreadable[0])  # one board, not a folder: why it is unreadable
+    for where in (path, *more):
+        files = _board_files_at(where, unreadable)
+        for f in files:
+            try:
+                read.append(_read(f, unreadable))
+            except BoardError as exc:
+                unreadable.append(str(exc))
+        if not more and files == [path] and unreadable:
+            raise PostmortemError(unreadable[0])  # one board, not a folder: why unreadable
+    shown = ", ".join(str(p) for p in (path, *more))
     if not read:
         why = f" ({len(unreadable)} unreadable, the first: {unreadable[0]})" if unreadable else ""
         raise PostmortemError(
-            f"no readable board (*.board) at {path}{why}; boards are in <board.dir>/<job>/ "
+            f"no readable board (*.board) at {shown}{why}; boards are in <board.dir>/<job>/ "
             "(default /dev/shm/ccld-<uid>/<job>/)"
         )
     jobs: dict[tuple[str, int], list[RankBoard]] = {}
@@ -170,8 +164,8 @@ def load_boards(path: Path) -> JobBoards:
             f"{job!r} of world {world} ({len(bs)} boards)" for (job, world), bs in jobs.items()
         )
         raise PostmortemError(
-            f"boards of {len(jobs)} different jobs at {path}: {listed}; "
-            "pass the directory of one job"
+            f"boards of {len(jobs)} different jobs at {shown}: {listed}; "
+            "pass the directories of one job"
         )
     ((job, world),) = jobs
     notes: list[str] = []
@@ -186,6 +180,19 @@ def load_boards(path: Path) -> JobBoards:
             "analysis (never started, or their boards were removed)"
         )
     return boards
+
+
+def _board_files_at(path: Path, unreadable: list[str]) -> list[Path]:
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        raise PostmortemError(f"{path} does not exist; pass a job's board directory") from None
+    except OSError:
+        pass  # the reader says why it cannot be read
+    try:
+        return board_files(path, unreadable)
+    except BoardError as exc:
+        raise PostmortemError(str(exc)) from None
 
 
 def _read(path: Path, unreadable: list[str]) -> RankBoard:
@@ -229,7 +236,7 @@ def _one_run(boards: list[RankBoard], notes: list[str]) -> dict[int, RankBoard]:
         elif h.rank in ranks:
             raise PostmortemError(
                 f"rank {h.rank} has two boards ({ranks[h.rank].path}, {b.path}) of the same "
-                "run; pass the directory of one job"
+                "run; pass each folder of one job once"
             )
         else:
             ranks[h.rank] = b

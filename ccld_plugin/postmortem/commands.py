@@ -11,7 +11,12 @@ from rich.console import Console
 
 from ccld_plugin.diagnose import Verdict
 from ccld_plugin.postmortem.boards import JobBoards, PostmortemError, load_boards
-from ccld_plugin.postmortem.diagnose_boards import diagnose_boards, failed_beyond, job_config
+from ccld_plugin.postmortem.diagnose_boards import (
+    diagnose_boards,
+    failed_beyond,
+    job_config,
+    saved_config,
+)
 from ccld_plugin.postmortem.inspect_boards import corrupt_warning
 from ccld_plugin.postmortem.outputs import check_new
 from ccld_plugin.postmortem.replay import replay
@@ -27,7 +32,7 @@ from ccld_plugin.sinks import render_verdict
 __all__ = ["diagnose", "replay_recording", "trace"]
 
 
-def _header(boards: JobBoards, path: Path, console: Console) -> None:
+def _header(boards: JobBoards, path: str, console: Console) -> None:
     console.print(
         f"[bold]ccld diagnose[/]: job {boards.job!r}, {len(boards.ranks)} of {boards.world} "
         f"boards at {path}"
@@ -59,18 +64,21 @@ def _emit(verdicts: list[Verdict], jsonl: Path | None, force: bool, console: Con
 
 
 def diagnose(
-    path: Path,
+    path: Path | list[Path],
     config: Path | None,
     overrides: list[str],
     jsonl: Path | None,
     force: bool,
     console: Console,
 ) -> int:
+    """Diagnose the boards at ``path``: one folder, or a list of them (a job's hosts)."""
+    paths = path if isinstance(path, list) else [path]
     if jsonl is not None:
         check_verdicts_out(jsonl, force)
-    boards = load_boards(path)
-    cfg = job_config(path, config, overrides)
-    _header(boards, path, console)
+    boards = load_boards(*paths)
+    # the job's config, from the first folder that holds it (the diagnoser rank's host)
+    cfg = job_config(next((p for p in paths if saved_config(p)), paths[0]), config, overrides)
+    _header(boards, ", ".join(str(p) for p in paths), console)
     verdicts = diagnose_boards(boards, cfg)
     _emit(verdicts, jsonl, force, console)
     if not verdicts:

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 from ccld_harness.demo import DemoOptions, run_demo
 from ccld_harness.faults import netns
 from ccld_harness.launch import LocalJob
+from ccld_plugin.board.reader import BoardReader, board_files
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -182,3 +184,54 @@ def netns_demo(
     )
     assert leftover_networks() == [], "the run left its network behind"
     return result
+
+
+def board_roles(folder: Path) -> dict[int, set[str]]:
+    """The roles of the groups on each rank's board in ``folder``."""
+    out = {}
+    for f in board_files(folder):
+        with BoardReader(f) as r:
+            out[r.header().rank] = {g.role for g in r.groups()}
+    return out
+
+
+# A verdict after which the job will not go on by itself.
+TERMINAL = {"hang", "deadlock", "mismatch", "unresponsive", "crash"}
+
+
+def run_until_verdict(
+    cmd: list[str],
+    env: dict[str, str],
+    verdicts: Path,
+    log: Path,
+    timeout_s: float,
+    end_on: frozenset[str] | set[str] = TERMINAL,
+    cwd: Path | None = None,
+) -> tuple[list[dict], int | None]:
+    """Run a launcher command (its own session: every process it starts ends with it) until
+    it exits, or until ``verdicts`` holds a verdict of a kind in ``end_on`` (by default
+    those after which the job will not recover); then SIGTERM, SIGKILL after 15 s. The
+    verdicts, and the exit code (None where the job was ended)."""
+    from ccld_plugin.sinks.jsonl import read_verdicts
+
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
+        )
+        deadline = time.monotonic() + timeout_s
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                if any(v["kind"] in end_on for v in read_verdicts(verdicts)):
+                    time.sleep(1)  # its last records
+                    break
+                time.sleep(0.3)
+        finally:
+            code = proc.poll()
+            if code is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(5)
+    return read_verdicts(verdicts), code

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from job_runner import FAST, SCRIPTS, facts
+from job_runner import FAST, SCRIPTS, board_roles, facts
 
 from ccld_harness.launch import free_port
 from ccld_plugin.board.reader import BoardReader, board_files
@@ -101,14 +101,6 @@ def ccld_run(
     return read_verdicts(tmp / "verdicts.jsonl")
 
 
-def _roles(tmp: Path) -> dict[int, set[str]]:
-    out = {}
-    for f in board_files(tmp / "j"):
-        with BoardReader(f) as r:
-            out[r.header().rank] = {g.role for g in r.groups()}
-    return out
-
-
 def _log(tmp: Path) -> str:
     return (tmp / "job.log").read_text(errors="replace")[-3000:]
 
@@ -192,7 +184,7 @@ def test_device_mesh_compute_hang_with_named_roles(tmp_path):
     assert (v["kind"], v["cause"], v["ranks"]) == ("hang", "compute", [2])
     assert v["group"]["role"] in ("tp", "dp") and 2 in v["group"]["ranks"]
     assert v["step"] == 5
-    assert _roles(tmp_path) == {r: {"world", "dp", "tp"} for r in range(4)}
+    assert board_roles(tmp_path / "j") == {r: {"world", "dp", "tp"} for r in range(4)}
 
 
 def test_device_mesh_straggler(tmp_path):

@@ -41,7 +41,9 @@ GATE_BYTES = 4 * HIDDEN * 4
 EXPERT_BYTES = 4 * 2 * (HIDDEN * 2 * HIDDEN + 2 * HIDDEN + 2 * HIDDEN * HIDDEN + HIDDEN)
 
 
-def train(tmp: Path, world: int, *args: str, config: Path = DS_CONFIG) -> JobResult:
+def train(
+    tmp: Path, world: int, *args: str, config: Path = DS_CONFIG, env: dict[str, str] = ENV
+) -> JobResult:
     boards = tmp / "boards"
     sets = [f"board.dir={boards}", "board.cleanup=false", f"job={JOB}"]
     argv = [
@@ -54,7 +56,7 @@ def train(tmp: Path, world: int, *args: str, config: Path = DS_CONFIG) -> JobRes
         *args,
         *[a for s in sets for a in ("--ccld-set", s)],
     ]
-    return run_job(str(EXAMPLE), world, tmp, tuple(argv), env=ENV, timeout_s=150)
+    return run_job(str(EXAMPLE), world, tmp, tuple(argv), env=env, timeout_s=150)
 
 
 class Board:
@@ -130,10 +132,12 @@ def test_zero2_groups_with_roles_and_ops(tmp_path: Path) -> None:
 
 
 def test_zero3_late_install_sees_backend_captures(tmp_path: Path) -> None:
-    """Plain deepspeed.initialize, then install(engine): ZeRO-3's gathers and
+    """Plain deepspeed.initialize, then install(engine), where the start-up hook is off
+    (with it, deepspeed.initialize reads the block itself): ZeRO-3's gathers and
     reduce-scatters go through the functions TorchBackend captured at init."""
     world = 4
-    job = train(tmp_path, world, "--zero-stage", "3", "--install", "late").check()
+    hook_off = {**ENV, "CCLD_AUTOLOAD": "0"}
+    job = train(tmp_path, world, "--zero-stage", "3", "--install", "late", env=hook_off).check()
     assert all(r["ccld"] and r["zero_stage"] == 3 for r in results(job, world))
     for b in boards(tmp_path, world):
         check_steps(b)

@@ -276,3 +276,23 @@ def test_a_later_failure_over_a_larger_group_does_not_implicate_its_bystanders()
     assert job_view(job, CFG).gone == {1}
     verdicts = [x.to_dict() for x in diagnose_boards(job, CFG)]
     assert [(v["kind"], v["ranks"]) for v in verdicts] == [("unresponsive", [1])]
+
+
+def test_boards_of_one_job_kept_on_two_hosts_are_diagnosed_together(tmp_path, capsys):
+    # Each node kept its ranks' boards in its own folder (board.dir on a local disk); the
+    # job's config is beside the diagnoser rank's, on the first node.
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    node0.mkdir()
+    node1.mkdir()
+    boards = [_board(node0, r) for r in (0, 1)] + [_board(node1, r) for r in (2, 3)]
+    (node1 / JOB_CONFIG).write_text("diagnoser:\n  hang_min_s: 4.5\n")
+    job = load_boards(node0, node1)
+    assert sorted(job.ranks) == [0, 1, 2, 3] and job.missing() == [] and job.notes == []
+    assert main(["diagnose", str(node0), str(node1)]) == 0
+    out = capsys.readouterr().out
+    assert "4 of 4 boards" in out and "no board for" not in out
+    # a folder given twice: one rank, two boards
+    with pytest.raises(PostmortemError, match="rank [01] has two boards"):
+        load_boards(node0, node1, node0)
+    for b in boards:
+        b.close()

@@ -38,7 +38,9 @@ from ccld_plugin.integrations.deepspeed.config import read_config
 from ccld_plugin.integrations.deepspeed.groups import deepspeed_groups
 from ccld_plugin.services.session import current
 
-__all__ = ["EngineHooks", "initialize", "install"]
+__all__ = ["EngineHooks", "building", "initialize", "install"]
+
+_building: list[bool] = []  # [True] while initialize() runs deepspeed.initialize
 
 
 def _rebind_backend_captures() -> int:
@@ -217,7 +219,17 @@ def initialize(*args: Any, ccld_overrides: Iterable[str] = (), **kwargs: Any) ->
             dist_init_required=bound.get("dist_init_required"),
         )
         ccld_plugin.enable(cfg)
-    result = deepspeed.initialize(*args, **kwargs)
+    _building.append(True)
+    try:
+        result = deepspeed.initialize(*args, **kwargs)
+    finally:
+        _building.pop()
     if enabled:
         install(result[0], config=cfg)
     return result
+
+
+def building() -> bool:
+    """Whether :func:`initialize` is inside its call of ``deepspeed.initialize`` (which the
+    start-up hook wraps with this very function: it then lets DeepSpeed's own run)."""
+    return bool(_building)

@@ -34,8 +34,12 @@ ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 def add_ccld_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--ccld``, ``--ccld-config PATH`` and ``--ccld-set KEY=VALUE`` (repeatable).
 
-    Returns the parser, as Megatron's ``extra_args_provider`` contract requires.
+    Returns the parser, as Megatron's ``extra_args_provider`` contract requires. A parser
+    that has ``--ccld`` already (Megatron-LM's, given it by the start-up hook) is returned
+    as it is, so scripts that pass this provider too keep working.
     """
+    if "--ccld" in parser._option_string_actions:
+        return parser
     g = parser.add_argument_group("ccld", "slow / hang diagnosis (ccld_plugin)")
     g.add_argument(
         "--ccld", action="store_true", help="trace collectives and diagnose slow and hung ranks"
