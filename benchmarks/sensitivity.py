@@ -18,7 +18,7 @@ detections (naming that rank alone), median and worst steps from onset to verdic
 (``steps_to_verdict``), how many were found within 10 and 20 steps, and wrong-rank
 verdicts (any verdict naming a rank other than the faulted one; but a slow link named
 for a rank whose only connection it is, an end stage of a lone pipeline, names all that
-can be named), with every wrong one listed at the end. Goals (issue 14): 1.5x in 100%
+can be named), with every wrong one listed at the end. Goals: 1.5x in 100%
 within 10 steps, 1.3x in >= 90% within 20 steps.
 """
 

@@ -1,4 +1,4 @@
-"""A slow port names its rank; a slow connection names its link (issue 14 item 5).
+"""A slow port names its rank; a slow connection names its link.
 
 Real 4-rank TP2xPP2 and TP1xPP4 jobs on the built-in torch workload, every rank in its own
 network namespace (ccld_harness.netjob). In TP2xPP2 rank 3 has links in two groups:

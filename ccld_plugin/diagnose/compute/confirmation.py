@@ -47,7 +47,7 @@ CLEAR_EXCESS_Z = 2.0
 # Such a strong excess needs only this share: four ranks of DP4 on two cores take turns at
 # the CPUs, and 1.5x stragglers sleeping their excess stood 10-11 standard errors at
 # 54-64% of the waiting (one all-reduce a step); healthy ranks that a busy host held back
-# reached 50-56%, but never the strong excess (replayed over this session's 13 healthy and
+# reached 50-56%, but never the strong excess (replayed over 13 healthy and
 # 40 faulty recordings, loaded host included: no new verdict).
 STRONG_WAITED_FOR_SHARE = 0.5
 # A rank that no other rank matches in work is compared by its change against its own
