@@ -52,3 +52,26 @@ def test_the_readme_links_every_page_of_the_docs_and_nothing_missing() -> None:
     assert pages <= targets, f"README.md does not link {sorted(pages - targets)}"
     missing = [t for t in targets if not (REPO / t).exists()]
     assert not missing, f"README.md links to missing files: {missing}"
+
+
+CODE = [
+    p
+    for folder in ("ccld_plugin", "ccld_harness", "benchmarks", "tools", "tests", "examples")
+    for p in sorted((REPO / folder).rglob("*"))
+    if p.suffix in {".py", ".c", ".h", ".sh", ".yaml"} and p.name != "test_docs.py"
+]
+# in code, "this version" is a format's own (a board, a summary); what tells the work's
+# history is a session, an issue or the project's machine
+CODE_HISTORY = re.compile(
+    r"\bsession(?:s|'s)? \d+|\bthis session\b|\bissue #?\d+|\bthis project's\b", re.IGNORECASE
+)
+
+
+def test_no_comment_tells_the_history_of_the_work() -> None:
+    found = [
+        f"{path.relative_to(REPO)}:{n}: {m[0]}"
+        for path in CODE
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+        for m in CODE_HISTORY.finditer(line)
+    ]
+    assert not found, f"history of the work in the code: {found}"
