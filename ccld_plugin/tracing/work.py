@@ -166,7 +166,9 @@ class CompletionPoller:
                     report_error("tracer.poller", exc)
             with self._lock:
                 self._pending.extend(still)
-            self._wake.wait(self._interval if still else self._also_s)
+            # nothing left to poll and no timeline: sleep until woken (an infinite timeout
+            # overflows the wait)
+            self._wake.wait(self._interval if still else self._also_s if self._also else None)
             self._wake.clear()
 
 
