@@ -4,10 +4,10 @@ and hangs from the device timeline (timing events on the device's streams).
 
 Per layout (TP2 x PP2, DP4, a lone pipeline of two stages), one job with two faults: a 2x
 device-slow rank (its kernels twice as long, its host not slowed) is named a compute
-straggler, and the same run's host measure does not name it (its rounds replayed with each
-step's compute the host's own); then a device hang on another rank is a compute hang of
-that rank. A link cut under the simulated device is a communication hang; a healthy run of
-200 steps has no verdict."""
+straggler, and where it has a cohort the same run's host measure does not name it (its
+rounds replayed with each step's compute the host's own); then a device hang on another
+rank is a compute hang of that rank. A link cut under the simulated device is a
+communication hang; a healthy run of 200 steps has no verdict."""
 
 from __future__ import annotations
 
@@ -91,7 +91,12 @@ def test_device_slow_and_device_hang_are_compute_of_their_rank(
     assert (h["cause"], h["ranks"]) == ("compute", [hang])
     assert h["group"]["role"] in roles and hang in h["group"]["ranks"]
     assert code == 0, summary["failure"]
-    _host_does_not_name(tmp_path, slow)
+    if world > pp:
+        # The premise holds where the rank has a cohort: its peers' hosts block at the sync
+        # point as long as its own. A lone stage is judged against its own past instead,
+        # and its host's wait at the sync point for its own slower device is a change
+        # there too: the host measure may name it as well (it did in some runs).
+        _host_does_not_name(tmp_path, slow)
 
 
 def test_a_healthy_run_of_200_steps_on_the_simulated_device_has_no_verdict(tmp_path):

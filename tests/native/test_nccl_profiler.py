@@ -390,13 +390,16 @@ def test_kernel_channel_gpu_times_land_on_the_traced_op(
     out = run(build, "gpuclock", board, version, jump)
     with BoardReader(board) as r:
         recs = {int(o["index_lo"]): o for o in r.ops()}
+    # the error bounds come from the host's own wakeups (the call, the proxy's look), so
+    # they grow with the host's load: measured against the run itself, not in microseconds
+    span = max(end for _, _, end in out["ops"]) - min(start for _, start, _ in out["ops"])
     for index, start, end in out["ops"]:
         rec = recs[index]
         assert rec["dev_source"] == TIME_PROFILER | TIME_PROFILER << 4
         err = int(rec["dev_err_ns"])
         assert abs(int(rec["dev_start_ns"]) - start) <= err
         assert abs(int(rec["dev_end_ns"]) - end) <= err
-        assert err < 1_000_000  # the 200 us between the call and the kernel, and the wakeups
+        assert 0 < err < span / len(out["ops"]), (err, span)  # finer than an op's share
 
 
 # ----------------------------------------------------------------------------- edge cases
