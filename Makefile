@@ -42,7 +42,7 @@ demo: $(NATIVE)
 
 # Everything: unit, native and jobs tiers (real multi-process jobs: 20-25 minutes on 2 cores).
 test: $(NATIVE)
-	$(VPY) -m pytest -q
+	$(VPY) -m pytest -q --durations=15
 
 # Synthetic analysis tests, in-process, seconds.
 unit: $(NATIVE)
