@@ -40,7 +40,7 @@ $(NATIVE): $(DEPS) CMakeLists.txt $(wildcard ccld_plugin/csrc/*) $(wildcard star
 demo: $(NATIVE)
 	$(VENV)/bin/ccld demo
 
-# Everything: unit, native and jobs tiers (real multi-process jobs: 20-25 minutes on 2 cores).
+# Everything: unit, native and jobs tiers (real multi-process jobs: 35-45 minutes on 2 cores).
 test: $(NATIVE)
 	$(VPY) -m pytest -q --durations=15
 
