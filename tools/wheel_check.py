@@ -50,6 +50,19 @@ def _step(name: str, cmd: list[str], timeout_s: float, **kwargs: object) -> str:
     return proc.stdout
 
 
+def _end(job: subprocess.Popen) -> None:
+    """End a launcher's job as a scheduler does: SIGTERM first, which torchrun passes to
+    its workers (each in a session of its own, out of reach of a signal to ours), then
+    SIGKILL to what is left."""
+    if job.poll() is None:
+        os.killpg(job.pid, signal.SIGTERM)
+        try:
+            job.wait(40)
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, signal.SIGKILL)
+    job.wait(10)
+
+
 def _hung_job(venv: Path, work: Path, env: dict[str, str]) -> None:
     """``ccld run -- torchrun`` of a DDP script whose rank 1 hangs at step 4: the live
     verdict, then (the job killed as a scheduler would) the post-mortem's."""
@@ -73,9 +86,7 @@ def _hung_job(venv: Path, work: Path, env: dict[str, str]) -> None:
                     break
                 time.sleep(0.5)
         finally:
-            if job.poll() is None:
-                os.killpg(job.pid, signal.SIGKILL)
-            job.wait(10)
+            _end(job)
     live = (
         [json.loads(line) for line in verdicts.read_text().splitlines()]
         if verdicts.exists()
